@@ -1,0 +1,1 @@
+"""The ``xds`` command line: thin wrappers over the public API."""

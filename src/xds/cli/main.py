@@ -1,0 +1,187 @@
+"""``xds``: the command-line entry point.
+
+Commands stay thin: each parses its arguments, calls the public API and prints. Bad arguments
+give one clear line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from xds import __version__
+from xds.errors import XdsError
+from xds.units import GB, fmt_bytes, fmt_ns
+
+
+class _LazyConsole:
+    """A rich console bound to the current stdout; 120 columns when stdout is not a terminal."""
+
+    def print(self, *objects: object) -> None:
+        width = None if sys.stdout.isatty() else 120
+        Console(file=sys.stdout, width=width).print(*objects)
+
+
+console = _LazyConsole()
+
+_backend_option = click.option(
+    "--backend",
+    type=click.Choice(["asyncio", "trio"]),
+    default="asyncio",
+    show_default=True,
+    help="Event-loop backend: asyncio (xds's virtual loop) or trio (verification).",
+)
+_servers_option = click.option(
+    "--servers",
+    type=click.IntRange(min=1),
+    default=48,
+    show_default=True,
+    help="Servers in the pod (48 in the real CloudMatrix384).",
+)
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    invoke_without_command=False,
+)
+def app() -> None:
+    """xds: an emulator of xDeepServe on the CloudMatrix384 SuperPod, in virtual time."""
+
+
+@app.command()
+def version() -> None:
+    """Print the xds version."""
+    console.print(f"xds {__version__}")
+
+
+def _pod(servers: int):
+    from xds.hw import CloudMatrix384
+
+    return CloudMatrix384(servers=servers)
+
+
+@app.command()
+@_servers_option
+@click.option("--sources", is_flag=True, help="Also print every hardware number's source.")
+def info(servers: int, sources: bool) -> None:
+    """Print the pod: servers, chips, dies, AIVs, memory, compute and link bandwidths."""
+    from xds.hw import DieSpec, EngineSpec
+    from xds.hw import sources as spec_sources
+
+    pod = _pod(servers)
+    s = pod.summary()
+    c = pod.config
+    d = c.die
+    console.print(repr(pod))
+    table = Table(show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row(
+        "servers x chips x dies", f"{c.servers} x {c.chips_per_server} x {c.dies_per_chip}"
+    )
+    table.add_row("chips / dies", f"{s['chips']} / {s['dies']}")
+    table.add_row("AIC / AIV per die", f"{d.aic} / {d.aiv}")
+    table.add_row("AIC / AIV in the pod", f"{s['aic']:,} / {s['aiv']:,}")
+    table.add_row("Kunpeng CPUs", f"{s['kunpeng_cpus']}")
+    table.add_row("HBM per die / pod", f"{fmt_bytes(d.hbm_bytes)} / {s['hbm_bytes'] / 1e12:.1f} TB")
+    table.add_row("HBM bandwidth per die", f"{d.hbm_bandwidth / 1e12:.2f} TB/s")
+    table.add_row(
+        "BF16 / INT8 peak per die",
+        f"{d.bf16_flops / 1e12:.0f} TFLOPS / {d.int8_ops / 1e12:.0f} TOPS",
+    )
+    table.add_row("BF16 peak, pod", f"{s['bf16_flops'] / 1e15:.0f} PFLOPS")
+    table.add_row("Unified Buffer per AIV", fmt_bytes(d.ubuf_bytes))
+    for link in (c.ub, c.noc, c.roce, c.vpc):
+        table.add_row(
+            f"{link.name} link", f"{link.bandwidth / GB:.0f} GB/s, {fmt_ns(link.latency_ns)}"
+        )
+    e = c.engines
+    table.add_row("XCCL launch / meta", f"{fmt_ns(e.kernel_launch_ns)} / {fmt_ns(e.meta_write_ns)}")
+    table.add_row("MTE / DMA start-up", f"{fmt_ns(e.mte_startup_ns)} / {fmt_ns(e.dma_startup_ns)}")
+    table.add_row("MTE per AIV", f"{e.aiv_mte_bandwidth / GB:.0f} GB/s")
+    console.print(table)
+    if sources:
+        src = Table(title="Sources", show_lines=False)
+        src.add_column("parameter")
+        src.add_column("source")
+        for prefix, cls in (("die", DieSpec), ("engines", EngineSpec)):
+            for name, text in spec_sources(cls).items():
+                src.add_row(f"{prefix}.{name}", escape(text))
+        for link in (c.ub, c.noc, c.roce, c.vpc, c.hccs):
+            src.add_row(f"link.{link.name}", escape(link.source))
+        console.print(src)
+
+
+@app.command()
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Compute + barrier rounds.",
+)
+@_servers_option
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream.",
+)
+@_backend_option
+def demo(steps: int, servers: int, seed: int, backend: str) -> None:
+    """The built-in demo: pod summary and a timed virtual-time run with one task per die."""
+    from xds.demo import run_demo
+
+    pod = _pod(servers)
+    console.print(f"[bold]{pod!r}[/bold]")
+    s = pod.summary()
+    console.print(
+        f"{s['chips']} chips, {s['dies']} dies, {s['aiv']:,} AIVs, "
+        f"{s['hbm_bytes'] / 1e12:.1f} TB HBM, {s['bf16_flops'] / 1e15:.0f} PFLOPS BF16; "
+        f"UB {pod.config.ub.bandwidth / GB:.0f} GB/s per die"
+    )
+    r = run_demo(pod, steps=steps, seed=seed, backend=backend)
+    table = Table(
+        title=f"{r.dies} die tasks x {r.steps} steps of jittered compute + barrier ({backend})"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("virtual time", fmt_ns(r.virtual_ns))
+    table.add_row("per step (mean)", fmt_ns(round(r.step_mean_ns)))
+    table.add_row(
+        "barrier wait mean / max",
+        f"{fmt_ns(round(r.barrier_wait_mean_ns))} / {fmt_ns(r.barrier_wait_max_ns)}",
+    )
+    table.add_row("timed events", f"{r.events:,}")
+    table.add_row("wall time", f"{r.wall_s:.2f} s")
+    table.add_row("events per wall second", f"{r.events / r.wall_s:,.0f}")
+    table.add_row("event-log digest", r.digest[:16])
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point; returns the exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]
+    try:
+        result = app.main(args=args, standalone_mode=False, prog_name="xds")
+    except click.UsageError as exc:
+        print(f"xds: error: {exc.format_message()}", file=sys.stderr)
+        return 2
+    except click.exceptions.Abort:
+        print("xds: aborted", file=sys.stderr)
+        return 130
+    except XdsError as exc:
+        print(f"xds: error: {exc}", file=sys.stderr)
+        return 2
+    return int(result) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

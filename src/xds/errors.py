@@ -1,0 +1,113 @@
+"""One exception hierarchy for xds (ARCHITECTURE.md, "Configuration, records, errors").
+
+Every error xds raises on purpose derives from :class:`XdsError`, so a caller can catch the
+simulator's own failures without catching bugs in their code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+
+class XdsError(Exception):
+    """Base class of every error raised on purpose by xds."""
+
+
+class ConfigError(XdsError, ValueError):
+    """A configuration or API argument is invalid.
+
+    ``field`` is the dotted path of the offending field and ``source`` the file it came from
+    (when it came from a file), so the message can point at it.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, source: str | None = None):
+        self.field = field
+        self.source = source
+        where = ""
+        if source:
+            where += f"{source}: "
+        if field:
+            where += f"{field}: "
+        super().__init__(f"{where}{message}")
+
+
+class TraceError(XdsError, ValueError):
+    """A workload trace is malformed (file, line and field are named in the message)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        field: str | None = None,
+    ):
+        self.path = path
+        self.line = line
+        self.field = field
+        parts = [p for p in (path, f"line {line}" if line is not None else None) if p]
+        prefix = ":".join(parts)
+        if field:
+            prefix = f"{prefix} field {field!r}" if prefix else f"field {field!r}"
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class ProtocolError(XdsError):
+    """A communication protocol rule was broken (eventID mismatch, bad peer, bad buffer)."""
+
+
+class FaultError(XdsError):
+    """An injected fault surfaced to the caller (link down, die failure, ...)."""
+
+
+class WaitingTask(msgspec.Struct, frozen=True):
+    """One task found blocked when the model deadlocked."""
+
+    name: str
+    waiting_in: str
+    """Innermost frame of the model's own code, as ``file:line in function``."""
+    waiting_on: str
+    """Innermost library call it is blocked in (e.g. ``Event.wait``), or ``""``."""
+
+    def describe(self) -> str:
+        on = f" (blocked in {self.waiting_on})" if self.waiting_on else ""
+        return f"{self.name}: {self.waiting_in}{on}"
+
+
+class ModelDeadlock(XdsError):
+    """Every task is waiting, nothing is runnable and no timer is pending.
+
+    In virtual time this can never resolve by itself, so instead of hanging xds raises this,
+    naming each waiting task and where it waits.
+    """
+
+    def __init__(self, t_ns: int, waiting: Sequence[WaitingTask]):
+        self.t_ns = t_ns
+        self.waiting = tuple(waiting)
+        lines = [
+            f"model deadlock at t={t_ns} ns: {len(self.waiting)} task(s) waiting, "
+            "nothing runnable, no timer pending"
+        ]
+        shown = self.waiting[:40]
+        lines += [f"  - {w.describe()}" for w in shown]
+        if len(self.waiting) > len(shown):
+            lines.append(f"  ... and {len(self.waiting) - len(shown)} more")
+        super().__init__("\n".join(lines))
+
+
+class ModelLivelock(XdsError):
+    """The model kept running at one virtual instant for too many loop iterations.
+
+    Typically a task polls in a loop with zero-time checkpoints and never lets time advance.
+    """
+
+    def __init__(self, t_ns: int, iterations: int):
+        self.t_ns = t_ns
+        self.iterations = iterations
+        super().__init__(
+            f"model livelock at t={t_ns} ns: {iterations} loop iterations without virtual time "
+            "advancing (a task polls with zero-time checkpoints; sleep for a modelled poll "
+            "interval instead, or raise xds.run(..., livelock_limit=...))"
+        )

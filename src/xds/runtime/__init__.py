@@ -1,0 +1,38 @@
+"""Virtual-time runtime: the loop, the clock, seeded random streams and the event log."""
+
+from .core import (
+    BACKENDS,
+    Runtime,
+    current_runtime,
+    emit,
+    now_ns,
+    rng,
+    run,
+    sleep_ns,
+    sleep_until_ns,
+)
+from .events import Event, EventLog, read_jsonl
+from .logs import configure_logging, get_logger
+from .loop import VirtualTimeEventLoop
+from .rng import RngStreams
+from .sync import Barrier
+
+__all__ = [
+    "BACKENDS",
+    "Barrier",
+    "Event",
+    "EventLog",
+    "RngStreams",
+    "Runtime",
+    "VirtualTimeEventLoop",
+    "configure_logging",
+    "current_runtime",
+    "emit",
+    "get_logger",
+    "now_ns",
+    "read_jsonl",
+    "rng",
+    "run",
+    "sleep_ns",
+    "sleep_until_ns",
+]

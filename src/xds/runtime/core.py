@@ -1,0 +1,283 @@
+"""The xds runtime: run an async model in virtual time, deterministically.
+
+``xds.run(main, *args, seed=0, backend="asyncio")`` runs ``main`` on a virtual-time loop and
+returns its result. Inside the run, :func:`now_ns`, :func:`sleep_ns`, :func:`rng` and
+:func:`emit` reach the current :class:`Runtime`. anyio's own primitives (``sleep``,
+``move_on_after``, ``fail_after``, ``Event``, memory object streams, task groups,
+``CapacityLimiter``) all run in virtual time on both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+import anyio
+import msgspec
+import numpy as np
+
+from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, WaitingTask
+
+from . import determinism
+from .diagnose import interrupt_blocked_trio_tasks, waiting_asyncio_tasks, waiting_trio_tasks
+from .events import EventLog
+from .logs import ensure_logging_configured
+from .loop import VirtualTimeEventLoop
+from .rng import RngStreams
+
+T = TypeVar("T")
+Backend = Literal["asyncio", "trio"]
+BACKENDS: tuple[str, ...] = ("asyncio", "trio")
+
+_ROOT_TASK_SUFFIXES = ("Runtime._root", "_run_asyncio.<locals>.root")
+
+_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar(
+    "xds_runtime", default=None
+)
+
+
+class Runtime:
+    """One simulation run: its clock, random streams and event log.
+
+    Create it, call :meth:`run` once, then read ``events``, ``end_ns`` and ``rng`` afterwards.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        backend: Backend = "asyncio",
+        event_log: bool = True,
+        schedule_seed: int | None = None,
+        livelock_limit: int = 1_000_000,
+    ):
+        if backend not in BACKENDS:
+            raise ConfigError(
+                f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}",
+                field="backend",
+            )
+        if not isinstance(livelock_limit, int) or livelock_limit < 1:
+            raise ConfigError("livelock_limit must be a positive integer", field="livelock_limit")
+        self.seed = seed
+        self.backend: Backend = backend
+        self.rng = RngStreams(seed)
+        self.schedule_seed = seed if schedule_seed is None else schedule_seed
+        self.livelock_limit = livelock_limit
+        self.events = EventLog(self.now_ns, enabled=event_log)
+        self.end_ns: int | None = None
+        self._loop: VirtualTimeEventLoop | None = None
+        self._trio_clock: Any = None
+        self._root_scope: anyio.CancelScope | None = None
+        self._failure: ModelDeadlock | ModelLivelock | None = None
+        self._used = False
+        self._hard_stop = False
+
+    # -- clock -------------------------------------------------------------------------------
+    def now_ns(self) -> int:
+        """Virtual time of this run in integer nanoseconds (0 before it starts)."""
+        if self._loop is not None:
+            return self._loop._now_ns
+        if self._trio_clock is not None:
+            return round(self._trio_clock._virtual_base * 1e9)
+        return 0 if self.end_ns is None else self.end_ns
+
+    async def sleep_until_ns(self, t_ns: int) -> None:
+        """Sleep until virtual time ``t_ns`` (a checkpoint even if it already passed)."""
+        if self._loop is not None:
+            loop = self._loop
+            if t_ns <= loop._now_ns:
+                await asyncio.sleep(0)
+                return
+            fut = loop.create_future()
+            handle = loop.call_at_ns(t_ns, _resolve, fut)
+            try:
+                await fut
+            finally:
+                handle.cancel()
+        else:
+            import trio
+
+            await trio.sleep_until(t_ns / 1e9)
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, main: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``main(*args)`` to completion in virtual time and return its result."""
+        if self._used:
+            raise RuntimeError("a Runtime runs once; create a new one for another run")
+        self._used = True
+        if not callable(main):
+            raise ConfigError(f"main must be an async callable, got {main!r}", field="main")
+        ensure_logging_configured()
+        token = _current.set(self)
+        try:
+            if self.backend == "asyncio":
+                return self._run_asyncio(main, args)
+            return self._run_trio(main, args)
+        finally:
+            _current.reset(token)
+            self.end_ns = self.now_ns()
+            self._loop = None
+            self._trio_clock = None
+
+    async def _root(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        try:
+            with anyio.CancelScope() as scope:
+                self._root_scope = scope
+                result = await main(*args)
+        except BaseException as exc:
+            if self._failure is not None and not (self._hard_stop and self._loop is not None):
+                raise self._failure from exc
+            raise
+        if self._failure is not None:
+            raise self._failure
+        return result
+
+    def _run_asyncio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        determinism.install_ordered_cancel_scopes()
+
+        def loop_factory() -> VirtualTimeEventLoop:
+            self._loop = VirtualTimeEventLoop(
+                on_deadlock=self._on_deadlock,
+                on_livelock=self._on_livelock,
+                livelock_limit=self.livelock_limit,
+            )
+            return self._loop
+
+        end: list[int] = []
+
+        async def root() -> T:
+            try:
+                return await self._root(main, args)
+            finally:
+                end.append(self.now_ns())
+
+        try:
+            return anyio.run(
+                root, backend="asyncio", backend_options={"loop_factory": loop_factory}
+            )
+        finally:
+            # The loop is closed after anyio.run returns; keep the time the model ended at.
+            if end and self._loop is not None:
+                self._loop._now_ns = end[0]
+
+    def _run_trio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        import trio
+
+        from .trio_clock import virtual_mock_clock
+
+        determinism.seed_trio_scheduler(self.schedule_seed)
+        self._trio_clock = virtual_mock_clock(self._on_deadlock)
+        try:
+            return anyio.run(
+                self._root,
+                main,
+                args,
+                backend="trio",
+                backend_options={"clock": self._trio_clock},
+            )
+        except trio.TrioInternalError as exc:
+            if isinstance(exc.__cause__, (ModelDeadlock, ModelLivelock)):
+                raise exc.__cause__ from None
+            raise
+
+    # -- model failures ----------------------------------------------------------------------
+    def _waiting_tasks(self) -> list[WaitingTask]:
+        tasks = (
+            waiting_asyncio_tasks(self._loop) if self._loop is not None else waiting_trio_tasks()
+        )
+        # The root task runs the user's main: call it that.
+        return [
+            msgspec.structs.replace(w, name="main") if w.name.endswith(_ROOT_TASK_SUFFIXES) else w
+            for w in tasks
+        ]
+
+    def _on_deadlock(self) -> None:
+        if self._failure is not None and self._trio_clock is not None and not self._hard_stop:
+            # Still stuck after cancelling the root scope: a task waits inside a shielded
+            # scope. Throw the failure into every blocked task so the run unwinds cleanly.
+            self._hard_stop = True
+            failure = self._failure
+            interrupt_blocked_trio_tasks(lambda: failure)
+            return
+        if self._failure is not None or self._root_scope is None:
+            # Already unwinding after a failure and still stuck (a shielded wait): stop hard.
+            self._hard_stop = True
+            raise self._failure or ModelDeadlock(self.now_ns(), self._waiting_tasks())
+        self._failure = ModelDeadlock(self.now_ns(), self._waiting_tasks())
+        self._root_scope.cancel()
+
+    def _on_livelock(self, t_ns: int, iterations: int) -> None:
+        if self._failure is not None or self._root_scope is None:
+            self._hard_stop = True
+            raise self._failure or ModelLivelock(t_ns, iterations)
+        self._failure = ModelLivelock(t_ns, iterations)
+        self._root_scope.cancel()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def run(
+    main: Callable[..., Awaitable[T]],
+    *args: Any,
+    seed: int = 0,
+    backend: Backend = "asyncio",
+    event_log: bool = True,
+    schedule_seed: int | None = None,
+    livelock_limit: int = 1_000_000,
+) -> T:
+    """Run ``main(*args)`` in virtual time and return its result.
+
+    ``seed`` seeds every random stream of the run; ``backend`` is ``"asyncio"`` (xds's virtual
+    loop, the default) or ``"trio"`` (``MockClock(autojump_threshold=0)``, deterministic
+    scheduling seeded with ``schedule_seed``, default ``seed``). Raises
+    :class:`xds.errors.ModelDeadlock` if the model can make no further progress.
+    """
+    rt = Runtime(
+        seed=seed,
+        backend=backend,
+        event_log=event_log,
+        schedule_seed=schedule_seed,
+        livelock_limit=livelock_limit,
+    )
+    return rt.run(main, *args)
+
+
+def current_runtime() -> Runtime:
+    """The :class:`Runtime` of the run in progress (raises outside ``xds.run``)."""
+    rt = _current.get()
+    if rt is None:
+        raise RuntimeError("no xds run in progress: call this inside xds.run(...)")
+    return rt
+
+
+def now_ns() -> int:
+    """Virtual time of the current run, in integer nanoseconds."""
+    return current_runtime().now_ns()
+
+
+async def sleep_ns(duration_ns: int) -> None:
+    """Sleep ``duration_ns`` nanoseconds of virtual time."""
+    if duration_ns < 0:
+        raise ValueError(f"cannot sleep a negative duration ({duration_ns} ns)")
+    rt = current_runtime()
+    await rt.sleep_until_ns(rt.now_ns() + int(duration_ns))
+
+
+async def sleep_until_ns(t_ns: int) -> None:
+    """Sleep until virtual time ``t_ns``."""
+    await current_runtime().sleep_until_ns(int(t_ns))
+
+
+def rng(name: str) -> np.random.Generator:
+    """The current run's random stream called ``name``."""
+    return current_runtime().rng(name)
+
+
+def emit(component: str, event: str, **fields: Any) -> None:
+    """Append an event to the current run's event log."""
+    current_runtime().events.emit(component, event, **fields)

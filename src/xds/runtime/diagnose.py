@@ -1,0 +1,121 @@
+"""Naming the tasks that wait when a model deadlocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from xds.errors import WaitingTask
+
+_LIBRARY_PACKAGES = ("asyncio", "anyio", "trio", "outcome", "sniffio")
+_RUNTIME_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_RUNTIME_DIR]
+    for name in _LIBRARY_PACKAGES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(module.__file__) + os.sep)
+    return tuple(dirs)
+
+
+def _is_library(filename: str, dirs: tuple[str, ...]) -> bool:
+    return filename.startswith(dirs)
+
+
+def _describe_frames(frames: list[FrameType]) -> tuple[str, str]:
+    """(innermost model frame, innermost library call) for a task's await chain."""
+    dirs = _library_dirs()
+    waiting_in = "<unknown>"
+    waiting_on = ""
+    for frame in frames:
+        code = frame.f_code
+        if _is_library(code.co_filename, dirs):
+            if waiting_on:
+                continue  # keep the outermost library call below the model's frame
+            waiting_on = code.co_qualname
+        else:
+            waiting_in = (
+                f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}"
+            )
+            waiting_on = ""
+    return waiting_in, waiting_on
+
+
+def _coroutine_frames(coro: Any) -> list[FrameType]:
+    frames: list[FrameType] = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
+def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
+    """Drop tasks that are pure library plumbing, unless nothing else is left."""
+    tasks.sort(key=lambda w: (w.name, w.waiting_in))
+    model = [w for w in tasks if w.waiting_in != "<unknown>"]
+    return model or tasks
+
+
+def waiting_asyncio_tasks(loop: asyncio.AbstractEventLoop) -> list[WaitingTask]:
+    """Every unfinished asyncio task of ``loop``, sorted by name (deterministic message)."""
+    out = []
+    for task in asyncio.all_tasks(loop):
+        if task.done():
+            continue
+        waiting_in, waiting_on = _describe_frames(_coroutine_frames(task.get_coro()))
+        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on))
+    return _model_tasks(out)
+
+
+def _trio_tasks() -> list[Any]:
+    import trio
+
+    tasks = []
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        if task is None:
+            continue
+        tasks.append(task)
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return tasks
+
+
+def interrupt_blocked_trio_tasks(make_error: Callable[[], BaseException]) -> None:
+    """Raise ``make_error()`` inside every blocked model task, through shields.
+
+    Last resort after a deadlock the root cancel scope could not reach (private trio API:
+    ``Task._attempt_abort``, the path trio itself uses to deliver cancellation).
+    """
+    for task in sorted(_trio_tasks(), key=lambda t: t.name):
+        if task.name.startswith("<") or task._abort_func is None:
+            continue
+
+        def raise_error() -> None:
+            raise make_error()
+
+        task._attempt_abort(raise_error)
+
+
+def waiting_trio_tasks() -> list[WaitingTask]:
+    """Every task below trio's root task, sorted by name (called from inside the run loop)."""
+    out = []
+    for task in _trio_tasks():
+        if task.name.startswith("<"):
+            continue  # trio's own system tasks (<init>, <TrioToken.run_sync_soon task>)
+        frames = [frame for frame, _ in task.iter_await_frames()]
+        if not frames:
+            continue
+        waiting_in, waiting_on = _describe_frames(frames)
+        out.append(WaitingTask(task.name, waiting_in, waiting_on))
+    return _model_tasks(out)

@@ -1,0 +1,132 @@
+"""The asyncio virtual-time event loop (ARCHITECTURE.md, "Time").
+
+:class:`VirtualTimeEventLoop` is an ``asyncio.SelectorEventLoop`` whose clock is an integer
+number of nanoseconds that only moves when the loop would otherwise block: its selector never
+waits, it jumps the clock to the earliest pending timer instead. Everything built on the loop's
+clock (``asyncio.sleep``, anyio's ``sleep``, ``move_on_after``, ``fail_after``, deadlines of
+cancel scopes) therefore runs in virtual time, as fast as the CPU allows.
+
+Exactness: timer deadlines are snapped to whole nanoseconds and ordered by
+``(deadline, insertion sequence)``, so timers due at the same nanosecond fire in the order they
+were armed (FIFO), independent of float rounding or heap history.
+
+When nothing is runnable and no timer is pending the model is deadlocked; the loop reports it to
+its owner (``on_deadlock``) instead of blocking forever. When the loop spins at one instant for
+``livelock_limit`` iterations it reports a livelock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import selectors
+from collections.abc import Callable
+from typing import Any
+
+_RESOLUTION_S = 0.5e-9
+"""Timers due within half a nanosecond of now fire now; all deadlines are whole nanoseconds."""
+
+
+class _VirtualTimerHandle(asyncio.TimerHandle):
+    """A timer handle ordered by (deadline, arming sequence): FIFO among equal deadlines."""
+
+    __slots__ = ("_seq",)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, _VirtualTimerHandle):
+            return NotImplemented
+        if self._when == other._when:
+            return self._seq < other._seq
+        return self._when < other._when
+
+
+class _VirtualSelector(selectors.SelectSelector):
+    """A selector that never blocks: where the real loop would wait, virtual time jumps."""
+
+    def __init__(self, loop: VirtualTimeEventLoop):
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        loop = self._loop
+        if timeout is None:
+            # Nothing ready, no timer: in virtual time nothing can ever happen again.
+            loop._report_deadlock()
+            return []
+        if timeout <= 0:
+            loop._spins += 1
+            if loop._spins >= loop.livelock_limit:
+                loop._spins = 0
+                loop._report_livelock()
+            return []
+        # The head timer is in the future: jump to it.
+        head = loop._scheduled[0]
+        when_ns = round(head._when * 1e9)
+        if when_ns > loop._now_ns:
+            loop._now_ns = when_ns
+            loop._time_s = when_ns / 1e9
+        loop._spins = 0
+        return []
+
+
+class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
+    """asyncio event loop on an integer-nanosecond virtual clock starting at 0."""
+
+    def __init__(
+        self,
+        *,
+        on_deadlock: Callable[[], None] | None = None,
+        on_livelock: Callable[[int, int], None] | None = None,
+        livelock_limit: int = 1_000_000,
+    ):
+        self._now_ns = 0
+        self._time_s = 0.0
+        self._spins = 0
+        self._timer_seq = itertools.count()
+        self.livelock_limit = livelock_limit
+        self._on_deadlock = on_deadlock
+        self._on_livelock = on_livelock
+        super().__init__(selector=_VirtualSelector(self))
+        self._clock_resolution = _RESOLUTION_S
+
+    # -- clock -------------------------------------------------------------------------------
+    @property
+    def now_ns(self) -> int:
+        """Virtual time in integer nanoseconds."""
+        return self._now_ns
+
+    def time(self) -> float:
+        return self._time_s
+
+    # -- timers ------------------------------------------------------------------------------
+    def call_at(self, when, callback, *args, context=None):  # type: ignore[override]
+        if when is None:
+            raise TypeError("when cannot be None")
+        return self.call_at_ns(round(when * 1e9), callback, *args, context=context)
+
+    def call_at_ns(
+        self, when_ns: int, callback: Callable[..., object], *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        """Schedule ``callback(*args)`` at virtual time ``when_ns`` (integer nanoseconds)."""
+        self._check_closed()
+        timer = _VirtualTimerHandle(when_ns / 1e9, callback, args, self, context)
+        timer._seq = next(self._timer_seq)
+        heapq.heappush(self._scheduled, timer)
+        timer._scheduled = True
+        return timer
+
+    # -- model failure reports -----------------------------------------------------------------
+    def _report_deadlock(self) -> None:
+        if self._on_deadlock is None:
+            from xds.errors import ModelDeadlock
+
+            raise ModelDeadlock(self._now_ns, [])
+        self._on_deadlock()
+
+    def _report_livelock(self) -> None:
+        if self._on_livelock is None:
+            from xds.errors import ModelLivelock
+
+            raise ModelLivelock(self._now_ns, self.livelock_limit)
+        self._on_livelock(self._now_ns, self.livelock_limit)

@@ -1,0 +1,51 @@
+"""Named, seeded random streams (ARCHITECTURE.md, "Determinism").
+
+All randomness in a run comes from ``numpy.random.Generator`` streams derived from one
+``SeedSequence``. A stream is keyed by its *name* (a stable hash of it, not the order in which
+streams are created), so adding a component with its own stream never shifts another
+component's numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def _name_key(name: str) -> tuple[int, ...]:
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=16).digest()
+    return tuple(int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4))
+
+
+class RngStreams:
+    """The run's random streams: ``streams("gating/layer3")`` returns a Generator.
+
+    Asking twice for the same name returns the same (stateful) Generator.
+    """
+
+    def __init__(self, seed: int):
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            from xds.errors import ConfigError
+
+            raise ConfigError(f"seed must be a non-negative integer, got {seed!r}", field="seed")
+        self.seed = seed
+        self._root = np.random.SeedSequence(seed)
+        self._streams: dict[str, np.random.Generator] = {}
+
+    def seed_sequence(self, name: str) -> np.random.SeedSequence:
+        """The SeedSequence behind stream ``name`` (spawn children from it for sub-streams)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"stream name must be a non-empty string, got {name!r}")
+        return np.random.SeedSequence(self._root.entropy, spawn_key=_name_key(name))
+
+    def __call__(self, name: str) -> np.random.Generator:
+        gen = self._streams.get(name)
+        if gen is None:
+            gen = np.random.Generator(np.random.PCG64(self.seed_sequence(name)))
+            self._streams[name] = gen
+        return gen
+
+    def names(self) -> list[str]:
+        """Names of the streams used so far, sorted."""
+        return sorted(self._streams)

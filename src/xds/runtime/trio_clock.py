@@ -1,0 +1,38 @@
+"""Trio's virtual clock for xds: ``MockClock(autojump_threshold=0)`` plus deadlock detection.
+
+Trio is xds's verification backend (ARCHITECTURE.md, "Time"). With ``autojump_threshold=0`` the
+mock clock jumps to the next deadline as soon as every task is blocked. If there is no next
+deadline the stock clock would spin forever; the clock made here reports a model deadlock
+instead. ``MockClock`` cannot be subclassed, so the two behaviours are set on the instance
+(``_autojump`` is the hook trio's run loop calls when it is idle; trio is pinned for this).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import trio
+from trio.testing import MockClock
+
+
+def virtual_mock_clock(on_deadlock: Callable[[], None]) -> MockClock:
+    """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``."""
+    clock = MockClock(rate=0.0, autojump_threshold=0)
+
+    def current_time() -> float:
+        # rate is 0: virtual time is exactly the accumulated jumps (skip the wall-clock read).
+        return clock._virtual_base
+
+    def autojump() -> None:  # trio's run loop calls this when every task is blocked
+        statistics = trio.lowlevel.current_statistics()
+        jump = statistics.seconds_to_next_deadline
+        if jump == math.inf:
+            if statistics.tasks_runnable == 0:
+                on_deadlock()
+        elif jump > 0:
+            clock.jump(jump)
+
+    clock.current_time = current_time  # type: ignore[method-assign]
+    clock._autojump = autojump  # type: ignore[method-assign]
+    return clock

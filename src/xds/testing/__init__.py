@@ -1,0 +1,1 @@
+"""Testing helpers: the pytest plugin (``@pytest.mark.xds``) and reference scenarios."""

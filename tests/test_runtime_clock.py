@@ -1,0 +1,210 @@
+"""Virtual time: xds's clock and anyio's primitives behave correctly on both backends."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import anyio
+import pytest
+
+import xds
+from xds.units import MS, US, S
+
+
+@pytest.mark.xds
+async def test_clock_starts_at_zero_and_sleep_ns_is_exact(xds_backend):
+    assert xds.now_ns() == 0
+    await xds.sleep_ns(1)
+    assert xds.now_ns() == 1
+    await xds.sleep_ns(999)
+    assert xds.now_ns() == 1_000
+    await xds.sleep_until_ns(7 * US)
+    assert xds.now_ns() == 7 * US
+    await xds.sleep_until_ns(3 * US)  # in the past: a checkpoint, no time travel
+    assert xds.now_ns() == 7 * US
+
+
+@pytest.mark.xds
+async def test_virtual_hour_takes_no_wall_time(xds_backend):
+    wall = time.perf_counter()
+    await anyio.sleep(3600)
+    assert xds.now_ns() == 3600 * S
+    assert time.perf_counter() - wall < 1.0
+
+
+@pytest.mark.xds
+async def test_many_small_sleeps_accumulate_exactly(xds_backend):
+    for _ in range(10_000):
+        await anyio.sleep(1e-7)  # 100 ns, not exactly representable in binary
+    assert xds.now_ns() == 1 * MS
+
+
+@pytest.mark.xds
+async def test_anyio_current_time_follows_virtual_clock(xds_backend):
+    await xds.sleep_ns(1_500 * MS)
+    assert math.isclose(anyio.current_time(), 1.5, abs_tol=1e-12)
+
+
+@pytest.mark.xds
+async def test_move_on_after_cancels_at_the_deadline(xds_backend):
+    with anyio.move_on_after(0.002) as scope:
+        await anyio.sleep(10)
+    assert scope.cancelled_caught
+    assert xds.now_ns() == 2 * MS
+    with anyio.move_on_after(5) as scope:
+        await anyio.sleep(1)
+    assert not scope.cancelled_caught
+    assert xds.now_ns() == 1 * S + 2 * MS
+
+
+@pytest.mark.xds
+async def test_fail_after_raises_timeout_at_the_deadline(xds_backend):
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.25):
+            await anyio.Event().wait()
+    assert xds.now_ns() == 250 * MS
+
+
+@pytest.mark.xds
+async def test_event_wakes_every_waiter_at_set_time(xds_backend):
+    event = anyio.Event()
+    woke: list[tuple[int, int]] = []
+
+    async def waiter(i: int) -> None:
+        await event.wait()
+        woke.append((i, xds.now_ns()))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(20):
+            tg.start_soon(waiter, i)
+        await xds.sleep_ns(42 * US)
+        event.set()
+    assert sorted(i for i, _ in woke) == list(range(20))
+    assert {t for _, t in woke} == {42 * US}
+
+
+@pytest.mark.xds
+async def test_memory_stream_backpressure_in_virtual_time(xds_backend):
+    send, receive = anyio.create_memory_object_stream[int](max_buffer_size=2)
+    sent_at: list[int] = []
+    got: list[int] = []
+
+    async def consumer() -> None:
+        async with receive:
+            async for item in receive:
+                got.append(item)
+                await xds.sleep_ns(10 * US)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        async with send:
+            for i in range(6):
+                await send.send(i)
+                sent_at.append(xds.now_ns())
+    assert got == list(range(6))
+    # The producer runs ahead by the buffer (2) plus the item being consumed, then is held
+    # back to the consumer's pace.
+    assert sent_at[:3] == [0, 0, 0]
+    assert sent_at[3:] == [10 * US, 20 * US, 30 * US]
+
+
+@pytest.mark.xds
+async def test_task_group_cancellation_in_virtual_time(xds_backend):
+    finished: list[int] = []
+
+    async def work(i: int) -> None:
+        await xds.sleep_ns((i + 1) * MS)
+        finished.append(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(work, i)
+        await xds.sleep_ns(5 * MS + 1)
+        tg.cancel_scope.cancel()
+    assert sorted(finished) == [0, 1, 2, 3, 4]
+    assert xds.now_ns() == 5 * MS + 1
+
+
+@pytest.mark.xds
+async def test_capacity_limiter_serialises_in_virtual_time(xds_backend):
+    limiter = anyio.CapacityLimiter(2)
+    done: list[int] = []
+
+    async def job() -> None:
+        async with limiter:
+            await xds.sleep_ns(1 * MS)
+        done.append(xds.now_ns())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(6):
+            tg.start_soon(job)
+    assert sorted(done) == [1 * MS, 1 * MS, 2 * MS, 2 * MS, 3 * MS, 3 * MS]
+
+
+@pytest.mark.xds
+async def test_equal_deadline_timers_fire_together(xds_backend):
+    times: list[int] = []
+
+    async def sleeper() -> None:
+        await anyio.sleep(0.001)
+        times.append(xds.now_ns())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(50):
+            tg.start_soon(sleeper)
+    assert times == [1 * MS] * 50
+
+
+def test_asyncio_equal_deadlines_fire_in_arming_order():
+    order: list[int] = []
+
+    async def main() -> None:
+        async def sleeper(i: int) -> None:
+            await xds.sleep_ns(5 * US)
+            order.append(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(30):
+                tg.start_soon(sleeper, i)
+
+    xds.run(main)
+    assert order == list(range(30))
+
+
+def test_run_returns_result_and_records_end_time():
+    async def main(a: int, b: int) -> int:
+        await xds.sleep_ns(123)
+        return a + b
+
+    rt = xds.Runtime(seed=3)
+    assert rt.run(main, 2, 5) == 7
+    assert rt.end_ns == 123
+    assert rt.now_ns() == 123
+    with pytest.raises(RuntimeError, match="runs once"):
+        rt.run(main, 1, 1)
+
+
+def test_now_ns_outside_a_run_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"inside xds\.run"):
+        xds.now_ns()
+
+
+def test_bad_backend_and_negative_sleep_are_clear_errors():
+    with pytest.raises(xds.errors.ConfigError, match="backend"):
+        xds.run(lambda: None, backend="uvloop")  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await xds.sleep_ns(-1)
+
+    with pytest.raises(ValueError, match="negative"):
+        xds.run(main)
+
+
+def test_exceptions_from_the_model_propagate_unchanged(xds_backend):
+    async def main() -> None:
+        await xds.sleep_ns(10)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        xds.run(main, backend=xds_backend)

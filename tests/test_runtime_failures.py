@@ -1,0 +1,93 @@
+"""A model that can make no progress raises a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import xds
+from xds.errors import ModelDeadlock, ModelLivelock
+
+
+def test_deadlock_names_every_waiting_task(xds_backend):
+    async def main() -> None:
+        never = anyio.Event()
+
+        async def die(i: int) -> None:
+            await never.wait()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(die, i, name=f"die-{i}")
+            await xds.sleep_ns(1_000)
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    err = info.value
+    assert err.t_ns == 1_000
+    names = [w.name for w in err.waiting]
+    assert names == ["die-0", "die-1", "die-2", "main"]  # main waits for its task group
+    dies = err.waiting[:3]
+    assert all("test_runtime_failures.py" in w.waiting_in for w in dies)
+    assert all(w.waiting_on.endswith("wait") for w in dies)
+    assert "die-1" in str(err) and "nothing runnable" in str(err)
+
+
+def test_deadlock_of_main_itself(xds_backend):
+    async def main() -> None:
+        send, receive = anyio.create_memory_object_stream[int]()
+        async with send, receive:
+            await receive.receive()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    assert [w.name for w in info.value.waiting] == ["main"]
+
+
+def test_deadlock_inside_a_shielded_scope_still_stops(xds_backend):
+    async def main() -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock):
+        xds.run(main, backend=xds_backend)
+
+
+def test_cleanup_runs_when_a_deadlock_is_reported():
+    cleaned: list[str] = []
+
+    async def main() -> None:
+        async def die() -> None:
+            try:
+                await anyio.Event().wait()
+            finally:
+                cleaned.append("die")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(die)
+
+    with pytest.raises(ModelDeadlock):
+        xds.run(main)
+    assert cleaned == ["die"]
+
+
+def test_livelock_is_reported():
+    async def main() -> None:
+        while True:
+            await anyio.sleep(0)
+
+    with pytest.raises(ModelLivelock, match="without virtual time advancing"):
+        xds.run(main, livelock_limit=20_000)
+
+
+def test_busy_but_progressing_model_is_not_a_livelock():
+    async def main() -> int:
+        n = 0
+        for _ in range(100):
+            for _ in range(50):
+                await anyio.sleep(0)
+                n += 1
+            await xds.sleep_ns(1)
+        return n
+
+    assert xds.run(main, livelock_limit=200) == 5000

@@ -1,0 +1,70 @@
+"""The reusable Barrier."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import xds
+from xds.runtime import Barrier
+
+
+@pytest.mark.xds
+async def test_barrier_releases_everyone_when_the_last_arrives(xds_backend):
+    barrier = Barrier(4)
+    released: list[tuple[int, int]] = []
+
+    async def party(i: int) -> None:
+        for step in range(3):
+            await xds.sleep_ns((i + 1) * 10)
+            await barrier.wait()
+            released.append((step, xds.now_ns()))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(party, i)
+    # every step ends when the slowest (40 ns per step) arrives
+    assert sorted(released) == [(s, 40 * (s + 1)) for s in range(3) for _ in range(4)]
+    assert barrier.generation == 3
+
+
+@given(delays=st.lists(st.integers(0, 1000), min_size=1, max_size=12))
+def test_barrier_time_is_the_max_arrival(delays):
+    async def main() -> list[int]:
+        barrier = Barrier(len(delays))
+        out: list[int] = []
+
+        async def party(d: int) -> None:
+            await xds.sleep_ns(d)
+            out.append(await barrier.wait())
+
+        async with anyio.create_task_group() as tg:
+            for d in delays:
+                tg.start_soon(party, d)
+        return out
+
+    rt = xds.Runtime()
+    ranks = rt.run(main)
+    assert rt.end_ns == max(delays)
+    assert sorted(ranks) == list(range(len(delays)))
+
+
+def test_cancelled_waiter_leaves_the_generation():
+    async def main() -> int:
+        barrier = Barrier(2)
+        with anyio.move_on_after(1e-6):
+            await barrier.wait()
+        assert barrier.waiting == 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(barrier.wait)
+            await barrier.wait()
+        return barrier.generation
+
+    assert xds.run(main) == 1
+
+
+def test_barrier_needs_a_party():
+    with pytest.raises(ValueError):
+        Barrier(0)
