@@ -3,6 +3,7 @@
 from .core import (
     BACKENDS,
     Runtime,
+    call_at_ns,
     current_runtime,
     emit,
     now_ns,
@@ -25,6 +26,7 @@ __all__ = [
     "RngStreams",
     "Runtime",
     "VirtualTimeEventLoop",
+    "call_at_ns",
     "configure_logging",
     "current_runtime",
     "emit",

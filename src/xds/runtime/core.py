@@ -26,6 +26,7 @@ from .events import EventLog
 from .logs import ensure_logging_configured
 from .loop import VirtualTimeEventLoop
 from .rng import RngStreams
+from .timers import TrioTimerWheel
 
 T = TypeVar("T")
 Backend = Literal["asyncio", "trio"]
@@ -70,9 +71,10 @@ class Runtime:
         self._loop: VirtualTimeEventLoop | None = None
         self._trio_clock: Any = None
         self._root_scope: anyio.CancelScope | None = None
-        self._failure: ModelDeadlock | ModelLivelock | None = None
+        self._failure: BaseException | None = None
         self._used = False
         self._hard_stop = False
+        self._trio_timers: TrioTimerWheel | None = None
 
     # -- clock -------------------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -100,6 +102,20 @@ class Runtime:
             import trio
 
             await trio.sleep_until(t_ns / 1e9)
+
+    def call_at_ns(self, when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
+        """Run ``callback(*args)`` at virtual time ``when_ns`` (no task; must not block).
+
+        Returns a handle with ``cancel()``. Callbacks due at the same nanosecond run in the
+        order they were scheduled.
+        """
+        if self._loop is not None:
+            return self._loop.call_at_ns(max(when_ns, self._loop._now_ns), callback, *args)
+        if self._trio_clock is None:
+            raise RuntimeError("call_at_ns needs a run in progress")
+        if self._trio_timers is None:
+            self._trio_timers = TrioTimerWheel(self.now_ns)
+        return self._trio_timers.call_at_ns(when_ns, callback, *args)
 
     # -- running -----------------------------------------------------------------------------
     def run(self, main: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -141,6 +157,7 @@ class Runtime:
             self._loop = VirtualTimeEventLoop(
                 on_deadlock=self._on_deadlock,
                 on_livelock=self._on_livelock,
+                on_callback_error=self._on_callback_error,
                 livelock_limit=self.livelock_limit,
             )
             return self._loop
@@ -208,6 +225,11 @@ class Runtime:
         self._failure = ModelDeadlock(self.now_ns(), self._waiting_tasks())
         self._root_scope.cancel()
 
+    def _on_callback_error(self, exc: BaseException) -> None:
+        if self._failure is None and self._root_scope is not None:
+            self._failure = exc
+            self._root_scope.cancel()
+
     def _on_livelock(self, t_ns: int, iterations: int) -> None:
         if self._failure is not None or self._root_scope is None:
             self._hard_stop = True
@@ -271,6 +293,11 @@ async def sleep_ns(duration_ns: int) -> None:
 async def sleep_until_ns(t_ns: int) -> None:
     """Sleep until virtual time ``t_ns``."""
     await current_runtime().sleep_until_ns(int(t_ns))
+
+
+def call_at_ns(when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
+    """Run ``callback(*args)`` at virtual time ``when_ns`` in the current run (see Runtime)."""
+    return current_runtime().call_at_ns(when_ns, callback, *args)
 
 
 def rng(name: str) -> np.random.Generator:

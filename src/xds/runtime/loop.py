@@ -70,6 +70,16 @@ class _VirtualSelector(selectors.SelectSelector):
         return []
 
 
+def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """An exception escaped a plain callback: that is a model bug, so fail the run loudly."""
+    exc = context.get("exception")
+    handler = getattr(loop, "_on_callback_error", None)
+    if isinstance(exc, BaseException) and handler is not None:
+        handler(exc)
+    else:
+        loop.default_exception_handler(context)
+
+
 class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
     """asyncio event loop on an integer-nanosecond virtual clock starting at 0."""
 
@@ -78,6 +88,7 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         *,
         on_deadlock: Callable[[], None] | None = None,
         on_livelock: Callable[[int, int], None] | None = None,
+        on_callback_error: Callable[[BaseException], None] | None = None,
         livelock_limit: int = 1_000_000,
     ):
         self._now_ns = 0
@@ -89,6 +100,8 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         self._on_livelock = on_livelock
         super().__init__(selector=_VirtualSelector(self))
         self._clock_resolution = _RESOLUTION_S
+        self._on_callback_error = on_callback_error
+        self.set_exception_handler(_exception_handler)
 
     # -- clock -------------------------------------------------------------------------------
     @property

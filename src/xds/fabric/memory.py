@@ -1,0 +1,117 @@
+"""Per-die device memory: application, metadata and managed regions (SPEC 3.2).
+
+Each die's memory is three regions. Buffers are allocated lazily, so a 768-die pod allocates
+only what a run touches; in ``size`` payload mode nothing is allocated at all and only byte
+counts move (same protocol, same timing; ARCHITECTURE.md "Payload modes").
+
+* **application**: the serving engine's tensors (KV cache, activations); ``app_bytes`` per die.
+* **metadata**: one 32-byte field per (peer die, AIV index) (SPEC 3.2 layout, little-endian):
+  ``u64 eventID | u32 chunkID | u32 flags | u64 tailPtr | u64 ack``.
+* **managed**: a ring of ``ring_slots`` slots of ``slot_bytes`` per peer die.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import StrEnum
+from typing import Literal
+
+import anyio
+
+PayloadMode = Literal["bytes", "size"]
+META_FORMAT = struct.Struct("<QIIQQ")
+META_FIELD_BYTES = META_FORMAT.size  # 32
+assert META_FIELD_BYTES == 32
+
+
+class Region(StrEnum):
+    APP = "app"
+    META = "meta"
+    MANAGED = "managed"
+
+
+class MetaField:
+    """One 32-byte metadata field; readers can wait for it to change (no busy polling)."""
+
+    __slots__ = ("_changed", "ack", "chunk_id", "event_id", "flags", "tail_ptr")
+
+    def __init__(self) -> None:
+        self.event_id = 0
+        self.chunk_id = 0
+        self.flags = 0
+        self.tail_ptr = 0
+        self.ack = 0
+        self._changed: anyio.Event | None = None
+
+    def pack(self) -> bytes:
+        """The field's 32 bytes, in SPEC 3.2's little-endian layout."""
+        return META_FORMAT.pack(self.event_id, self.chunk_id, self.flags, self.tail_ptr, self.ack)
+
+    def notify(self) -> None:
+        """Wake every task waiting for this field to change."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def changed(self) -> None:
+        """Wait until the next visible write to this field."""
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+
+class DieMemory:
+    """Device memory of one die."""
+
+    def __init__(
+        self, die: int, *, mode: PayloadMode, app_bytes: int, ring_slots: int, slot_bytes: int
+    ):
+        self.die = die
+        self.mode = mode
+        self.app_bytes = app_bytes
+        self.ring_slots = ring_slots
+        self.slot_bytes = slot_bytes
+        self._app: bytearray | None = None
+        self._rings: dict[int, bytearray] = {}
+        self._meta: dict[tuple[int, int], MetaField] = {}
+
+    # -- regions -----------------------------------------------------------------------------
+    @property
+    def app(self) -> memoryview:
+        """The application region (bytes mode only)."""
+        self._require_bytes("the application region")
+        if self._app is None:
+            self._app = bytearray(self.app_bytes)
+        return memoryview(self._app)
+
+    def ring(self, peer: int) -> memoryview:
+        """The managed ring this die holds for messages from ``peer`` (bytes mode only)."""
+        self._require_bytes("a managed ring")
+        buf = self._rings.get(peer)
+        if buf is None:
+            buf = self._rings[peer] = bytearray(self.ring_slots * self.slot_bytes)
+        return memoryview(buf)
+
+    def slot(self, peer: int, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return self.ring(peer)[start : start + self.slot_bytes]
+
+    def meta(self, peer: int, aiv: int) -> MetaField:
+        """The metadata field for (``peer``, ``aiv``), created on first use."""
+        key = (peer, aiv)
+        field = self._meta.get(key)
+        if field is None:
+            field = self._meta[key] = MetaField()
+        return field
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes actually allocated so far (lazy allocation)."""
+        app = len(self._app) if self._app is not None else 0
+        return app + sum(len(r) for r in self._rings.values()) + META_FIELD_BYTES * len(self._meta)
+
+    def _require_bytes(self, what: str) -> None:
+        if self.mode != "bytes":
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{what} holds no data in 'size' payload mode", field="payload_mode")

@@ -1,0 +1,289 @@
+"""The UB fabric: every die's memory, reachable from every die, with modelled latency.
+
+:class:`UBFabric` owns the pod's die memories (lazily created), the bandwidth ports that model
+contention, and *posted writes*: a write issued at ``t`` becomes visible to readers only at its
+modelled completion time; until then a reader sees the old bytes (SPEC 0.4, 1.3).
+
+Costs come from :mod:`xds.hw` (SPEC 1.4, 3.7):
+
+* **MTE2/MTE3** (through an AIV's unified buffer): start-up ``mte_startup_ns``; each AIV moves
+  ``aiv_mte_bandwidth`` B/s; load and store overlap (ping-pong), so only the first operation's
+  load is exposed; at most half a UBuf per operation.
+* **DMA/URMA**: start-up ``dma_startup_ns``; moves at link rate, needs no UBuf and no MTE.
+* Either is capped by the link between the dies and shares each die's egress and ingress
+  bandwidth with concurrent transfers (:mod:`xds.fabric.ports`); then the link's one-way latency.
+* Local copies (same die) go through the die's HBM port (read + write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+from ..errors import ConfigError
+from ..hw import CloudMatrix384, Network
+from ..runtime import current_runtime, sleep_until_ns
+from .config import FabricConfig, validated
+from .memory import DieMemory, MetaField
+from .ports import Port, finish_ns
+
+Engine = Literal["mte", "dma"]
+ENGINES: tuple[str, ...] = ("mte", "dma")
+
+
+class FabricStats(msgspec.Struct):
+    """Counters of what moved over the fabric."""
+
+    remote_ops: int = 0
+    remote_bytes: int = 0
+    local_ops: int = 0
+    local_bytes: int = 0
+    meta_writes: int = 0
+
+
+class Transfer(msgspec.Struct, frozen=True):
+    """Timing of one modelled transfer: the mover is busy until ``end_ns``; the bytes are
+    visible at the destination from ``visible_ns``."""
+
+    start_ns: int
+    end_ns: int
+    visible_ns: int
+
+
+class UBFabric:
+    """The pod's device memories and the UB fabric between them."""
+
+    def __init__(self, pod: CloudMatrix384, config: FabricConfig | None = None, **overrides: Any):
+        config = config or FabricConfig()
+        if overrides:
+            unknown = sorted(set(overrides) - set(FabricConfig.__struct_fields__))
+            if unknown:
+                raise ConfigError(
+                    f"unknown fabric parameter(s) {', '.join(unknown)}", field=unknown[0]
+                )
+            config = msgspec.structs.replace(config, **overrides)
+        self.pod = pod
+        self.config = validated(config, pod.die_spec.ubuf_bytes)
+        self.engines = pod.engines
+        self.stats = FabricStats()
+        self._memories: dict[int, DieMemory] = {}
+        self._ports: dict[tuple[int, str], Port] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.config.payload_mode
+
+    # -- memory ------------------------------------------------------------------------------
+    def memory(self, die: int) -> DieMemory:
+        """Device memory of ``die`` (created on first use)."""
+        mem = self._memories.get(die)
+        if mem is None:
+            self.pod.check_die(die)
+            c = self.config
+            mem = self._memories[die] = DieMemory(
+                die,
+                mode=c.payload_mode,
+                app_bytes=c.app_bytes,
+                ring_slots=c.ring_slots,
+                slot_bytes=c.slot_bytes,
+            )
+        return mem
+
+    def read_local(self, die: int, offset: int, nbytes: int) -> bytes:
+        """What ``die`` currently sees in its application region (bytes mode)."""
+        self._check_range(offset, nbytes, "read")
+        return bytes(self.memory(die).app[offset : offset + nbytes])
+
+    def write_local(self, die: int, offset: int, data: bytes | memoryview) -> None:
+        """Write ``die``'s own application region, instantly (the engine filling a tensor)."""
+        self._check_range(offset, len(data), "write")
+        self.memory(die).app[offset : offset + len(data)] = data
+
+    # -- ports and costs -----------------------------------------------------------------------
+    def port(self, die: int, name: str, bandwidth: float) -> Port:
+        key = (die, name)
+        port = self._ports.get(key)
+        if port is None:
+            port = self._ports[key] = Port(f"die{die}.{name}", bandwidth)
+        return port
+
+    def _link_ports(self, src: int, dst: int) -> tuple[tuple[Port, ...], float, int]:
+        """(ports crossed, link bandwidth, link latency) from ``src`` to ``dst``."""
+        net = self.pod.network_between(src, dst)
+        if net is Network.LOCAL:
+            hbm = self.pod.spec_of(src).hbm_bandwidth
+            return (self.port(src, "hbm", hbm),), hbm, 0
+        link = self.pod.link(net)
+        ports = (
+            self.port(src, f"{net.value}.out", link.bandwidth),
+            self.port(dst, f"{net.value}.in", link.bandwidth),
+        )
+        return ports, link.bandwidth, link.latency_ns
+
+    def mte_transfer(
+        self,
+        src: int,
+        dst: int,
+        nbytes: int,
+        *,
+        start_ns: int,
+        aivs: int = 1,
+        op_bytes: int | None = None,
+        fill: bool = True,
+    ) -> Transfer:
+        """Cost of moving ``nbytes`` from ``src`` to ``dst`` with ``aivs`` AIVs' MTE2/MTE3.
+
+        ``fill`` marks the first operation of a pipeline: it pays the MTE start-up and its
+        exposed MTE2 load; later operations of the same AIV overlap both with the previous
+        store (ping-pong). The ports are reserved: call this when the transfer is issued.
+        """
+        e = self.engines
+        op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
+        ports, link_bw, latency = self._link_ports(src, dst)
+        rate = min(aivs * e.aiv_mte_bandwidth, link_bw)
+        begin = start_ns + (e.mte_startup_ns + op * 1e9 / e.aiv_mte_bandwidth if fill else 0.0)
+        if src == dst:  # a local copy reads and writes the same HBM
+            end = finish_ns(begin, 2 * nbytes, 2 * rate, ports)
+            self.stats.local_ops += 1
+            self.stats.local_bytes += nbytes
+        else:
+            end = finish_ns(begin, nbytes, rate, ports)
+            self.stats.remote_ops += 1
+            self.stats.remote_bytes += nbytes
+        return Transfer(start_ns, end, end + latency)
+
+    def dma_transfer(self, src: int, dst: int, nbytes: int, *, start_ns: int) -> Transfer:
+        """Cost of a DMA/URMA copy of ``nbytes``: higher start-up, link rate, no UBuf."""
+        ports, link_bw, latency = self._link_ports(src, dst)
+        end = finish_ns(start_ns + self.engines.dma_startup_ns, nbytes, link_bw, ports)
+        if src == dst:
+            self.stats.local_ops += 1
+            self.stats.local_bytes += nbytes
+        else:
+            self.stats.remote_ops += 1
+            self.stats.remote_bytes += nbytes
+        return Transfer(start_ns, end, end + latency)
+
+    def transfer(
+        self, src: int, dst: int, nbytes: int, *, engine: Engine, start_ns: int, aivs: int = 1
+    ) -> Transfer:
+        if engine == "mte":
+            return self.mte_transfer(src, dst, nbytes, start_ns=start_ns, aivs=aivs)
+        if engine == "dma":
+            return self.dma_transfer(src, dst, nbytes, start_ns=start_ns)
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}", field="engine")
+
+    # -- posted effects ------------------------------------------------------------------------
+    def post(self, when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
+        """Apply ``callback(*args)`` at virtual time ``when_ns`` (a posted write's visibility)."""
+        return current_runtime().call_at_ns(when_ns, callback, *args)
+
+    def post_meta(self, when_ns: int, owner: int, peer: int, aiv: int, **fields: int) -> None:
+        """A metadata write into ``owner``'s field (``peer``, ``aiv``), visible at ``when_ns``."""
+        field = self.memory(owner).meta(peer, aiv)
+        self.stats.meta_writes += 1
+        self.post(when_ns, _apply_meta, field, fields)
+
+    # -- the user-level remote access API --------------------------------------------------------
+    def post_write(
+        self,
+        src: int,
+        dst: int,
+        offset: int,
+        data: bytes | memoryview | int,
+        *,
+        engine: Engine = "mte",
+        aivs: int = 1,
+    ) -> Transfer:
+        """Issue a write of ``data`` (bytes, or a byte count in size mode) into ``dst``'s
+        application region at ``offset``; it becomes visible at the returned ``visible_ns``."""
+        nbytes = self._payload_size(data)
+        self._check_range(offset, nbytes, "write")
+        self._check_aivs(src, aivs)
+        t = self.transfer(
+            src, dst, nbytes, engine=engine, start_ns=current_runtime().now_ns(), aivs=aivs
+        )
+        if self.mode == "bytes":
+            snapshot = bytes(data)  # type: ignore[arg-type]
+            self.post(t.visible_ns, _apply_app, self.memory(dst), offset, snapshot)
+        return t
+
+    async def write(
+        self,
+        src: int,
+        dst: int,
+        offset: int,
+        data: bytes | memoryview | int,
+        *,
+        engine: Engine = "mte",
+        aivs: int = 1,
+    ) -> Transfer:
+        """Write remote memory and return once the write is visible at ``dst``."""
+        t = self.post_write(src, dst, offset, data, engine=engine, aivs=aivs)
+        await sleep_until_ns(t.visible_ns)
+        return t
+
+    async def read(
+        self,
+        reader: int,
+        owner: int,
+        offset: int,
+        nbytes: int,
+        *,
+        engine: Engine = "mte",
+        aivs: int = 1,
+    ) -> bytes | int:
+        """Read ``owner``'s application region from ``reader``. The bytes are those visible at
+        ``owner`` when the request arrives (one link latency after issue); they reach the reader
+        after the transfer. Returns the byte count in size mode."""
+        self._check_range(offset, nbytes, "read")
+        self._check_aivs(reader, aivs)
+        now = current_runtime().now_ns()
+        _, _, latency = self._link_ports(reader, owner)
+        snapshot: list[bytes] = []
+        arrive = now + latency
+        if self.mode == "bytes":
+            mem = self.memory(owner)
+            self.post(arrive, lambda: snapshot.append(bytes(mem.app[offset : offset + nbytes])))
+        t = self.transfer(owner, reader, nbytes, engine=engine, start_ns=arrive, aivs=aivs)
+        await sleep_until_ns(t.visible_ns)
+        return snapshot[0] if self.mode == "bytes" else nbytes
+
+    # -- checks --------------------------------------------------------------------------------
+    def _payload_size(self, data: bytes | memoryview | int) -> int:
+        if self.mode == "bytes":
+            if isinstance(data, int):
+                raise ConfigError(
+                    "bytes payload mode needs real data, got a byte count", field="data"
+                )
+            return memoryview(data).nbytes
+        if isinstance(data, int):
+            if data < 0:
+                raise ConfigError(f"byte count must be >= 0, got {data}", field="data")
+            return data
+        return memoryview(data).nbytes
+
+    def _check_range(self, offset: int, nbytes: int, what: str) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.config.app_bytes:
+            raise ConfigError(
+                f"{what} of {nbytes} bytes at offset {offset} falls outside the application "
+                f"region ({self.config.app_bytes} bytes)",
+                field="offset",
+            )
+
+    def _check_aivs(self, die: int, aivs: int) -> None:
+        limit = self.pod.spec_of(die).aiv
+        if not isinstance(aivs, int) or not 1 <= aivs <= limit:
+            raise ConfigError(f"n_aiv must be 1..{limit} on die {die}, got {aivs!r}", field="n_aiv")
+
+
+def _apply_meta(field: MetaField, fields: dict[str, int]) -> None:
+    for name, value in fields.items():
+        setattr(field, name, value)
+    field.notify()
+
+
+def _apply_app(mem: DieMemory, offset: int, data: bytes) -> None:
+    mem.app[offset : offset + len(data)] = data

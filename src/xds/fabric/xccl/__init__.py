@@ -1,0 +1,207 @@
+"""XCCL: memory-semantic communication over the UB fabric (SPEC 3-5).
+
+``XCCL`` is the library a serving engine calls: point-to-point ``send``/``receive`` (sync), their
+async variants whose completions arrive on a per-die completion queue (an anyio memory object
+stream), and the invariant monitor. Use it as an async context manager so async operations have
+a task group to run in::
+
+    async with XCCL(fabric) as xccl:
+        await xccl.send(0, 17, AppBuffer(0, 4096), event_id=7, n_aiv=2)
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ...errors import XdsError
+from ...runtime import now_ns
+from ..ub import Engine, UBFabric
+from .aiv import AivPool
+from .monitor import P2PMonitor
+from .p2p import P2P, AppBuffer, Message
+
+__all__ = ["P2P", "XCCL", "AivPool", "AppBuffer", "Completion", "Handle", "Message", "P2PMonitor"]
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """A completion-queue entry of an async operation."""
+
+    op: Literal["send", "receive"]
+    die: int
+    peer: int
+    event_id: int
+    nbytes: int
+    start_ns: int
+    end_ns: int
+    ok: bool
+    error: str = ""
+
+
+class Handle:
+    """An async operation in flight; ``await handle.wait()`` returns its completion."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self.completion: Completion | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> Completion:
+        await self._done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.completion is not None
+        return self.completion
+
+
+class XCCL:
+    """XCCL point-to-point over a fabric (collectives build on the same fabric)."""
+
+    def __init__(self, fabric: UBFabric, *, protocol: P2P | None = None):
+        self.fabric = fabric
+        self.p2p = protocol or P2P(fabric)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._cq: dict[
+            int, tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]
+        ] = {}
+
+    @property
+    def monitor(self) -> P2PMonitor:
+        return self.p2p.monitor
+
+    async def __aenter__(self) -> XCCL:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        try:
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._tg = None
+            for send, receive in self._cq.values():
+                send.close()
+                receive.close()
+
+    # -- synchronous ---------------------------------------------------------------------------
+    async def send(
+        self,
+        src: int,
+        dst: int,
+        buf: AppBuffer,
+        event_id: int,
+        *,
+        n_aiv: int = 2,
+        engine: Engine = "mte",
+    ) -> int:
+        """Send and return when the receiver has ACKed (AIVs held throughout)."""
+        return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
+
+    async def receive(
+        self,
+        dst: int,
+        src: int,
+        buf: AppBuffer,
+        event_id: int,
+        *,
+        n_aiv: int = 2,
+        engine: Engine = "mte",
+    ) -> int:
+        """Receive the next message from ``src`` into ``buf``; return when copied and ACKed."""
+        return await self.p2p.receive(dst, src, buf, event_id, n_aiv=n_aiv, engine=engine)
+
+    # -- asynchronous --------------------------------------------------------------------------
+    def completion_queue(self, die: int) -> MemoryObjectReceiveStream[Completion]:
+        """The completion queue of ``die``: async operations post their completions here."""
+        return self._queue(die)[1]
+
+    def _queue(
+        self, die: int
+    ) -> tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]:
+        q = self._cq.get(die)
+        if q is None:
+            self.fabric.pod.check_die(die)
+            q = self._cq[die] = anyio.create_memory_object_stream[Completion](
+                max_buffer_size=float("inf")
+            )
+        return q
+
+    def send_async(
+        self,
+        src: int,
+        dst: int,
+        buf: AppBuffer,
+        event_id: int,
+        *,
+        n_aiv: int = 2,
+        engine: Engine = "mte",
+    ) -> Handle:
+        """Start a send; AIVs are released once the data has moved, not held for the ACK."""
+        return self._start(
+            "send", src, dst, buf, event_id, self.p2p.send, dict(n_aiv=n_aiv, engine=engine)
+        )
+
+    def receive_async(
+        self,
+        dst: int,
+        src: int,
+        buf: AppBuffer,
+        event_id: int,
+        *,
+        n_aiv: int = 2,
+        engine: Engine = "mte",
+    ) -> Handle:
+        """Start a receive; its completion is posted to ``dst``'s completion queue."""
+        return self._start(
+            "receive", dst, src, buf, event_id, self.p2p.receive, dict(n_aiv=n_aiv, engine=engine)
+        )
+
+    def _start(
+        self,
+        op: Literal["send", "receive"],
+        die: int,
+        peer: int,
+        buf: AppBuffer,
+        event_id: int,
+        fn: Any,
+        kwargs: dict[str, Any],
+    ) -> Handle:
+        if self._tg is None:
+            raise XdsError(
+                "async XCCL operations need a running XCCL: use 'async with XCCL(fabric) as xccl:'"
+            )
+        self.p2p._check(die, peer, buf, event_id, kwargs["n_aiv"], kwargs["engine"])
+        handle = Handle()
+        send_cq = self._queue(die)[0]
+
+        async def run() -> None:
+            start = now_ns()
+            ok, error = True, ""
+            try:
+                await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
+            except XdsError as exc:
+                ok, error = False, str(exc)
+                handle.error = exc
+            handle.completion = Completion(
+                op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
+            )
+            handle._done.set()
+            send_cq.send_nowait(handle.completion)
+
+        self._tg.start_soon(run, name=f"xccl-{op}-{die}-{peer}-{event_id}")
+        return handle

@@ -1,0 +1,72 @@
+"""Timed callbacks: run a plain function at a virtual instant, without a task.
+
+Posted writes on the fabric (data or metadata becoming visible at their completion time) are
+callbacks, not tasks: one timer each. On asyncio they go straight onto the loop's timer heap
+(``VirtualTimeEventLoop.call_at_ns``). Trio has no timed callbacks, so :class:`TrioTimerWheel`
+keeps a heap of them, served by one trio system task that sleeps until the earliest. In both,
+callbacks due at the same nanosecond run in the order they were scheduled.
+
+A callback runs in the event loop's context: it must not block. It may set events, write
+memory, and schedule further callbacks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+class TimerHandle:
+    """A scheduled callback; ``cancel()`` stops it from running."""
+
+    __slots__ = ("args", "callback", "cancelled", "when_ns")
+
+    def __init__(self, when_ns: int, callback: Callable[..., object], args: tuple[Any, ...]):
+        self.when_ns = when_ns
+        self.callback = callback
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class TrioTimerWheel:
+    """Timed callbacks for the trio backend (one system task serves them all)."""
+
+    def __init__(self, now_ns: Callable[[], int]):
+        self._now_ns = now_ns
+        self._heap: list[tuple[int, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._scope: Any = None
+        self._started = False
+
+    def call_at_ns(self, when_ns: int, callback: Callable[..., object], *args: Any) -> TimerHandle:
+        import trio
+
+        handle = TimerHandle(when_ns, callback, args)
+        heapq.heappush(self._heap, (when_ns, next(self._seq), handle))
+        if not self._started:
+            self._started = True
+            trio.lowlevel.spawn_system_task(self._serve, name="<xds timers>")
+        elif self._scope is not None and self._heap[0][2] is handle:
+            self._scope.deadline = when_ns / 1e9  # an earlier head: wake sooner
+        return handle
+
+    async def _serve(self) -> None:
+        import trio
+
+        while True:
+            deadline = self._heap[0][0] / 1e9 if self._heap else math.inf
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._scope = scope
+                await trio.sleep_forever()
+            self._scope = None
+            now = self._now_ns()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, handle = heapq.heappop(self._heap)
+                if not handle.cancelled:
+                    handle.callback(*handle.args)
