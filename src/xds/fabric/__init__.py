@@ -9,7 +9,7 @@ and 3-5 and ARCHITECTURE.md "Layers".
 """
 
 from .config import FabricConfig, PayloadMode
-from .memory import META_FIELD_BYTES, DieMemory, MetaField, Region
+from .memory import META_FIELD_BYTES, DieMemory, Direction, MetaField, Region
 from .ports import Port
 from .ub import ENGINES, Engine, FabricStats, Transfer, UBFabric
 
@@ -17,6 +17,7 @@ __all__ = [
     "ENGINES",
     "META_FIELD_BYTES",
     "DieMemory",
+    "Direction",
     "Engine",
     "FabricConfig",
     "FabricStats",

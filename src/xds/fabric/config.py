@@ -28,12 +28,13 @@ class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Managed-ring slots per (sender, receiver) pair."""
     slot_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] = 32 * KiB
     """Bytes per ring slot; one chunk of a message occupies one slot."""
-    mte_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] = 32 * KiB
-    """Largest chunk one AIV moves with one MTE2/MTE3 pair (<= half a UBuf, <= slot)."""
+    mte_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] | None = None
+    """Largest chunk one AIV moves with one MTE2/MTE3 pair; default: one slot, at most half
+    a UBuf."""
     min_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] = 512
     """Smallest chunk: small messages use fewer AIVs rather than tinier chunks."""
-    dma_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] = 32 * KiB
-    """Chunk of one DMA descriptor on the DMA path (one ring slot)."""
+    dma_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] | None = None
+    """Chunk of one DMA descriptor on the DMA path; default: one slot."""
 
 
 def validated(config: FabricConfig, die_ubuf_bytes: int) -> FabricConfig:
@@ -42,6 +43,11 @@ def validated(config: FabricConfig, die_ubuf_bytes: int) -> FabricConfig:
         config = msgspec.convert(msgspec.to_builtins(config), FabricConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc), field="fabric") from None
+    if config.mte_chunk_bytes is None:
+        chunk = min(config.slot_bytes, die_ubuf_bytes // 2) // 32 * 32
+        config = msgspec.structs.replace(config, mte_chunk_bytes=chunk)
+    if config.dma_chunk_bytes is None:
+        config = msgspec.structs.replace(config, dma_chunk_bytes=config.slot_bytes)
     if config.mte_chunk_bytes > die_ubuf_bytes // 2:
         raise ConfigError(
             f"an MTE operation is at most half a UBuf ({die_ubuf_bytes // 2} bytes), "

@@ -5,15 +5,20 @@ only what a run touches; in ``size`` payload mode nothing is allocated at all an
 counts move (same protocol, same timing; ARCHITECTURE.md "Payload modes").
 
 * **application**: the serving engine's tensors (KV cache, activations); ``app_bytes`` per die.
-* **metadata**: one 32-byte field per (peer die, AIV index) (SPEC 3.2 layout, little-endian):
-  ``u64 eventID | u32 chunkID | u32 flags | u64 tailPtr | u64 ack``.
+* **metadata**: 32-byte fields (SPEC 3.2 layout, little-endian):
+  ``u64 eventID | u32 chunkID | u32 flags | u64 tailPtr | u64 ack``, one per (peer die, AIV
+  index, direction). SPEC 3.2 counts 384 x 2 x 48 x 2 fields and leaves the last x2 open
+  (A6); xds reads it as the two directions: the ``RX`` field is written by the peer as a sender
+  (eventID, chunkID, tailPtr of data coming in), the ``TX`` field by the peer as a receiver
+  (the ``ack`` credits and final ACK of data going out). Without it, a die sending to and
+  receiving from the same peer would overwrite its own protocol state.
 * **managed**: a ring of ``ring_slots`` slots of ``slot_bytes`` per peer die.
 """
 
 from __future__ import annotations
 
 import struct
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Literal
 
 import anyio
@@ -28,6 +33,13 @@ class Region(StrEnum):
     APP = "app"
     META = "meta"
     MANAGED = "managed"
+
+
+class Direction(IntEnum):
+    RX = 0
+    """Field written by the peer as sender: the state of data arriving from the peer."""
+    TX = 1
+    """Field written by the peer as receiver: credits and ACKs of data sent to the peer."""
 
 
 class MetaField:
@@ -73,7 +85,7 @@ class DieMemory:
         self.slot_bytes = slot_bytes
         self._app: bytearray | None = None
         self._rings: dict[int, bytearray] = {}
-        self._meta: dict[tuple[int, int], MetaField] = {}
+        self._meta: dict[tuple[int, int, int], MetaField] = {}
 
     # -- regions -----------------------------------------------------------------------------
     @property
@@ -96,9 +108,9 @@ class DieMemory:
         start = slot * self.slot_bytes
         return self.ring(peer)[start : start + self.slot_bytes]
 
-    def meta(self, peer: int, aiv: int) -> MetaField:
-        """The metadata field for (``peer``, ``aiv``), created on first use."""
-        key = (peer, aiv)
+    def meta(self, peer: int, aiv: int, direction: Direction) -> MetaField:
+        """The metadata field for (``peer``, ``aiv``, ``direction``), created on first use."""
+        key = (peer, aiv, direction)
         field = self._meta.get(key)
         if field is None:
             field = self._meta[key] = MetaField()

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..hw import CloudMatrix384, Network
 from ..runtime import current_runtime, sleep_until_ns
 from .config import FabricConfig, validated
-from .memory import DieMemory, MetaField
+from .memory import DieMemory, Direction, MetaField
 from .ports import Port, finish_ns
 
 Engine = Literal["mte", "dma"]
@@ -180,9 +180,12 @@ class UBFabric:
         """Apply ``callback(*args)`` at virtual time ``when_ns`` (a posted write's visibility)."""
         return current_runtime().call_at_ns(when_ns, callback, *args)
 
-    def post_meta(self, when_ns: int, owner: int, peer: int, aiv: int, **fields: int) -> None:
-        """A metadata write into ``owner``'s field (``peer``, ``aiv``), visible at ``when_ns``."""
-        field = self.memory(owner).meta(peer, aiv)
+    def post_meta(
+        self, when_ns: int, owner: int, peer: int, aiv: int, direction: Direction, **fields: int
+    ) -> None:
+        """A metadata write into ``owner``'s field (``peer``, ``aiv``, ``direction``), visible
+        at ``when_ns``."""
+        field = self.memory(owner).meta(peer, aiv, direction)
         self.stats.meta_writes += 1
         self.post(when_ns, _apply_meta, field, fields)
 

@@ -29,7 +29,7 @@ import msgspec
 
 from ...errors import ConfigError, ProtocolError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
-from ..memory import DieMemory
+from ..memory import DieMemory, Direction
 from ..ub import ENGINES, Engine, Transfer, UBFabric
 from .aiv import AivPool
 from .monitor import P2PMonitor
@@ -189,16 +189,16 @@ class P2P:
                     async with anyio.create_task_group() as tg:
                         for lane in range(min(lanes, len(chunks))):
                             tg.start_soon(self._send_lane, pair, msg, lane)
-                except BaseException:
+                    if not hold_aivs:
+                        pool.release(n_aiv)
+                        held = False
+                    await self._await_final_ack(pair, msg)
+                except anyio.get_cancelled_exc_class():
                     pair.poisoned = (
-                        f"pair {src}->{dst} was abandoned by a cancelled or failed "
-                        f"send (eventID {event_id})"
+                        f"pair {src}->{dst} was abandoned by a cancelled send (eventID "
+                        f"{event_id}): its ring holds an unfinished message"
                     )
                     raise
-                if not hold_aivs:
-                    pool.release(n_aiv)
-                    held = False
-                await self._await_final_ack(pair, msg)
             finally:
                 if held:
                     pool.release(n_aiv)
@@ -234,9 +234,10 @@ class P2P:
                 await pair.issued.wait()
             owner = pair.slot_owner[slot]
             if owner is not None:  # R2: wait for the credit of the slot's previous chunk
-                field = sender_mem.meta(dst, owner[0])
+                field = sender_mem.meta(dst, owner[0], Direction.TX)
                 while field.ack < owner[1]:
                     await field.changed()
+            await self.delay("sender", pair, lane)
             start = now_ns()
             if msg.engine == "dma":
                 t = (
@@ -284,6 +285,7 @@ class P2P:
             pair.dst,
             pair.src,
             lane,
+            Direction.RX,
             event_id=msg.event_id,
             chunk_id=chunk & 0xFFFFFFFF,
             flags=msg.n_aiv,
@@ -299,7 +301,7 @@ class P2P:
             ring_slot[:size] = data
 
     async def _await_final_ack(self, pair: _Pair, msg: Message) -> None:
-        field = self.fabric.memory(pair.src).meta(pair.dst, 0)
+        field = self.fabric.memory(pair.src).meta(pair.dst, 0, Direction.TX)
         want = msg.seq & 0xFFFFFFFF
         while not (
             field.chunk_id == want
@@ -329,6 +331,8 @@ class P2P:
         self._check(dst, src, buf, event_id, n_aiv, engine)
         pair = self.pair(src, dst)
         async with pair.recv_lock:
+            if pair.poisoned:
+                raise ProtocolError(pair.poisoned)
             pool = self.aivs(dst)
             await pool.acquire(n_aiv)
             held = True
@@ -349,9 +353,18 @@ class P2P:
                         f"receiver uses {engine}/{n_aiv} AIVs but the sender used "
                         f"{msg.engine}/{msg.n_aiv}"
                     )
-                async with anyio.create_task_group() as tg:
-                    for lane in range(min(msg.lanes, len(msg.chunks))):
-                        tg.start_soon(self._receive_lane, pair, msg, lane, buf, event_id, problems)
+                try:
+                    async with anyio.create_task_group() as tg:
+                        for lane in range(min(msg.lanes, len(msg.chunks))):
+                            tg.start_soon(
+                                self._receive_lane, pair, msg, lane, buf, event_id, problems
+                            )
+                except anyio.get_cancelled_exc_class():
+                    pair.poisoned = (
+                        f"pair {src}->{dst} was abandoned by a cancelled receive (eventID "
+                        f"{event_id}) in the middle of a message"
+                    )
+                    raise
                 if not hold_aivs:
                     pool.release(n_aiv)
                     held = False
@@ -361,6 +374,7 @@ class P2P:
                     src,
                     dst,
                     0,
+                    Direction.TX,
                     event_id=event_id,
                     chunk_id=msg.seq & 0xFFFFFFFF,
                     flags=flags,
@@ -397,7 +411,7 @@ class P2P:
         src, dst = pair.src, pair.dst
         ring_slots = fabric.config.ring_slots
         mem: DieMemory = fabric.memory(dst)
-        field = mem.meta(src, lane)
+        field = mem.meta(src, lane, Direction.RX)
         consumed = pair.consumed.get(lane, 0)
         first = True
         for j in range(lane, len(msg.chunks), msg.lanes):
@@ -412,8 +426,9 @@ class P2P:
                 )
             self.monitor.read_start(src, dst, slot, chunk)
             consumed += size
+            self.before_copy_out(pair, lane, consumed)
+            await self.delay("receiver", pair, lane)
             t = fabric.mte_transfer(dst, dst, size, start_ns=now_ns(), fill=first)
-            self.before_copy_out(pair, lane, consumed, t)
             await sleep_until_ns(t.end_ns)
             if fabric.mode == "bytes" and not problems:
                 offset = buf.offset + msg.offsets[j]
@@ -424,11 +439,20 @@ class P2P:
             first = False
 
     # Hooks a protocol variant may override (the tests keep deliberately broken ones).
-    def before_copy_out(self, pair: _Pair, lane: int, consumed: int, t: Transfer) -> None:
+    async def delay(self, side: str, pair: _Pair, lane: int) -> None:
+        """Extra delay before a sender lane issues a chunk or a receiver lane copies one out.
+        None in the model; tests override it with random delays to shake interleavings."""
+
+    def before_copy_out(self, pair: _Pair, lane: int, consumed: int) -> None:
         """Called when a chunk's copy-out starts. The correct protocol does nothing here."""
 
     def after_copy_out(self, pair: _Pair, lane: int, consumed: int, t: Transfer) -> None:
         """Called when a chunk is copied out: publish the credit (R2: consume before ACK)."""
         self.fabric.post_meta(
-            t.end_ns + self.fabric.engines.meta_write_ns, pair.src, pair.dst, lane, ack=consumed
+            t.end_ns + self.fabric.engines.meta_write_ns,
+            pair.src,
+            pair.dst,
+            lane,
+            Direction.TX,
+            ack=consumed,
         )

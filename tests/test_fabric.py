@@ -1,0 +1,179 @@
+"""The UB fabric: lazy die memory, posted writes, costs, contention, payload modes."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import xds
+from xds.errors import ConfigError
+from xds.fabric import META_FIELD_BYTES, UBFabric
+from xds.fabric.memory import META_FORMAT, Direction
+from xds.hw import CloudMatrix384
+from xds.units import KiB, MiB
+
+POD = CloudMatrix384(servers=4)  # 64 dies
+
+
+def run(main, backend="asyncio"):
+    return xds.run(main, backend=backend)
+
+
+def test_a_full_pod_allocates_nothing_until_touched():
+    fabric = UBFabric(CloudMatrix384())
+    mems = [fabric.memory(d) for d in range(768)]
+    assert sum(m.allocated_bytes for m in mems) == 0
+    fabric.memory(5).meta(9, 3, Direction.RX)
+    assert fabric.memory(5).allocated_bytes == META_FIELD_BYTES
+    fabric.memory(5).ring(9)
+    c = fabric.config
+    assert fabric.memory(5).allocated_bytes == META_FIELD_BYTES + c.ring_slots * c.slot_bytes
+
+
+def test_metadata_field_is_32_bytes_in_spec_layout():
+    field = UBFabric(POD).memory(0).meta(1, 0, Direction.TX)
+    field.event_id, field.chunk_id, field.flags, field.tail_ptr, field.ack = 7, 3, 2, 4096, 1024
+    raw = field.pack()
+    assert len(raw) == 32
+    assert META_FORMAT.unpack(raw) == (7, 3, 2, 4096, 1024)
+
+
+def test_size_mode_holds_no_data():
+    fabric = UBFabric(POD, payload_mode="size")
+    with pytest.raises(ConfigError, match="size"):
+        fabric.memory(0).app  # noqa: B018
+
+
+@pytest.mark.xds
+async def test_remote_write_is_invisible_until_completion(xds_backend):
+    fabric = UBFabric(POD, app_bytes=1 * MiB)
+    fabric.write_local(17, 0, b"old!" * 16)
+    t = fabric.post_write(0, 17, 0, b"new!" * 16)
+    assert t.visible_ns > t.end_ns > 0
+    await xds.sleep_until_ns(t.visible_ns - 1)
+    assert fabric.read_local(17, 0, 64) == b"old!" * 16  # a reader polling early sees old bytes
+    await xds.sleep_ns(1)
+    assert fabric.read_local(17, 0, 64) == b"new!" * 16
+
+
+@pytest.mark.xds
+async def test_remote_read_sees_bytes_visible_when_it_arrives(xds_backend):
+    fabric = UBFabric(POD, app_bytes=1 * MiB)
+    fabric.write_local(33, 128, b"abcd")
+    data = await fabric.read(0, 33, 128, 4)
+    assert data == b"abcd"
+    assert xds.now_ns() > POD.config.ub.latency_ns
+
+
+def _time_of(fn, *args):
+    async def main():
+        fabric = UBFabric(POD, app_bytes=4 * MiB, payload_mode="size")
+        await fn(fabric, *args)
+        return xds.now_ns()
+
+    return xds.run(main)
+
+
+async def _writes(fabric, pairs, nbytes, engine="mte", aivs=16):
+    async with anyio.create_task_group() as tg:
+        for src, dst in pairs:
+            tg.start_soon(
+                lambda s=src, d=dst: fabric.write(s, d, 0, nbytes, engine=engine, aivs=aivs)
+            )
+
+
+def test_concurrent_writes_into_one_die_share_its_ingress():
+    one = _time_of(_writes, [(0, 20)], 2 * MiB)
+    two = _time_of(_writes, [(0, 20), (40, 20)], 2 * MiB)
+    apart = _time_of(_writes, [(0, 20), (40, 60)], 2 * MiB)
+    assert two > 1.8 * one - 5_000  # two flows into one ingress take about twice as long
+    assert apart < 1.05 * one  # disjoint pairs do not interfere
+
+
+def test_port_throughput_never_exceeds_link_bandwidth():
+    fabric_bw = POD.config.ub.bandwidth
+    nbytes = 4 * MiB
+    t = _time_of(_writes, [(s, 20) for s in (0, 16, 32, 48, 2, 18)], nbytes)
+    assert 6 * nbytes / (t / 1e9) <= fabric_bw * 1.0001
+
+
+def test_transfer_time_is_uniform_across_the_pod():
+    near = _time_of(_writes, [(0, 2)], 1 * MiB)  # same server, other chip
+    far = _time_of(_writes, [(0, 63)], 1 * MiB)  # other server
+    assert near == far
+
+
+def test_dma_starts_slower_but_is_not_bound_by_aivs():
+    small_mte = _time_of(_writes, [(0, 20)], 4 * KiB, "mte", 1)
+    small_dma = _time_of(_writes, [(0, 20)], 4 * KiB, "dma", 1)
+    big_mte = _time_of(_writes, [(0, 20)], 4 * MiB, "mte", 1)
+    big_dma = _time_of(_writes, [(0, 20)], 4 * MiB, "dma", 1)
+    assert small_dma > small_mte
+    assert big_dma < big_mte
+
+
+@pytest.mark.parametrize("mode", ["bytes", "size"])
+def test_payload_modes_have_identical_timing(mode):
+    async def main():
+        fabric = UBFabric(POD, app_bytes=2 * MiB, payload_mode=mode)
+        data = b"x" * (1 * MiB) if mode == "bytes" else 1 * MiB
+        await fabric.write(0, 30, 0, data, aivs=4)
+        await fabric.write(30, 0, 0, data, engine="dma")
+        return xds.now_ns()
+
+    assert xds.run(main) == _reference_mode_time()
+
+
+def _reference_mode_time():
+    async def main():
+        fabric = UBFabric(POD, app_bytes=2 * MiB, payload_mode="size")
+        await fabric.write(0, 30, 0, 1 * MiB, aivs=4)
+        await fabric.write(30, 0, 0, 1 * MiB, engine="dma")
+        return xds.now_ns()
+
+    return xds.run(main)
+
+
+def test_bad_fabric_arguments_are_clear_errors():
+    with pytest.raises(ConfigError, match="half a UBuf"):
+        UBFabric(POD, mte_chunk_bytes=128 * KiB, slot_bytes=256 * KiB)
+    with pytest.raises(ConfigError, match="unknown fabric parameter"):
+        UBFabric(POD, ring_slot=3)
+    with pytest.raises(ConfigError, match="slot_bytes"):
+        UBFabric(POD, slot_bytes=100)
+
+    async def main():
+        fabric = UBFabric(POD, app_bytes=1 * KiB)
+        with pytest.raises(ConfigError, match="outside the application region"):
+            fabric.post_write(0, 1, 1000, b"x" * 100)
+        with pytest.raises(ConfigError, match="does not exist"):
+            fabric.post_write(0, 64, 0, b"x")
+        with pytest.raises(ConfigError, match="n_aiv"):
+            fabric.post_write(0, 1, 0, b"x", aivs=49)
+        with pytest.raises(ConfigError, match="real data"):
+            fabric.post_write(0, 1, 0, 10)
+
+    xds.run(main)
+
+
+def test_call_at_ns_runs_callbacks_in_order_on_both_backends(xds_backend):
+    async def main():
+        seen = []
+        rt = xds.current_runtime()
+        for i, t in enumerate((30, 10, 30, 20, 10)):
+            rt.call_at_ns(t, lambda i=i: seen.append((xds.now_ns(), i)))
+        cancelled = rt.call_at_ns(15, lambda: seen.append("cancelled"))
+        cancelled.cancel()
+        await xds.sleep_ns(100)
+        return seen
+
+    assert xds.run(main, backend=xds_backend) == [(10, 1), (10, 4), (20, 3), (30, 0), (30, 2)]
+
+
+def test_a_failing_callback_fails_the_run():
+    async def main():
+        xds.current_runtime().call_at_ns(5, lambda: 1 / 0)
+        await xds.sleep_ns(10)
+
+    with pytest.raises(ZeroDivisionError):
+        xds.run(main)

@@ -1,0 +1,246 @@
+"""XCCL point-to-point send/receive: protocol behaviour (SPEC 3.3-3.7)."""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import pytest
+
+import xds
+from xds.errors import ConfigError, ProtocolError, XdsError
+from xds.fabric import UBFabric
+from xds.fabric.xccl import XCCL, AppBuffer
+from xds.hw import CloudMatrix384
+from xds.units import KiB, MiB
+
+POD = CloudMatrix384(servers=4)
+
+
+def fabric(**kw):
+    kw.setdefault("app_bytes", 8 * MiB)
+    return UBFabric(POD, **kw)
+
+
+async def transfer(x, src, dst, payload, event_id=1, n_aiv=2, engine="mte", dst_off=2 * MiB):
+    n = len(payload) if isinstance(payload, bytes) else payload
+    if isinstance(payload, bytes):
+        x.fabric.write_local(src, 0, payload)
+    times = {}
+
+    async def send():
+        times["send"] = await x.send(
+            src, dst, AppBuffer(0, n), event_id, n_aiv=n_aiv, engine=engine
+        )
+
+    async def receive():
+        times["receive"] = await x.receive(
+            dst, src, AppBuffer(dst_off, n), event_id, n_aiv=n_aiv, engine=engine
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        tg.start_soon(receive)
+    return times
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("engine", ["mte", "dma"])
+async def test_round_trip_delivers_every_byte(xds_backend, engine):
+    async with XCCL(fabric()) as x:
+        for n in (0, 1, 100, 4 * KiB, 300 * KiB + 17, 3 * MiB):
+            data = os.urandom(n)
+            await transfer(x, 0, 40, data, event_id=n + 1, n_aiv=4, engine=engine)
+            assert x.fabric.read_local(40, 2 * MiB, n) == data
+        x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_send_completes_only_after_the_receive_acks(xds_backend):
+    async with XCCL(fabric()) as x:
+        times = await transfer(x, 0, 20, os.urandom(64 * KiB))
+        assert times["send"] > times["receive"]  # the ACK travels back after the copy-out
+
+
+@pytest.mark.xds
+async def test_send_without_receive_never_completes_and_poisons_the_pair(xds_backend):
+    async with XCCL(fabric()) as x:
+        with anyio.move_on_after(0.001) as scope:
+            await x.send(0, 20, AppBuffer(0, 4 * KiB), 9)
+        assert scope.cancelled_caught
+        assert xds.now_ns() == 1_000_000
+        with pytest.raises(ProtocolError, match="abandoned"):
+            await x.send(0, 20, AppBuffer(0, 4 * KiB), 10)
+        await transfer(x, 0, 21, os.urandom(4 * KiB))  # other pairs are unaffected
+
+
+@pytest.mark.xds
+async def test_event_id_mismatch_fails_both_sides_and_leaves_the_ring_usable(xds_backend):
+    async with XCCL(fabric(ring_slots=4, slot_bytes=8 * KiB, mte_chunk_bytes=8 * KiB)) as x:
+        errors = []
+
+        async def send():
+            try:
+                await x.send(0, 20, AppBuffer(0, 100 * KiB), 1)
+            except ProtocolError as exc:
+                errors.append(("send", str(exc)))
+
+        async def receive():
+            try:
+                await x.receive(20, 0, AppBuffer(2 * MiB, 100 * KiB), 2)
+            except ProtocolError as exc:
+                errors.append(("receive", str(exc)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(receive)
+        assert sorted(side for side, _ in errors) == ["receive", "send"]
+        assert any("eventID mismatch" in text for _, text in errors)
+        data = os.urandom(100 * KiB)  # the pair still works: the ring was drained
+        await transfer(x, 0, 20, data, event_id=3)
+        assert x.fabric.read_local(20, 2 * MiB, len(data)) == data
+        x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_wrong_buffer_size_is_a_protocol_error(xds_backend):
+    async with XCCL(fabric()) as x:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.send, 0, 20, AppBuffer(0, 8 * KiB), 1)
+                tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 1)
+        assert info.group_contains(ProtocolError, match="8192")
+
+
+@pytest.mark.xds
+async def test_invalid_arguments_are_clear_errors(xds_backend):
+    async with XCCL(fabric()) as x:
+        with pytest.raises(ConfigError, match="peer 64 does not exist"):
+            await x.send(0, 64, AppBuffer(0, 16), 1)
+        with pytest.raises(ConfigError, match="n_aiv"):
+            await x.send(0, 1, AppBuffer(0, 16), 1, n_aiv=0)
+        with pytest.raises(ConfigError, match="eventID"):
+            await x.send(0, 1, AppBuffer(0, 16), 0)
+        with pytest.raises(ConfigError, match="outside the application region"):
+            await x.send(0, 1, AppBuffer(8 * MiB - 8, 16), 1)
+        with pytest.raises(ProtocolError, match="itself"):
+            await x.send(3, 3, AppBuffer(0, 16), 1)
+        with pytest.raises(ConfigError, match="engine"):
+            await x.send(0, 1, AppBuffer(0, 16), 1, engine="rdma")  # type: ignore[arg-type]
+
+
+@pytest.mark.xds
+async def test_messages_larger_than_the_ring_flow_through_it(xds_backend):
+    f = fabric(ring_slots=4, slot_bytes=4 * KiB, mte_chunk_bytes=4 * KiB)
+    async with XCCL(f) as x:
+        data = os.urandom(256 * KiB)  # 64 chunks through a 4-slot ring
+        await transfer(x, 0, 33, data, n_aiv=8)
+        assert f.read_local(33, 2 * MiB, len(data)) == data
+        assert x.monitor.max_occupied[(0, 33)] <= 4
+        x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_pairs_are_isolated(xds_backend):
+    f = fabric(ring_slots=2, slot_bytes=4 * KiB, mte_chunk_bytes=4 * KiB)
+    async with XCCL(f) as x, anyio.create_task_group() as tg:
+        # 0 -> 20 fills its ring and stalls: nobody receives
+        tg.start_soon(x.send, 0, 20, AppBuffer(0, 64 * KiB), 1)
+        await xds.sleep_ns(50_000)
+        assert x.monitor.max_occupied[(0, 20)] == 2
+        data = os.urandom(64 * KiB)  # 0 -> 21 is unaffected
+        f.write_local(0, 1 * MiB, data)
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(x.send, 0, 21, AppBuffer(1 * MiB, 64 * KiB), 2)
+            inner.start_soon(x.receive, 21, 0, AppBuffer(2 * MiB, 64 * KiB), 2)
+        assert f.read_local(21, 2 * MiB, 64 * KiB) == data
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.xds
+async def test_sync_mode_holds_aivs_from_launch_to_return(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        ends = []
+
+        async def pair(dst):
+            times = await transfer(x, 0, dst, 1 * MiB, event_id=dst, n_aiv=32)
+            ends.append(times["send"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pair, 20)
+            tg.start_soon(pair, 36)
+        alone = (await transfer(x, 0, 52, 1 * MiB, event_id=99, n_aiv=32))["send"] - max(ends)
+        # 32 + 32 > 48 AIVs: the second send waits for the first to return
+        assert max(ends) >= 2 * alone - 1_000
+        assert x.p2p.aivs(0).free == 48
+
+
+@pytest.mark.xds
+async def test_async_mode_posts_completions_and_does_not_hold_aivs(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        handles = [x.send_async(0, dst, AppBuffer(0, 1 * MiB), dst, n_aiv=32) for dst in (20, 36)]
+        receives = [
+            x.receive_async(dst, 0, AppBuffer(0, 1 * MiB), dst, n_aiv=32) for dst in (20, 36)
+        ]
+        done = [await h.wait() for h in handles + receives]
+        assert all(c.ok for c in done)
+        queue = x.completion_queue(0)
+        got = [queue.receive_nowait(), queue.receive_nowait()]
+        assert sorted(c.peer for c in got) == [20, 36]
+        assert all(c.op == "send" and c.nbytes == 1 * MiB for c in got)
+        assert x.completion_queue(20).receive_nowait().op == "receive"
+        assert x.p2p.aivs(0).free == 48
+
+
+@pytest.mark.xds
+async def test_async_failure_is_reported_on_the_completion_queue(xds_backend):
+    async with XCCL(fabric()) as x:
+        h = x.send_async(0, 20, AppBuffer(0, 4 * KiB), 5)
+        r = x.receive_async(20, 0, AppBuffer(0, 4 * KiB), 6)
+        with pytest.raises(ProtocolError):
+            await r.wait()
+        with pytest.raises(ProtocolError):
+            await h.wait()
+        completion = x.completion_queue(0).receive_nowait()
+        assert not completion.ok and "rejected" in completion.error
+
+
+def test_async_needs_a_running_xccl():
+    async def main():
+        x = XCCL(fabric())
+        with pytest.raises(XdsError, match="async with XCCL"):
+            x.send_async(0, 1, AppBuffer(0, 16), 1)
+
+    xds.run(main)
+
+
+@pytest.mark.xds
+async def test_each_transfer_is_exactly_two_copies(xds_backend):
+    f = fabric(payload_mode="size")
+    async with XCCL(f) as x:
+        await transfer(x, 0, 20, 1 * MiB, n_aiv=8)
+    assert f.stats.remote_bytes == 1 * MiB  # app -> remote managed
+    assert f.stats.local_bytes == 1 * MiB  # managed -> app
+
+
+def test_more_aivs_only_pay_off_for_large_messages():
+    def latency(n, aivs):
+        async def main():
+            async with XCCL(fabric(payload_mode="size", app_bytes=16 * MiB)) as x:
+                t = await transfer(x, 0, 20, n, n_aiv=aivs, dst_off=0)
+                return t["send"]
+
+        return xds.run(main)
+
+    assert latency(4 * KiB, 48) >= latency(4 * KiB, 2) * 0.9
+    assert latency(9 * MiB, 48) * 2.5 < latency(9 * MiB, 2)
+
+
+@pytest.mark.xds
+async def test_dma_path_skips_ubuf_and_pays_its_start_up(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        mte = await transfer(x, 0, 20, 4 * KiB, event_id=1, engine="mte")
+        t0 = xds.now_ns()
+        dma = await transfer(x, 0, 20, 4 * KiB, event_id=2, engine="dma")
+        assert dma["send"] - t0 > mte["send"]
+        assert dma["send"] - t0 > POD.engines.dma_startup_ns
