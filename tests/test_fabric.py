@@ -25,9 +25,8 @@ def test_a_full_pod_allocates_nothing_until_touched():
     assert sum(m.allocated_bytes for m in mems) == 0
     fabric.memory(5).meta(9, 3, Direction.RX)
     assert fabric.memory(5).allocated_bytes == META_FIELD_BYTES
-    fabric.memory(5).ring(9)
-    c = fabric.config
-    assert fabric.memory(5).allocated_bytes == META_FIELD_BYTES + c.ring_slots * c.slot_bytes
+    fabric.memory(5).slot(9, 3)
+    assert fabric.memory(5).allocated_bytes == META_FIELD_BYTES + fabric.config.slot_bytes
 
 
 def test_metadata_field_is_32_bytes_in_spec_layout():

@@ -69,7 +69,7 @@ def _pod(servers: int):
 @click.option("--sources", is_flag=True, help="Also print every hardware number's source.")
 def info(servers: int, sources: bool) -> None:
     """Print the pod: servers, chips, dies, AIVs, memory, compute and link bandwidths."""
-    from xds.hw import DieSpec, EngineSpec
+    from xds.hw import DieSpec, EngineSpec, aiv_mte_bandwidth
     from xds.hw import sources as spec_sources
 
     pod = _pod(servers)
@@ -102,7 +102,8 @@ def info(servers: int, sources: bool) -> None:
     e = c.engines
     table.add_row("XCCL launch / meta", f"{fmt_ns(e.kernel_launch_ns)} / {fmt_ns(e.meta_write_ns)}")
     table.add_row("MTE / DMA start-up", f"{fmt_ns(e.mte_startup_ns)} / {fmt_ns(e.dma_startup_ns)}")
-    table.add_row("MTE per AIV", f"{e.aiv_mte_bandwidth / GB:.0f} GB/s")
+    b_aiv = aiv_mte_bandwidth(e, d)
+    table.add_row("MTE per AIV (b_aiv)", f"{b_aiv / GB:.1f} GB/s")
     console.print(table)
     if sources:
         src = Table(title="Sources", show_lines=False)
@@ -162,6 +163,45 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
     table.add_row("events per wall second", f"{r.events / r.wall_s:,.0f}")
     table.add_row("event-log digest", r.digest[:16])
     console.print(table)
+
+
+@app.command()
+@click.argument("target")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def reproduce(target: str, as_json: bool) -> int:
+    """Reproduce a result of the paper: TARGET is one of the targets below, or 'all'.
+
+    Prints the paper's number beside xds's for each row; exits 1 if a row misses.
+    """
+    import json
+
+    from xds.reproduce import run_target, target_names
+
+    names = target_names() if target == "all" else [target]
+    ok = True
+    for name in names:
+        result = run_target(name)
+        ok = ok and all(row.ok for row in result.rows)
+        if as_json:
+            print(json.dumps(result.to_json_object()))
+            continue
+        for data in result.tables:
+            table = Table(title=data.title)
+            for col in data.columns:
+                table.add_column(col, justify="right")
+            for row in data.rows:
+                table.add_row(*row)
+            console.print(table)
+            for note in data.notes:
+                console.print(note)
+        rows = Table(title=f"xds reproduce {name} ({result.wall_s:.1f} s wall)")
+        for col in ("row", "paper", "xds", "unit", "relation", "ok"):
+            rows.add_column(col, justify="right" if col in ("paper", "xds") else "left")
+        for r in result.rows:
+            rel = {"lt": "<", "gt": ">"}.get(r.relation, f"within {r.tolerance:.0%}")
+            rows.add_row(r.name, f"{r.paper:g}", f"{r.xds:g}", r.unit, rel, "yes" if r.ok else "NO")
+        console.print(rows)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,7 +84,7 @@ class DieMemory:
         self.ring_slots = ring_slots
         self.slot_bytes = slot_bytes
         self._app: bytearray | None = None
-        self._rings: dict[int, bytearray] = {}
+        self._slots: dict[tuple[int, int], bytearray] = {}
         self._meta: dict[tuple[int, int, int], MetaField] = {}
 
     # -- regions -----------------------------------------------------------------------------
@@ -96,17 +96,17 @@ class DieMemory:
             self._app = bytearray(self.app_bytes)
         return memoryview(self._app)
 
-    def ring(self, peer: int) -> memoryview:
-        """The managed ring this die holds for messages from ``peer`` (bytes mode only)."""
-        self._require_bytes("a managed ring")
-        buf = self._rings.get(peer)
-        if buf is None:
-            buf = self._rings[peer] = bytearray(self.ring_slots * self.slot_bytes)
-        return memoryview(buf)
-
     def slot(self, peer: int, slot: int) -> memoryview:
-        start = slot * self.slot_bytes
-        return self.ring(peer)[start : start + self.slot_bytes]
+        """Slot ``slot`` of the managed ring this die holds for messages from ``peer``
+        (bytes mode only; each slot is allocated when first touched)."""
+        self._require_bytes("a managed ring")
+        if not 0 <= slot < self.ring_slots:
+            raise IndexError(f"ring slot {slot} out of range 0..{self.ring_slots - 1}")
+        key = (peer, slot)
+        buf = self._slots.get(key)
+        if buf is None:
+            buf = self._slots[key] = bytearray(self.slot_bytes)
+        return memoryview(buf)
 
     def meta(self, peer: int, aiv: int, direction: Direction) -> MetaField:
         """The metadata field for (``peer``, ``aiv``, ``direction``), created on first use."""
@@ -120,7 +120,7 @@ class DieMemory:
     def allocated_bytes(self) -> int:
         """Bytes actually allocated so far (lazy allocation)."""
         app = len(self._app) if self._app is not None else 0
-        return app + sum(len(r) for r in self._rings.values()) + META_FIELD_BYTES * len(self._meta)
+        return app + self.slot_bytes * len(self._slots) + META_FIELD_BYTES * len(self._meta)
 
     def _require_bytes(self, what: str) -> None:
         if self.mode != "bytes":

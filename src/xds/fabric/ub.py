@@ -7,8 +7,9 @@ modelled completion time; until then a reader sees the old bytes (SPEC 0.4, 1.3)
 Costs come from :mod:`xds.hw` (SPEC 1.4, 3.7):
 
 * **MTE2/MTE3** (through an AIV's unified buffer): start-up ``mte_startup_ns``; each AIV moves
-  ``aiv_mte_bandwidth`` B/s; load and store overlap (ping-pong), so only the first operation's
-  load is exposed; at most half a UBuf per operation.
+  ``b_aiv`` B/s (:func:`xds.hw.aiv_mte_bandwidth`: HBM bandwidth / AIVs per die by default);
+  load and store overlap (ping-pong), so only the first operation's start-up and load are
+  exposed; at most half a UBuf per operation.
 * **DMA/URMA**: start-up ``dma_startup_ns``; moves at link rate, needs no UBuf and no MTE.
 * Either is capped by the link between the dies and shares each die's egress and ingress
   bandwidth with concurrent transfers (:mod:`xds.fabric.ports`); then the link's one-way latency.
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..errors import ConfigError
-from ..hw import CloudMatrix384, Network
+from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
 from ..runtime import current_runtime, sleep_until_ns
 from .config import FabricConfig, validated
 from .memory import DieMemory, Direction, MetaField
@@ -142,8 +143,9 @@ class UBFabric:
         e = self.engines
         op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
         ports, link_bw, latency = self._link_ports(src, dst)
-        rate = min(aivs * e.aiv_mte_bandwidth, link_bw)
-        begin = start_ns + (e.mte_startup_ns + op * 1e9 / e.aiv_mte_bandwidth if fill else 0.0)
+        b_aiv = aiv_mte_bandwidth(e, self.pod.spec_of(src))
+        rate = min(aivs * b_aiv, link_bw)
+        begin = start_ns + (e.mte_startup_ns + op * 1e9 / b_aiv if fill else 0.0)
         if src == dst:  # a local copy reads and writes the same HBM
             end = finish_ns(begin, 2 * nbytes, 2 * rate, ports)
             self.stats.local_ops += 1

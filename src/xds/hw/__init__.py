@@ -13,6 +13,7 @@ from .specs import (
     EngineSpec,
     LinkSpec,
     Network,
+    aiv_mte_bandwidth,
     sources,
 )
 from .topology import CloudMatrix384, DieLocation, PodConfig
@@ -33,5 +34,6 @@ __all__ = [
     "LinkSpec",
     "Network",
     "PodConfig",
+    "aiv_mte_bandwidth",
     "sources",
 ]

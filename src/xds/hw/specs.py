@@ -103,11 +103,19 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     meta_write_ns: Annotated[
         int, Meta(ge=0), _d("t_meta: one metadata write/poll round. [emulator choice] App. B 1 us")
     ] = 1_000
-    aiv_mte_bandwidth: Annotated[
-        float,
-        Meta(gt=0),
-        _d("b_aiv: MTE2/MTE3 throughput one AIV sustains. [emulator choice] App. B 35 GB/s"),
-    ] = 35 * GB
+    aiv_mte_bandwidth: (
+        Annotated[
+            float,
+            Meta(gt=0),
+            _d(
+                "b_aiv: MTE2/MTE3 throughput one AIV sustains. Default (None): derived per die as "
+                "HBM bandwidth / AIVs (1.6 TB/s / 48 = 33.3 GB/s on 910C) [D]: MTE2 streams "
+                "from HBM and a die's AIVs together saturate it. SPEC App. B's illustrative "
+                "value is 35 GB/s"
+            ),
+        ]
+        | None
+    ) = None
     mte_startup_ns: Annotated[
         int,
         Meta(ge=0),
@@ -116,6 +124,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     dma_startup_ns: Annotated[
         int, Meta(ge=0), _d("DMA/URMA start-up. [emulator choice] SPEC App. B 10 us")
     ] = 10_000
+
+
+def aiv_mte_bandwidth(engines: EngineSpec, die: DieSpec) -> float:
+    """b_aiv of ``die``: the explicit engine value, else HBM bandwidth / AIVs per die."""
+    return engines.aiv_mte_bandwidth or die.hbm_bandwidth / die.aiv
 
 
 class Network(StrEnum):
@@ -189,6 +202,8 @@ def sources(spec: type[msgspec.Struct]) -> dict[str, str]:
     assert isinstance(info, msgspec.inspect.StructType)
     for field in info.fields:
         t = field.type
+        if isinstance(t, msgspec.inspect.UnionType):  # an optional field
+            t = next((u for u in t.types if isinstance(u, msgspec.inspect.Metadata)), t)
         if isinstance(t, msgspec.inspect.Metadata) and t.extra_json_schema:
             desc = t.extra_json_schema.get("description")
             if desc:

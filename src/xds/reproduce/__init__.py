@@ -1,0 +1,87 @@
+"""``xds reproduce``: the paper's measured results beside what xds predicts (SPEC 12).
+
+Every target runs the modelled mechanisms and reports rows of ``(name, paper, xds, unit,
+relation, tolerance)``. Nothing in a target is set to the paper's value: the numbers come out
+of the model's costs (hardware parameters and documented emulator choices).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from ..errors import ConfigError
+
+Relation = Literal["approx", "lt", "gt"]
+
+
+class Row(msgspec.Struct, frozen=True):
+    """One result: the paper's number, xds's number, and how they must relate."""
+
+    name: str
+    paper: float
+    xds: float
+    unit: str
+    relation: Relation
+    tolerance: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        if self.relation == "lt":
+            return self.xds < self.paper
+        if self.relation == "gt":
+            return self.xds > self.paper
+        return abs(self.xds - self.paper) <= self.tolerance * abs(self.paper)
+
+
+class TableData(msgspec.Struct, frozen=True):
+    """A table a target prints besides its rows (e.g. the full Figure 5 grid)."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    notes: list[str] = []
+
+
+class Result(msgspec.Struct):
+    target: str
+    wall_s: float
+    rows: list[Row]
+    tables: list[TableData] = []
+
+    def to_json_object(self) -> dict[str, object]:
+        """The ``--json`` object of ARCHITECTURE.md (target, wall_s, rows)."""
+        return {
+            "target": self.target,
+            "wall_s": round(self.wall_s, 3),
+            "rows": [msgspec.to_builtins(r) for r in self.rows],
+        }
+
+
+TargetFn = Callable[[], tuple[list[Row], list[TableData]]]
+
+
+def _targets() -> dict[str, TargetFn]:
+    from . import p2p
+
+    return {"p2p": p2p.reproduce}
+
+
+def target_names() -> list[str]:
+    return list(_targets())
+
+
+def run_target(name: str) -> Result:
+    """Run one target and time it (wall clock: how long the simulator took)."""
+    targets = _targets()
+    if name not in targets:
+        raise ConfigError(
+            f"unknown target {name!r}; choose one of {', '.join(targets)} or 'all'",
+            field="target",
+        )
+    wall = time.perf_counter()  # noqa: TID251 - reports the simulator's own run time
+    rows, tables = targets[name]()
+    return Result(name, time.perf_counter() - wall, rows, tables)  # noqa: TID251

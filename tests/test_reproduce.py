@@ -1,0 +1,52 @@
+"""``xds reproduce``: rows, relations and the JSON object of ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.reproduce import Row, run_target, target_names
+from xds.reproduce.p2p import AIVS, PAYLOADS, measure
+from xds.units import MiB
+
+
+def test_row_relations():
+    assert Row("a", 20, 17, "us", "lt").ok and not Row("a", 20, 21, "us", "lt").ok
+    assert Row("b", 2.5, 2.7, "x", "gt").ok and not Row("b", 2.5, 2.4, "x", "gt").ok
+    assert Row("c", 100, 109, "ms", "approx", 0.1).ok
+    assert not Row("c", 100, 111, "ms", "approx", 0.1).ok
+
+
+def test_p2p_meets_figure_5():
+    result = run_target("p2p")
+    rows = {r.name: r for r in result.rows}
+    assert set(rows) == {"max_latency_us_below_1MiB_aiv2", "speedup_9MiB_aiv48_vs_aiv2"}
+    assert all(r.ok for r in result.rows), result.rows
+    assert len(result.tables[0].rows) == len(PAYLOADS)
+
+
+def test_p2p_latency_grows_with_payload_and_falls_with_aivs_for_large_messages():
+    lat = measure()
+    for aivs in AIVS:
+        series = [lat[(p, aivs)] for p in PAYLOADS]
+        assert series == sorted(series)
+    big = [lat[(9 * MiB, a)] for a in AIVS]
+    assert big == sorted(big, reverse=True)
+
+
+def test_reproduce_cli_json(capsys):
+    assert main(["reproduce", "p2p", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["target"] == "p2p" and obj["wall_s"] > 0
+    assert {"name", "paper", "xds", "unit", "relation", "tolerance"} <= set(obj["rows"][0])
+
+
+def test_unknown_target_is_a_clear_error(capsys):
+    with pytest.raises(ConfigError):
+        run_target("nope")
+    assert main(["reproduce", "nope"]) == 2
+    assert "unknown target" in capsys.readouterr().err
+    assert "p2p" in target_names()
