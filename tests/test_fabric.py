@@ -133,6 +133,16 @@ def _reference_mode_time():
     return xds.run(main)
 
 
+def test_an_mte_operation_larger_than_half_a_ubuf_is_rejected():
+    from xds.errors import ProtocolError
+
+    fabric = UBFabric(POD)
+    with pytest.raises(ProtocolError, match="half a UBuf"):
+        fabric.mte_transfer(0, 1, 1 * MiB, start_ns=0, op_bytes=128 * KiB)
+    t = fabric.mte_transfer(0, 1, 1 * MiB, start_ns=0, op_bytes=96 * KiB)
+    assert t.end_ns > 0
+
+
 def test_bad_fabric_arguments_are_clear_errors():
     with pytest.raises(ConfigError, match="half a UBuf"):
         UBFabric(POD, mte_chunk_bytes=128 * KiB, slot_bytes=256 * KiB)

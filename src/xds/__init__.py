@@ -11,7 +11,7 @@ Quick start::
     assert xds.run(main, seed=0) == 5_000
 """
 
-from . import errors, units
+from . import errors, hw, units
 from .runtime import (
     Runtime,
     current_runtime,
@@ -31,6 +31,7 @@ __all__ = [
     "current_runtime",
     "emit",
     "errors",
+    "hw",
     "now_ns",
     "rng",
     "run",

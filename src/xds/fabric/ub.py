@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
 from ..runtime import current_runtime, sleep_until_ns
 from .config import FabricConfig, validated
@@ -142,6 +142,11 @@ class UBFabric:
         """
         e = self.engines
         op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
+        limit = self.pod.spec_of(src).mte_max_bytes
+        if op > limit:
+            raise ProtocolError(
+                f"an MTE operation moves at most half a UBuf ({limit} bytes), got {op}"
+            )
         ports, link_bw, latency = self._link_ports(src, dst)
         b_aiv = aiv_mte_bandwidth(e, self.pod.spec_of(src))
         rate = min(aivs * b_aiv, link_bw)
