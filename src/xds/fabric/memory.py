@@ -40,6 +40,9 @@ class Direction(IntEnum):
     """Field written by the peer as sender: the state of data arriving from the peer."""
     TX = 1
     """Field written by the peer as receiver: credits and ACKs of data sent to the peer."""
+    COLL = 2
+    """Collective metadata written by the peer (SPEC 4.2): eventID, token count (in chunkID)
+    and the offset of this die's block in the peer's managed area (in tailPtr)."""
 
 
 class MetaField:

@@ -124,6 +124,23 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     dma_startup_ns: Annotated[
         int, Meta(ge=0), _d("DMA/URMA start-up. [emulator choice] SPEC App. B 10 us")
     ] = 10_000
+    meta_issue_ns: Annotated[
+        int,
+        Meta(ge=0),
+        _d(
+            "Scalar work of one AIV to address and issue one remote metadata write (per "
+            "destination of a collective; SPEC 5.6 'per-destination scalar and metadata work'). "
+            "[emulator choice] 100 ns: ~185 scalar cycles at 1.85 GHz"
+        ),
+    ] = 100
+    vector_ops_per_quant_element: Annotated[
+        int,
+        Meta(ge=1),
+        _d(
+            "Vector operations per element of token-wise INT8 (de)quantisation: |x|, max, "
+            "scale, round/convert. [emulator choice] 4; time = ops / die vector peak"
+        ),
+    ] = 4
 
 
 def aiv_mte_bandwidth(engines: EngineSpec, die: DieSpec) -> float:

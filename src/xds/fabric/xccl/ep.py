@@ -1,0 +1,572 @@
+"""Dispatch and combine for colocated MoE: count, then pull (SPEC 4).
+
+An :class:`EPGroup` is the set of ranks (dies) of one expert-parallel group. Every rank calls
+:meth:`EPGroup.dispatch` with its tokens and routing, computes its experts on what it received,
+then calls :meth:`EPGroup.combine` with the expert outputs (SPMD, like the real kernels).
+
+Dispatch on each rank (SPEC 4.3):
+
+1. launch; load its tokens (MTE2), quantise to INT8 if the wire dtype is INT8 (vector work, one
+   scale per token), and write them into its own managed area grouped by destination rank
+   (MTE3): one row per (token, destination rank), in token order;
+2. write each destination's metadata field: eventID, how many rows it will receive, offset;
+3. **barrier**: poll its own metadata until every rank's field carries this eventID;
+4. **pull**: read each peer's block for it (MTE2 over UB), dequantise, store into its output
+   (MTE3); peers are spread over its AIVs. Then it tells each peer its block may be reused.
+
+Combine is the same exchange in reverse: each expert rank packs one copy per (token, expert)
+output, grouped by source rank; the token's owner pulls its copies and accumulates
+``y_t = sum_j W[t, j] * out_{t, j}`` in top-k order in float32 (the owner applies the weights,
+SPEC 4.4). Managed blocks and metadata are double-buffered by eventID parity, so consecutive
+layers never read each other's metadata.
+
+Two fidelity tiers share this API (ARCHITECTURE.md "Fidelity tiers"): ``tier="protocol"`` moves
+every block and metadata write through the fabric; ``tier="collective"`` makes one event per
+collective and computes every rank's completion from all arrival times with the same costs in
+closed form (:mod:`xds.fabric.xccl.collective_cost`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import anyio
+import msgspec
+import numpy as np
+
+from ...errors import ConfigError, ProtocolError
+from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ..memory import Direction
+from ..ub import UBFabric
+from . import wire
+from .collective_cost import ExchangeCost, exchange_completion
+from .moe import (
+    ExpertMap,
+    Layout,
+    Routed,
+    WireDtype,
+    combine_row_bytes,
+    dispatch_row_bytes,
+    layout,
+    route,
+)
+
+Tier = Literal["protocol", "collective"]
+_DISPATCH, _COMBINE = 0, 1
+
+
+class EPConfig(msgspec.Struct, frozen=True, kw_only=True):
+    hidden: int
+    top_k: int
+    max_tokens_per_rank: int
+    """Capacity of one (source, destination) block in rows (SPEC 4.2: sized by max batch)."""
+    dispatch_dtype: WireDtype = "int8"
+    combine_dtype: WireDtype = "bf16"
+    n_aiv: int = 48
+
+
+class DispatchOutput(msgspec.Struct):
+    """What one rank received from a dispatch, and what combine needs to send it back."""
+
+    event_id: int
+    recv_x: np.ndarray | None
+    """[n_recv, H] float32 (dequantised), rows grouped by source rank in rank order and in
+    source token order within a rank; ``None`` in size mode."""
+    recv_src_rank: np.ndarray
+    recv_src_token: np.ndarray
+    recv_local_slots: np.ndarray
+    """[n_recv, k]: the local expert slot (on this rank) of each top-k entry, -1 elsewhere."""
+    rank_prefix: np.ndarray
+    """[R + 1]: rows from source rank s are ``rank_prefix[s]:rank_prefix[s+1]``."""
+    num_recv_per_local_slot: np.ndarray
+    routed: Routed
+    send_layout: Layout
+    n_tokens: int
+    start_ns: int
+    barrier_ns: int
+    end_ns: int
+
+    @property
+    def n_recv(self) -> int:
+        return int(self.rank_prefix[-1])
+
+
+class _Block(msgspec.Struct):
+    rows: int
+    data: bytes | None
+
+
+class _Arrival(msgspec.Struct):
+    """Collective tier: what one rank brings to an exchange."""
+
+    t_ns: int
+    counts: np.ndarray
+    costs: tuple[int, float, int]
+    blocks: list[bytes | None]
+
+
+class EPGroup:
+    """An expert-parallel group of dies running dispatch and combine."""
+
+    def __init__(
+        self,
+        fabric: UBFabric,
+        ranks: list[int],
+        expert_map: ExpertMap,
+        config: EPConfig,
+        *,
+        tier: Tier = "protocol",
+    ):
+        if len(ranks) != expert_map.n_ranks:
+            raise ConfigError(
+                f"expert map has {expert_map.n_ranks} ranks but the group has {len(ranks)}",
+                field="ranks",
+            )
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError("ranks must be distinct dies", field="ranks")
+        for die in ranks:
+            fabric.pod.check_die(die, what="rank die")
+            fabric._check_aivs(die, config.n_aiv)
+        if tier not in ("protocol", "collective"):
+            raise ConfigError(f"unknown tier {tier!r}", field="tier")
+        self.fabric = fabric
+        self.ranks = list(ranks)
+        self.expert_map = expert_map
+        self.config = config
+        self.tier: Tier = tier
+        self.R = len(ranks)
+        self._blocks: dict[tuple[int, int, int, int], _Block] = {}
+        self._pending: dict[tuple[int, int, int], int] = {}
+        self._released: dict[tuple[int, int, int], anyio.Event] = {}
+        self._arrivals: dict[tuple[int, int], dict[int, _Arrival]] = {}
+        self._results: dict[tuple[int, int], anyio.Event] = {}
+        self._completion: dict[tuple[int, int], _Completion] = {}
+        self._exchange_cost: ExchangeCost | None = None
+
+    # -- public API ------------------------------------------------------------------------------
+    async def dispatch(
+        self,
+        rank: int,
+        x: np.ndarray | int,
+        topk_idx: np.ndarray,
+        event_id: int,
+        *,
+        positions: np.ndarray | None = None,
+    ) -> DispatchOutput:
+        """Dispatch this rank's tokens ``x`` ([B, H] float32, or B in size mode)."""
+        cfg = self.config
+        self._check_rank(rank)
+        topk_idx = np.asarray(topk_idx, dtype=np.int64)
+        n_tokens = x if isinstance(x, int) else int(np.asarray(x).shape[0])
+        if topk_idx.shape != (n_tokens, cfg.top_k):
+            raise ConfigError(
+                f"topk_idx must have shape ({n_tokens}, {cfg.top_k}), got {topk_idx.shape}",
+                field="topk_idx",
+            )
+        bytes_mode = self.fabric.mode == "bytes"
+        if bytes_mode and isinstance(x, int):
+            raise ConfigError("bytes payload mode needs token data, got a count", field="x")
+        if bytes_mode:
+            x = np.asarray(x, dtype=np.float32)
+            if x.shape[1] != cfg.hidden:
+                raise ConfigError(f"x must have hidden size {cfg.hidden}", field="x")
+        routed = route(topk_idx, self.expert_map, positions)
+        lay = layout(routed, self.R)
+        row_bytes = dispatch_row_bytes(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+        blocks: list[bytes | None] = []
+        dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+        for r in range(self.R):
+            tokens = lay.tokens_for_rank[r]
+            if not bytes_mode:
+                blocks.append(None)
+                continue
+            rows = np.zeros(len(tokens), dtype=dt)
+            wire.encode_payload(rows, x[tokens], cfg.dispatch_dtype)  # type: ignore[index]
+            rows["token"] = tokens
+            on_r = routed.dest_rank[tokens] == r
+            rows["slots"] = np.where(on_r, routed.local_slot[tokens], -1)
+            blocks.append(rows.tobytes())
+        start = now_ns()
+        received, barrier = await self._exchange(
+            rank,
+            event_id,
+            _DISPATCH,
+            blocks,
+            lay.num_tokens_per_rank,
+            row_bytes,
+            pack_vector_ns=self._quant_ns(n_tokens, cfg.dispatch_dtype),
+            per_row_ns=float(self._quant_ns(1, cfg.dispatch_dtype, exact=True)),
+            post_ns=0,
+        )
+        out = self._assemble_dispatch(
+            rank, event_id, received, routed, lay, n_tokens, start, barrier
+        )
+        emit(
+            "xccl",
+            "dispatch",
+            rank=rank,
+            die=self.ranks[rank],
+            event_id=event_id,
+            tokens=n_tokens,
+            recv=out.n_recv,
+            latency_ns=out.end_ns - start,
+        )
+        return out
+
+    async def combine(
+        self,
+        rank: int,
+        handle: DispatchOutput,
+        expert_out: np.ndarray | None,
+        topk_weights: np.ndarray | None,
+        event_id: int,
+    ) -> np.ndarray | None:
+        """Return expert outputs to the tokens' owners and accumulate them with the weights.
+
+        ``expert_out`` is [n_recv, k, H] float32: row ``i``'s output of its ``j``-th top-k
+        expert where ``handle.recv_local_slots[i, j] >= 0`` (ignored elsewhere); ``None`` in
+        size mode. ``topk_weights`` are this rank's own tokens' gate weights [B, k].
+        """
+        cfg = self.config
+        self._check_rank(rank)
+        bytes_mode = self.fabric.mode == "bytes"
+        valid = handle.recv_local_slots >= 0
+        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
+        blocks: list[bytes | None] = []
+        counts = np.zeros(self.R, dtype=np.int64)
+        for s in range(self.R):
+            lo, hi = int(handle.rank_prefix[s]), int(handle.rank_prefix[s + 1])
+            rows_i, rows_j = np.nonzero(valid[lo:hi])
+            counts[s] = len(rows_i)
+            if not bytes_mode:
+                blocks.append(None)
+                continue
+            if expert_out is None:
+                raise ConfigError("bytes payload mode needs expert outputs", field="expert_out")
+            copies = np.zeros(len(rows_i), dtype=dt)
+            wire.encode_payload(copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype)
+            copies["token"] = handle.recv_src_token[lo + rows_i]
+            copies["k"] = rows_j
+            blocks.append(copies.tobytes())
+        if bytes_mode and (
+            topk_weights is None or np.shape(topk_weights) != (handle.n_tokens, cfg.top_k)
+        ):
+            raise ConfigError(
+                f"topk_weights must have shape ({handle.n_tokens}, {cfg.top_k})",
+                field="topk_weights",
+            )
+        row_bytes = combine_row_bytes(cfg.hidden, cfg.combine_dtype)
+        n_copies_back = int((handle.routed.dest_rank >= 0).sum())
+        start = now_ns()
+        received, _ = await self._exchange(
+            rank,
+            event_id,
+            _COMBINE,
+            blocks,
+            counts,
+            row_bytes,
+            pack_vector_ns=self._quant_ns(int(counts.sum()), cfg.combine_dtype),
+            per_row_ns=float(self._quant_ns(1, cfg.combine_dtype, exact=True)),
+            post_ns=self._weighting_ns(n_copies_back),
+        )
+        y = None
+        if bytes_mode:
+            assert topk_weights is not None
+            y = self._accumulate(handle, received, np.asarray(topk_weights, np.float32))
+        emit(
+            "xccl",
+            "combine",
+            rank=rank,
+            die=self.ranks[rank],
+            event_id=event_id,
+            latency_ns=now_ns() - start,
+        )
+        return y
+
+    # -- costs -----------------------------------------------------------------------------------
+    def _quant_ns(self, n_rows: int, dtype: WireDtype, *, exact: bool = False) -> float:
+        """Vector time of token-wise INT8 (de)quantisation of ``n_rows`` rows at the die's
+        vector peak (0 unless the wire dtype is INT8); rounded to ns unless ``exact``."""
+        if dtype != "int8" or n_rows == 0:
+            return 0
+        e = self.fabric.engines
+        die = self.fabric.pod.spec_of(self.ranks[0])
+        ops = n_rows * self.config.hidden * e.vector_ops_per_quant_element
+        t = ops / die.vector_flops * 1e9
+        return t if exact else round(t)
+
+    def _weighting_ns(self, n_copies: int) -> int:
+        """Vector time of the owner's weighted accumulation (2 ops per element per copy)."""
+        die = self.fabric.pod.spec_of(self.ranks[0])
+        return round(2 * n_copies * self.config.hidden / die.vector_flops * 1e9)
+
+    def _cost(self) -> ExchangeCost:
+        if self._exchange_cost is None:
+            self._exchange_cost = ExchangeCost.of(self.fabric, self.ranks, self.config.n_aiv)
+        return self._exchange_cost
+
+    # -- the count-then-pull exchange ---------------------------------------------------------------
+    async def _exchange(
+        self,
+        rank: int,
+        event_id: int,
+        phase: int,
+        blocks: list[bytes | None],
+        counts: np.ndarray,
+        row_bytes: int,
+        *,
+        pack_vector_ns: float,
+        per_row_ns: float,
+        post_ns: float,
+    ) -> tuple[list[_Block], int]:
+        cap = self.config.max_tokens_per_rank
+        for dest, n in enumerate(counts):
+            if n > cap:
+                raise ProtocolError(
+                    f"rank {rank} would send {int(n)} rows to rank {dest}, above the block "
+                    f"capacity of {cap} (max_tokens_per_rank); nothing was written"
+                )
+        costs = (round(pack_vector_ns), per_row_ns, round(post_ns))
+        if self.tier == "collective":
+            return await self._exchange_collective(
+                rank, event_id, phase, blocks, counts, row_bytes, costs
+            )
+        return await self._exchange_protocol(
+            rank, event_id, phase, blocks, counts, row_bytes, costs
+        )
+
+    async def _exchange_protocol(
+        self,
+        rank: int,
+        event_id: int,
+        phase: int,
+        blocks: list[bytes | None],
+        counts: np.ndarray,
+        row_bytes: int,
+        costs: tuple[int, float, int],
+    ) -> tuple[list[_Block], int]:
+        pack_vector_ns, per_row_ns, post_ns = costs
+        fabric, cfg = self.fabric, self.config
+        e = fabric.engines
+        me = self.ranks[rank]
+        parity = event_id & 1
+        slot = phase * 2 + parity
+        await sleep_ns(e.kernel_launch_ns)
+        # The block area of this parity must have been pulled by everyone (their releases).
+        key = (rank, phase, parity)
+        while self._pending.get(key, 0) > 0:
+            self._released[key] = anyio.Event()
+            await self._released[key].wait()
+        # Steps 1-3: load, quantise, pack by destination into the own managed area.
+        pack_bytes = int(counts.sum()) * row_bytes
+        t = fabric.mte_transfer(me, me, pack_bytes, start_ns=now_ns(), aivs=cfg.n_aiv)
+        await sleep_until_ns(t.end_ns + pack_vector_ns)
+        for dest in range(self.R):
+            self._blocks[(rank, phase, parity, dest)] = _Block(int(counts[dest]), blocks[dest])
+        self._pending[key] = int((counts > 0).sum())
+        # Step 4: metadata to every destination; the AIVs issue them in parallel.
+        t0 = now_ns()
+        for dest in range(self.R):
+            issued = t0 + (dest // cfg.n_aiv + 1) * e.meta_issue_ns
+            fabric.post_meta(
+                issued + e.meta_write_ns,
+                self.ranks[dest],
+                me,
+                slot,
+                Direction.COLL,
+                event_id=event_id,
+                chunk_id=int(counts[dest]),
+                tail_ptr=0,
+            )
+        # Step 5: barrier - every rank's metadata for this eventID.
+        mem = fabric.memory(me)
+        incoming = np.zeros(self.R, dtype=np.int64)
+        for src in range(self.R):
+            field = mem.meta(self.ranks[src], slot, Direction.COLL)
+            while field.event_id != event_id:
+                await field.changed()
+            incoming[src] = field.chunk_id
+        barrier = now_ns()
+        # Steps 6-7: pull every peer's block for this rank, spread over the AIVs.
+        received: list[_Block] = [_Block(0, None)] * self.R
+        lanes: list[list[int]] = [[] for _ in range(min(cfg.n_aiv, self.R))]
+        for src in range(self.R):
+            if incoming[src]:
+                lanes[src % len(lanes)].append(src)
+
+        async def lane(sources: list[int]) -> None:
+            first = True
+            for src in sources:
+                block = self._blocks[(src, phase, parity, rank)]
+                nbytes = block.rows * row_bytes
+                tr = fabric.mte_transfer(self.ranks[src], me, nbytes, start_ns=now_ns(), fill=first)
+                await sleep_until_ns(tr.visible_ns + round(block.rows * per_row_ns))
+                received[src] = block
+                fabric.post(now_ns() + e.meta_write_ns, self._release, src, phase, parity)
+                first = False
+
+        async with anyio.create_task_group() as tg:
+            for sources in lanes:
+                if sources:
+                    tg.start_soon(lane, sources)
+        await sleep_ns(post_ns)
+        return received, barrier
+
+    def _release(self, src: int, phase: int, parity: int) -> None:
+        key = (src, phase, parity)
+        self._pending[key] -= 1
+        if self._pending[key] == 0 and key in self._released:
+            self._released.pop(key).set()
+
+    async def _exchange_collective(
+        self,
+        rank: int,
+        event_id: int,
+        phase: int,
+        blocks: list[bytes | None],
+        counts: np.ndarray,
+        row_bytes: int,
+        costs: tuple[int, float, int],
+    ) -> tuple[list[_Block], int]:
+        """One event per collective: the last rank to arrive computes everyone's completion
+        from all arrival times (closed form, same costs); each rank then sleeps until its own."""
+        key = (event_id, phase)
+        arrivals = self._arrivals.setdefault(key, {})
+        if rank in arrivals:
+            raise ProtocolError(f"rank {rank} joined exchange {key} twice")
+        arrivals[rank] = _Arrival(now_ns(), np.asarray(counts, np.int64), costs, blocks)
+        done = self._results.setdefault(key, anyio.Event())
+        if len(arrivals) == self.R:
+            ordered = [arrivals[s] for s in range(self.R)]
+            count_matrix = np.stack([a.counts for a in ordered])
+            barrier, end = exchange_completion(
+                self._cost(),
+                arrival_ns=np.array([a.t_ns for a in ordered], dtype=np.int64),
+                counts=count_matrix,
+                row_bytes=row_bytes,
+                pack_vector_ns=np.array([a.costs[0] for a in ordered], dtype=np.int64),
+                per_row_ns=ordered[0].costs[1],
+                post_ns=np.array([a.costs[2] for a in ordered], dtype=np.int64),
+            )
+            self._completion[key] = _Completion(
+                barrier, end, count_matrix, [a.blocks for a in ordered], self.R
+            )
+            del self._arrivals[key]
+            done.set()
+        else:
+            await done.wait()
+        result = self._completion[key]
+        await sleep_until_ns(int(result.end[rank]))
+        received = [
+            _Block(int(result.counts[s, rank]), result.blocks[s][rank]) for s in range(self.R)
+        ]
+        result.remaining -= 1
+        if result.remaining == 0:
+            del self._completion[key]
+            del self._results[key]
+        return received, int(result.barrier[rank])
+
+    # -- assembling results -------------------------------------------------------------------------
+    def _assemble_dispatch(
+        self,
+        rank: int,
+        event_id: int,
+        received: list[_Block],
+        routed: Routed,
+        lay: Layout,
+        n_tokens: int,
+        start: int,
+        barrier: int,
+    ) -> DispatchOutput:
+        cfg = self.config
+        counts = np.array([b.rows for b in received], dtype=np.int64)
+        prefix = np.zeros(self.R + 1, dtype=np.int64)
+        np.cumsum(counts, out=prefix[1:])
+        n = int(prefix[-1])
+        src_rank = np.repeat(np.arange(self.R, dtype=np.int64), counts)
+        n_slots = int(self.expert_map.slots_per_rank[rank])
+        if self.fabric.mode == "bytes":
+            dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+            rows = (
+                np.concatenate(
+                    [
+                        np.frombuffer(b.data, dtype=dt) if b.data else np.zeros(0, dt)
+                        for b in received
+                    ]
+                )
+                if n
+                else np.zeros(0, dt)
+            )
+            recv_x = wire.decode_payload(rows, cfg.dispatch_dtype).reshape(n, cfg.hidden)
+            src_token = rows["token"].astype(np.int64)
+            slots = rows["slots"].astype(np.int64).reshape(n, cfg.top_k)
+        else:
+            recv_x = None
+            src_token = np.full(n, -1, dtype=np.int64)
+            slots = np.full((n, cfg.top_k), -1, dtype=np.int64)
+        per_slot = (
+            np.bincount(slots[slots >= 0], minlength=n_slots) if n else np.zeros(n_slots, np.int64)
+        )
+        return DispatchOutput(
+            event_id=event_id,
+            recv_x=recv_x,
+            recv_src_rank=src_rank,
+            recv_src_token=src_token,
+            recv_local_slots=slots,
+            rank_prefix=prefix,
+            num_recv_per_local_slot=per_slot.astype(np.int64),
+            routed=routed,
+            send_layout=lay,
+            n_tokens=n_tokens,
+            start_ns=start,
+            barrier_ns=barrier,
+            end_ns=now_ns(),
+        )
+
+    def _accumulate(
+        self, handle: DispatchOutput, received: list[_Block], weights: np.ndarray
+    ) -> np.ndarray:
+        """The owner's weighted sum over its tokens' top-k copies, in top-k order."""
+        cfg = self.config
+        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
+        outs = np.zeros((handle.n_tokens, cfg.top_k, cfg.hidden), dtype=np.float32)
+        seen = np.zeros((handle.n_tokens, cfg.top_k), dtype=bool)
+        for block in received:
+            if not block.rows:
+                continue
+            copies = np.frombuffer(block.data, dtype=dt)  # type: ignore[arg-type]
+            t, j = copies["token"].astype(np.int64), copies["k"].astype(np.int64)
+            if seen[t, j].any():
+                raise ProtocolError("combine delivered a (token, expert) copy twice")
+            seen[t, j] = True
+            outs[t, j] = wire.decode_payload(copies, cfg.combine_dtype)
+        expected = handle.routed.dest_rank >= 0
+        if not np.array_equal(seen, expected):
+            raise ProtocolError("combine lost (token, expert) copies")
+        y = np.zeros((handle.n_tokens, cfg.hidden), dtype=np.float32)
+        for j in range(cfg.top_k):
+            contrib = weights[:, j, None] * outs[:, j]
+            y += np.where(expected[:, j, None], contrib, np.float32(0.0))
+        return y
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.R:
+            raise ConfigError(f"rank must be 0..{self.R - 1}, got {rank!r}", field="rank")
+
+
+class _Completion:
+    __slots__ = ("barrier", "blocks", "counts", "end", "remaining")
+
+    def __init__(
+        self,
+        barrier: np.ndarray,
+        end: np.ndarray,
+        counts: np.ndarray,
+        blocks: list[list[bytes | None]],
+        remaining: int,
+    ):
+        self.barrier = barrier
+        self.end = end
+        self.counts = counts
+        self.blocks = blocks
+        self.remaining = remaining

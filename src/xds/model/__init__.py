@@ -1,0 +1,38 @@
+"""Models: specs of the served models, kernel cost functions, and a tiny numeric reference MoE."""
+
+from .numerics import (
+    dequantize_int8,
+    from_bf16_bits,
+    int8_error_bound,
+    quantize_int8,
+    round_bf16,
+    to_bf16_bits,
+)
+from .reference_moe import ReferenceMoE, TinyMoE
+from .specs import (
+    DEEPSEEK_V3,
+    GLM_45,
+    KIMI_K2,
+    MINIMAX_M1,
+    MODELS,
+    QWEN3_235B,
+    ModelSpec,
+)
+
+__all__ = [
+    "DEEPSEEK_V3",
+    "GLM_45",
+    "KIMI_K2",
+    "MINIMAX_M1",
+    "MODELS",
+    "QWEN3_235B",
+    "ModelSpec",
+    "ReferenceMoE",
+    "TinyMoE",
+    "dequantize_int8",
+    "from_bf16_bits",
+    "int8_error_bound",
+    "quantize_int8",
+    "round_bf16",
+    "to_bf16_bits",
+]

@@ -1,0 +1,179 @@
+"""Specs of the models xDeepServe serves, from their published configs (REFERENCE.md 2).
+
+Sources (full references in REFERENCE.md): CFG-DSV3 = deepseek-ai/DeepSeek-V3
+``inference/configs/config_671B.json`` and HF ``config.json``; CFG-K2 = Kimi-K2-Instruct config
+(aiconfigurator copy) and MoonshotAI/Kimi-K2 README; CFG-QW = Qwen3-235B-A22B config (MindSpeed-RL
+yaml); CFG-GLM = GLM-4.5 (NeMo Megatron-Bridge docs, slime script); CFG-MM = MiniMax-M1 HF
+config.json.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Attention = Literal["mla", "gqa", "lightning+gqa"]
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    source: str
+    layers: int
+    dense_layers: int
+    """Leading layers with a dense MLP instead of MoE."""
+    hidden: int
+    attention: Attention
+    heads: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    softmax_layers: int = 0
+    """For hybrid attention: how many layers use softmax (GQA) attention."""
+    routed_experts: int
+    top_k: int
+    shared_experts: int
+    moe_intermediate: int
+    dense_intermediate: int
+    vocab: int
+    mtp_layers: int = 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def kv_cached_layers(self) -> int:
+        return self.softmax_layers if self.attention == "lightning+gqa" else self.layers
+
+    def kv_bytes_per_token_layer(self, *, int8_nope: bool = False) -> int:
+        """KV-cache bytes per token per cached layer.
+
+        MLA caches the 512-dim latent plus the 64-dim RoPE key (P090); with ``int8_nope`` the
+        non-RoPE latent is INT8 and the RoPE part stays BF16 (SPEC 9.2). GQA caches K and V per
+        KV head in BF16.
+        """
+        if self.attention == "mla":
+            nope = self.kv_lora_rank * (1 if int8_nope else 2)
+            return nope + self.qk_rope_head_dim * 2
+        kv = 2 * self.kv_heads * self.head_dim
+        return kv * (1 if int8_nope else 2)
+
+    def kv_bytes_per_token(self, *, int8_nope: bool = False) -> int:
+        """KV-cache bytes per token over all cached layers (MTP layer excluded)."""
+        return self.kv_bytes_per_token_layer(int8_nope=int8_nope) * self.kv_cached_layers
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden * self.moe_intermediate
+
+
+DEEPSEEK_V3 = ModelSpec(
+    name="DeepSeek-V3/R1",
+    source="CFG-DSV3",
+    layers=61,
+    dense_layers=3,
+    hidden=7168,
+    attention="mla",
+    heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    routed_experts=256,
+    top_k=8,
+    shared_experts=1,
+    moe_intermediate=2048,
+    dense_intermediate=18432,
+    vocab=129_280,
+    mtp_layers=1,
+)
+KIMI_K2 = ModelSpec(
+    name="Kimi K2",
+    source="CFG-K2",
+    layers=61,
+    dense_layers=1,
+    hidden=7168,
+    attention="mla",
+    heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    routed_experts=384,
+    top_k=8,
+    shared_experts=1,
+    moe_intermediate=2048,
+    dense_intermediate=18432,
+    vocab=163_840,
+    mtp_layers=0,
+)
+QWEN3_235B = ModelSpec(
+    name="Qwen3-235B-A22B",
+    source="CFG-QW",
+    layers=94,
+    dense_layers=0,
+    hidden=4096,
+    attention="gqa",
+    heads=64,
+    kv_heads=4,
+    head_dim=128,
+    routed_experts=128,
+    top_k=8,
+    shared_experts=0,
+    moe_intermediate=1536,
+    dense_intermediate=12288,
+    vocab=151_936,
+)
+GLM_45 = ModelSpec(
+    name="GLM-4.5",
+    source="CFG-GLM",
+    layers=92,
+    dense_layers=3,
+    hidden=5120,
+    attention="gqa",
+    heads=96,
+    kv_heads=8,
+    head_dim=128,
+    routed_experts=160,
+    top_k=8,
+    shared_experts=1,
+    moe_intermediate=1536,
+    dense_intermediate=12288,
+    vocab=151_552,
+    mtp_layers=1,
+)
+MINIMAX_M1 = ModelSpec(
+    name="MiniMax-M1",
+    source="CFG-MM",
+    layers=80,
+    dense_layers=0,
+    hidden=6144,
+    attention="lightning+gqa",
+    heads=64,
+    kv_heads=8,
+    head_dim=128,
+    softmax_layers=10,
+    routed_experts=32,
+    top_k=2,
+    shared_experts=0,
+    moe_intermediate=9216,
+    dense_intermediate=0,
+    vocab=200_064,
+)
+
+MODELS: dict[str, ModelSpec] = {
+    "deepseek-v3": DEEPSEEK_V3,
+    "deepseek-r1": DEEPSEEK_V3,
+    "kimi-k2": KIMI_K2,
+    "qwen3-235b": QWEN3_235B,
+    "glm-4.5": GLM_45,
+    "minimax-m1": MINIMAX_M1,
+}
