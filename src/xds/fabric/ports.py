@@ -1,42 +1,72 @@
 """Bandwidth ports: how concurrent transfers share a die's links (contention).
 
 Each die has, per network, an egress and an ingress port, and one HBM port for local copies.
-A port is a fluid FIFO server: a transfer of ``n`` bytes issued at ``t`` occupies the port for
-``n / bandwidth`` starting when the port's earlier work drains. A transfer finishes when its
-slowest constraint does: its own rate cap (``n / rate``) or the drain time of every port it
-crosses. Concurrent flows whose rates sum below a port's bandwidth do not slow each other; above
-it they share it, and the port's throughput never exceeds its bandwidth.
+A transfer of ``n`` bytes occupies a port for ``n / bandwidth``. The port keeps the intervals
+it is already committed to and gives a new transfer the earliest idle gap at or after the time
+the transfer can start, so a transfer that starts later (after a DMA start-up, say) never blocks
+one that can go now. A transfer finishes when its slowest constraint does: its own rate cap
+(``n / rate``) or the time every port it crosses has carried its bytes. The port's throughput
+never exceeds its bandwidth.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 
 class Port:
     """One direction of one link of one die."""
 
-    __slots__ = ("bandwidth", "busy_until_ns", "bytes_total", "name")
+    __slots__ = ("_ends", "_starts", "bandwidth", "bytes_total", "name")
 
     def __init__(self, name: str, bandwidth: float):
         if bandwidth <= 0:
             raise ValueError(f"port {name}: bandwidth must be positive")
         self.name = name
         self.bandwidth = bandwidth  # bytes per second
-        self.busy_until_ns = 0.0
         self.bytes_total = 0
+        self._starts: list[float] = []  # committed busy intervals, sorted and disjoint
+        self._ends: list[float] = []
 
-    def reserve(self, start_ns: float, nbytes: int) -> float:
-        """Queue ``nbytes`` from ``start_ns``; return when this port has carried them."""
-        begin = max(start_ns, self.busy_until_ns)
-        self.busy_until_ns = begin + nbytes * 1e9 / self.bandwidth
+    @property
+    def busy_until_ns(self) -> float:
+        return self._ends[-1] if self._ends else 0.0
+
+    def reserve(self, start_ns: float, nbytes: int, *, now_ns: float | None = None) -> float:
+        """Commit ``nbytes`` at the earliest idle gap at or after ``start_ns``; return when this
+        port has carried them. Intervals that ended before ``now_ns`` are forgotten."""
         self.bytes_total += nbytes
-        return self.busy_until_ns
+        duration = nbytes * 1e9 / self.bandwidth
+        starts, ends = self._starts, self._ends
+        if now_ns is not None and ends and ends[0] <= now_ns:
+            drop = bisect.bisect_right(ends, now_ns)
+            del starts[:drop], ends[:drop]
+        if duration <= 0:
+            return start_ns
+        # intervals [0, i) end at or before start_ns and cannot delay this transfer
+        i = bisect.bisect_right(ends, start_ns)
+        t = start_ns
+        while i < len(starts) and starts[i] - t < duration:
+            t = max(t, ends[i])
+            i += 1
+        end = t + duration
+        starts.insert(i, t)
+        ends.insert(i, end)
+        if i + 1 < len(starts) and starts[i + 1] <= end:  # touches the next interval
+            ends[i] = max(end, ends[i + 1])
+            del starts[i + 1], ends[i + 1]
+        if i > 0 and ends[i - 1] >= starts[i]:  # touches the previous interval
+            ends[i - 1] = max(ends[i - 1], ends[i])
+            del starts[i], ends[i]
+        return end
 
 
-def finish_ns(start_ns: float, nbytes: int, rate: float, ports: tuple[Port, ...]) -> int:
+def finish_ns(
+    start_ns: float, nbytes: int, rate: float, ports: tuple[Port, ...], now_ns: float | None = None
+) -> int:
     """When a transfer of ``nbytes`` at most ``rate`` B/s through ``ports`` completes."""
     end = start_ns + nbytes * 1e9 / rate
     for port in ports:
-        end = max(end, port.reserve(start_ns, nbytes))
+        end = max(end, port.reserve(start_ns, nbytes, now_ns=now_ns))
     return math.ceil(end)

@@ -152,11 +152,11 @@ class UBFabric:
         rate = min(aivs * b_aiv, link_bw)
         begin = start_ns + (e.mte_startup_ns + op * 1e9 / b_aiv if fill else 0.0)
         if src == dst:  # a local copy reads and writes the same HBM
-            end = finish_ns(begin, 2 * nbytes, 2 * rate, ports)
+            end = finish_ns(begin, 2 * nbytes, 2 * rate, ports, now_ns=start_ns)
             self.stats.local_ops += 1
             self.stats.local_bytes += nbytes
         else:
-            end = finish_ns(begin, nbytes, rate, ports)
+            end = finish_ns(begin, nbytes, rate, ports, now_ns=start_ns)
             self.stats.remote_ops += 1
             self.stats.remote_bytes += nbytes
         return Transfer(start_ns, end, end + latency)
@@ -164,7 +164,9 @@ class UBFabric:
     def dma_transfer(self, src: int, dst: int, nbytes: int, *, start_ns: int) -> Transfer:
         """Cost of a DMA/URMA copy of ``nbytes``: higher start-up, link rate, no UBuf."""
         ports, link_bw, latency = self._link_ports(src, dst)
-        end = finish_ns(start_ns + self.engines.dma_startup_ns, nbytes, link_bw, ports)
+        end = finish_ns(
+            start_ns + self.engines.dma_startup_ns, nbytes, link_bw, ports, now_ns=start_ns
+        )
         if src == dst:
             self.stats.local_ops += 1
             self.stats.local_bytes += nbytes

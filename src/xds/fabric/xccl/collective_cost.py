@@ -98,26 +98,37 @@ def exchange_completion(
     first_fill = np.where(
         has, cost.mte_startup_ns + np.minimum(nbytes, cost.mte_op_bytes) * 1e9 / cost.b_aiv, 0.0
     )
+    # Each lane pulls its sources one after another: when would each pull be requested, and
+    # when would the lane finish, if no port were shared?
     lane_end = np.zeros(n)
+    requested = np.zeros((n, n))  # [s, r]: when r's lane issues its pull from s
     for lane in range(lanes):
         rows = slice(lane, n, lanes)
-        total = per_pull[rows].sum(axis=0)
         lane_has = has[rows]
         first = np.argmax(lane_has, axis=0)
         fill = np.where(lane_has.any(axis=0), first_fill[rows][first, np.arange(n)], 0.0)
-        lane_end = np.maximum(lane_end, total + fill)
+        before = np.cumsum(per_pull[rows], axis=0) - per_pull[rows]
+        requested[rows] = barrier[None, :] + np.where(lane_has, before + fill[None, :], 0.0)
+        lane_end = np.maximum(lane_end, per_pull[rows].sum(axis=0) + fill)
     end = barrier + lane_end
 
-    # Ingress of the puller and egress of each source (first come, first served by barrier).
+    # Sharing: the puller's ingress carries all it pulls; each source's egress serves the
+    # pulls of all ranks first come, first served (in request order).
     bw = cost.link_bandwidth
-    ingress = barrier + (nbytes * 1e9 / bw).sum(axis=0) + _max_latency(cost, has)
+    start = np.where(has, requested, np.inf).min(axis=0)
+    start = np.where(np.isfinite(start), start, barrier)
+    ingress = start + (nbytes * 1e9 / bw).sum(axis=0) + _max_latency(cost, has)
     end = np.maximum(end, ingress)
-    order = np.argsort(barrier, kind="stable")
-    free = np.zeros(n)
     egress_done = np.zeros((n, n))
-    for r in order:
-        free = np.maximum(free, barrier[r]) + nbytes[:, r] * 1e9 / bw[:, r]
-        egress_done[:, r] = np.where(has[:, r], free + cost.link_latency_ns[:, r], 0.0)
+    for src in range(n):
+        pullers = np.nonzero(has[src])[0]
+        if not len(pullers):
+            continue
+        pullers = pullers[np.argsort(requested[src, pullers], kind="stable")]
+        free = 0.0
+        for r in pullers:
+            free = max(free, requested[src, r]) + nbytes[src, r] * 1e9 / bw[src, r]
+            egress_done[src, r] = free + cost.link_latency_ns[src, r]
     end = np.maximum(end, egress_done.max(axis=0))
     end = end + post_ns
     return barrier.astype(np.int64), np.ceil(end).astype(np.int64)

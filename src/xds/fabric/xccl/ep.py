@@ -90,10 +90,32 @@ class DispatchOutput(msgspec.Struct):
     def n_recv(self) -> int:
         return int(self.rank_prefix[-1])
 
+    def padded(self, num_worst_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The fixed-capacity layout (DeepEP ``num_worst_tokens``): the first ``n_recv`` rows
+        equal the variable layout; padding rows are zero with all slots ``-1``."""
+        n = self.n_recv
+        if n > num_worst_tokens:
+            raise ProtocolError(
+                f"{n} received rows exceed the padded capacity of {num_worst_tokens}"
+            )
+        k = self.recv_local_slots.shape[1] if self.recv_local_slots.ndim == 2 else 0
+        slots = np.full((num_worst_tokens, k), -1, dtype=np.int64)
+        slots[:n] = self.recv_local_slots
+        x = np.zeros(
+            (num_worst_tokens, 0 if self.recv_x is None else self.recv_x.shape[1]), dtype=np.float32
+        )
+        if self.recv_x is not None:
+            x[:n] = self.recv_x
+        return x, slots
+
 
 class _Block(msgspec.Struct):
+    """One (source, destination) block of an exchange: its rows, their bytes (bytes mode) and
+    the routing side information they carry (token ids, expert slots; also in size mode)."""
+
     rows: int
     data: bytes | None
+    side: np.ndarray
 
 
 class _Arrival(msgspec.Struct):
@@ -102,7 +124,7 @@ class _Arrival(msgspec.Struct):
     t_ns: int
     counts: np.ndarray
     costs: tuple[int, float, int]
-    blocks: list[bytes | None]
+    blocks: list[_Block]
 
 
 class EPGroup:
@@ -173,19 +195,23 @@ class EPGroup:
         routed = route(topk_idx, self.expert_map, positions)
         lay = layout(routed, self.R)
         row_bytes = dispatch_row_bytes(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
-        blocks: list[bytes | None] = []
+        blocks: list[_Block] = []
         dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+        side_dt = wire.dispatch_side_dtype(cfg.top_k)
         for r in range(self.R):
             tokens = lay.tokens_for_rank[r]
-            if not bytes_mode:
-                blocks.append(None)
-                continue
-            rows = np.zeros(len(tokens), dtype=dt)
-            wire.encode_payload(rows, x[tokens], cfg.dispatch_dtype)  # type: ignore[index]
-            rows["token"] = tokens
+            side = np.zeros(len(tokens), dtype=side_dt)
+            side["token"] = tokens
             on_r = routed.dest_rank[tokens] == r
-            rows["slots"] = np.where(on_r, routed.local_slot[tokens], -1)
-            blocks.append(rows.tobytes())
+            side["slots"] = np.where(on_r, routed.local_slot[tokens], -1)
+            data = None
+            if bytes_mode:
+                rows = np.zeros(len(tokens), dtype=dt)
+                wire.encode_payload(rows, x[tokens], cfg.dispatch_dtype)  # type: ignore[index]
+                rows["token"] = side["token"]
+                rows["slots"] = side["slots"]
+                data = rows.tobytes()
+            blocks.append(_Block(len(tokens), data, side))
         start = now_ns()
         received, barrier = await self._exchange(
             rank,
@@ -232,22 +258,26 @@ class EPGroup:
         bytes_mode = self.fabric.mode == "bytes"
         valid = handle.recv_local_slots >= 0
         dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
-        blocks: list[bytes | None] = []
+        side_dt = wire.combine_side_dtype()
+        blocks: list[_Block] = []
         counts = np.zeros(self.R, dtype=np.int64)
-        for s in range(self.R):
-            lo, hi = int(handle.rank_prefix[s]), int(handle.rank_prefix[s + 1])
+        if bytes_mode and expert_out is None:
+            raise ConfigError("bytes payload mode needs expert outputs", field="expert_out")
+        for src in range(self.R):
+            lo, hi = int(handle.rank_prefix[src]), int(handle.rank_prefix[src + 1])
             rows_i, rows_j = np.nonzero(valid[lo:hi])
-            counts[s] = len(rows_i)
-            if not bytes_mode:
-                blocks.append(None)
-                continue
-            if expert_out is None:
-                raise ConfigError("bytes payload mode needs expert outputs", field="expert_out")
-            copies = np.zeros(len(rows_i), dtype=dt)
-            wire.encode_payload(copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype)
-            copies["token"] = handle.recv_src_token[lo + rows_i]
-            copies["k"] = rows_j
-            blocks.append(copies.tobytes())
+            counts[src] = len(rows_i)
+            side = np.zeros(len(rows_i), dtype=side_dt)
+            side["token"] = handle.recv_src_token[lo + rows_i]
+            side["k"] = rows_j
+            data = None
+            if bytes_mode:
+                copies = np.zeros(len(rows_i), dtype=dt)
+                wire.encode_payload(copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype)
+                copies["token"] = side["token"]
+                copies["k"] = side["k"]
+                data = copies.tobytes()
+            blocks.append(_Block(len(rows_i), data, side))
         if bytes_mode and (
             topk_weights is None or np.shape(topk_weights) != (handle.n_tokens, cfg.top_k)
         ):
@@ -283,7 +313,7 @@ class EPGroup:
         )
         return y
 
-    # -- costs -----------------------------------------------------------------------------------
+    # -- costs --
     def _quant_ns(self, n_rows: int, dtype: WireDtype, *, exact: bool = False) -> float:
         """Vector time of token-wise INT8 (de)quantisation of ``n_rows`` rows at the die's
         vector peak (0 unless the wire dtype is INT8); rounded to ns unless ``exact``."""
@@ -305,13 +335,13 @@ class EPGroup:
             self._exchange_cost = ExchangeCost.of(self.fabric, self.ranks, self.config.n_aiv)
         return self._exchange_cost
 
-    # -- the count-then-pull exchange ---------------------------------------------------------------
+    # -- the count-then-pull exchange --
     async def _exchange(
         self,
         rank: int,
         event_id: int,
         phase: int,
-        blocks: list[bytes | None],
+        blocks: list[_Block],
         counts: np.ndarray,
         row_bytes: int,
         *,
@@ -319,7 +349,9 @@ class EPGroup:
         per_row_ns: float,
         post_ns: float,
     ) -> tuple[list[_Block], int]:
-        cap = self.config.max_tokens_per_rank
+        # SPEC 4.2: blocks are sized by the max batch; a combine block holds one copy per
+        # (token, expert), so up to top_k copies per token.
+        cap = self.config.max_tokens_per_rank * (1 if phase == _DISPATCH else self.config.top_k)
         for dest, n in enumerate(counts):
             if n > cap:
                 raise ProtocolError(
@@ -340,7 +372,7 @@ class EPGroup:
         rank: int,
         event_id: int,
         phase: int,
-        blocks: list[bytes | None],
+        blocks: list[_Block],
         counts: np.ndarray,
         row_bytes: int,
         costs: tuple[int, float, int],
@@ -362,7 +394,7 @@ class EPGroup:
         t = fabric.mte_transfer(me, me, pack_bytes, start_ns=now_ns(), aivs=cfg.n_aiv)
         await sleep_until_ns(t.end_ns + pack_vector_ns)
         for dest in range(self.R):
-            self._blocks[(rank, phase, parity, dest)] = _Block(int(counts[dest]), blocks[dest])
+            self._blocks[(rank, phase, parity, dest)] = blocks[dest]
         self._pending[key] = int((counts > 0).sum())
         # Step 4: metadata to every destination; the AIVs issue them in parallel.
         t0 = now_ns()
@@ -388,7 +420,9 @@ class EPGroup:
             incoming[src] = field.chunk_id
         barrier = now_ns()
         # Steps 6-7: pull every peer's block for this rank, spread over the AIVs.
-        received: list[_Block] = [_Block(0, None)] * self.R
+        received: list[_Block] = [
+            self._blocks[(src, phase, parity, rank)] for src in range(self.R)
+        ]  # replaced by each pulled block when its pull completes
         lanes: list[list[int]] = [[] for _ in range(min(cfg.n_aiv, self.R))]
         for src in range(self.R):
             if incoming[src]:
@@ -423,7 +457,7 @@ class EPGroup:
         rank: int,
         event_id: int,
         phase: int,
-        blocks: list[bytes | None],
+        blocks: list[_Block],
         counts: np.ndarray,
         row_bytes: int,
         costs: tuple[int, float, int],
@@ -457,16 +491,14 @@ class EPGroup:
             await done.wait()
         result = self._completion[key]
         await sleep_until_ns(int(result.end[rank]))
-        received = [
-            _Block(int(result.counts[s, rank]), result.blocks[s][rank]) for s in range(self.R)
-        ]
+        received = [result.blocks[s][rank] for s in range(self.R)]
         result.remaining -= 1
         if result.remaining == 0:
             del self._completion[key]
             del self._results[key]
         return received, int(result.barrier[rank])
 
-    # -- assembling results -------------------------------------------------------------------------
+    # -- assembling results --
     def _assemble_dispatch(
         self,
         rank: int,
@@ -501,9 +533,10 @@ class EPGroup:
             src_token = rows["token"].astype(np.int64)
             slots = rows["slots"].astype(np.int64).reshape(n, cfg.top_k)
         else:
+            side = np.concatenate([b.side for b in received])
             recv_x = None
-            src_token = np.full(n, -1, dtype=np.int64)
-            slots = np.full((n, cfg.top_k), -1, dtype=np.int64)
+            src_token = side["token"].astype(np.int64)
+            slots = side["slots"].astype(np.int64).reshape(n, cfg.top_k)
         per_slot = (
             np.bincount(slots[slots >= 0], minlength=n_slots) if n else np.zeros(n_slots, np.int64)
         )
@@ -562,7 +595,7 @@ class _Completion:
         barrier: np.ndarray,
         end: np.ndarray,
         counts: np.ndarray,
-        blocks: list[list[bytes | None]],
+        blocks: list[list[_Block]],
         remaining: int,
     ):
         self.barrier = barrier

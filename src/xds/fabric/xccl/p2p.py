@@ -265,7 +265,7 @@ class P2P:
         ports, link_bw, latency = self.fabric._link_ports(src, dst)
         from ..ports import finish_ns
 
-        end = finish_ns(start, size, link_bw, ports)
+        end = finish_ns(start, size, link_bw, ports, now_ns=start)
         self.fabric.stats.remote_ops += 1
         self.fabric.stats.remote_bytes += size
         return Transfer(start, end, end + latency)

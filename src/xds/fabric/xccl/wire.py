@@ -29,6 +29,15 @@ def combine_dtype(hidden: int, dtype: WireDtype) -> np.dtype:
     return np.dtype([*_payload_fields(hidden, dtype), ("token", "<i4"), ("k", "<i4")])
 
 
+def dispatch_side_dtype(top_k: int) -> np.dtype:
+    """The routing side information of a dispatched row (travels in size mode too)."""
+    return np.dtype([("token", "<i4"), ("slots", "<i4", (top_k,))])
+
+
+def combine_side_dtype() -> np.dtype:
+    return np.dtype([("token", "<i4"), ("k", "<i4")])
+
+
 def encode_payload(rows: np.ndarray, x: np.ndarray, dtype: WireDtype) -> None:
     """Write float32 ``x`` [n, H] into the payload fields of structured ``rows``."""
     if dtype == "fp32":
