@@ -179,10 +179,10 @@ def test_call_at_ns_runs_callbacks_in_order_on_both_backends(xds_backend):
     assert xds.run(main, backend=xds_backend) == [(10, 1), (10, 4), (20, 3), (30, 0), (30, 2)]
 
 
-def test_a_failing_callback_fails_the_run():
+def test_a_failing_callback_fails_the_run(xds_backend):
     async def main():
         xds.current_runtime().call_at_ns(5, lambda: 1 / 0)
         await xds.sleep_ns(10)
 
     with pytest.raises(ZeroDivisionError):
-        xds.run(main)
+        xds.run(main, backend=xds_backend)

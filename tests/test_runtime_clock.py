@@ -6,6 +6,7 @@ import math
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 import xds
@@ -208,3 +209,28 @@ def test_exceptions_from_the_model_propagate_unchanged(xds_backend):
 
     with pytest.raises(KeyError, match="boom"):
         xds.run(main, backend=xds_backend)
+
+
+@pytest.mark.xds
+async def test_timeouts_fire_exactly_from_any_start_time(xds_backend):
+    # anyio compares loop.time() with the float deadline it armed: it must be reached when the
+    # timer fires, whatever the rounding of start + duration (found by review: asyncio spun)
+    for start_ns, timeout_s in ((7, 5e-6), (3, 1e-7), (123_457, 3.3e-5), (999, 1e-9)):
+        await xds.sleep_until_ns(xds.now_ns() + start_ns)
+        t0 = xds.now_ns()
+        with anyio.move_on_after(timeout_s) as scope:
+            await anyio.sleep(1)
+        assert scope.cancelled_caught
+        assert abs(xds.now_ns() - t0 - round(timeout_s * 1e9)) <= 1
+
+
+def test_durations_must_be_integer_nanoseconds():
+    async def main() -> None:
+        with pytest.raises(TypeError, match="integer number of nanoseconds"):
+            await xds.sleep_ns(2.9)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="integer number of nanoseconds"):
+            xds.current_runtime().call_at_ns(1500.3, lambda: None)  # type: ignore[arg-type]
+        await xds.sleep_ns(np.int64(5))
+        assert xds.now_ns() == 5
+
+    xds.run(main)

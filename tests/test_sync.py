@@ -65,6 +65,28 @@ def test_cancelled_waiter_leaves_the_generation():
     assert xds.run(main) == 1
 
 
+def test_ranks_stay_unique_after_a_cancelled_waiter(xds_backend):
+    async def main() -> list[int]:
+        barrier = Barrier(3)
+        ranks: list[int] = []
+
+        async def quitter() -> None:
+            with anyio.move_on_after(1e-6):
+                await barrier.wait()
+
+        async def party(delay: int) -> None:
+            await xds.sleep_ns(delay)
+            ranks.append(await barrier.wait())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(quitter)
+            for delay in (500, 2_000, 3_000):
+                tg.start_soon(party, delay)
+        return ranks
+
+    assert sorted(xds.run(main, backend=xds_backend)) == [0, 1, 2]
+
+
 def test_barrier_needs_a_party():
     with pytest.raises(ValueError):
         Barrier(0)

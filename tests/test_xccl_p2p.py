@@ -244,3 +244,78 @@ async def test_dma_path_skips_ubuf_and_pays_its_start_up(xds_backend):
         dma = await transfer(x, 0, 20, 4 * KiB, event_id=2, engine="dma")
         assert dma["send"] - t0 > mte["send"]
         assert dma["send"] - t0 > POD.engines.dma_startup_ns
+
+
+# -- regressions found in review -------------------------------------------------------------
+
+
+@pytest.mark.xds
+async def test_cancelling_a_send_at_launch_never_leaks_aivs(xds_backend):
+    async with XCCL(fabric()) as x:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.send, 0, 20, AppBuffer(0, 4 * KiB), 1)
+                await anyio.lowlevel.checkpoint()
+                scope.cancel()
+        assert x.p2p.aivs(0).free == 48
+
+
+@pytest.mark.xds
+async def test_zero_byte_message_with_wrong_event_id_is_an_error_not_a_hang(xds_backend):
+    async with XCCL(fabric()) as x:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.send, 0, 17, AppBuffer(0, 0), 1)
+                tg.start_soon(x.receive, 17, 0, AppBuffer(0, 0), 2)
+        assert info.group_contains(ProtocolError, match="eventID mismatch")
+
+
+@pytest.mark.xds
+async def test_a_posted_async_receive_holds_no_aivs_while_waiting(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        handle = x.receive_async(0, 17, AppBuffer(0, 64 * KiB), 5, n_aiv=48)
+        await xds.sleep_ns(1_000)
+        assert x.p2p.aivs(0).free == 48
+        await transfer(x, 0, 17, 64 * KiB, event_id=6, n_aiv=48)  # die 0 can still send
+        await x.send(17, 0, AppBuffer(0, 64 * KiB), 5, n_aiv=48)
+        assert (await handle.wait()).ok
+
+
+@pytest.mark.xds
+async def test_reset_pair_recovers_after_a_timed_out_send(xds_backend):
+    async with XCCL(fabric()) as x:
+        with anyio.move_on_after(1e-4):
+            await x.send(0, 20, AppBuffer(0, 4 * KiB), 1)
+        with pytest.raises(ProtocolError):
+            await x.send(0, 20, AppBuffer(0, 4 * KiB), 2)
+        x.reset_pair(0, 20)
+        data = os.urandom(4 * KiB)
+        await transfer(x, 0, 20, data, event_id=3)
+        assert x.fabric.read_local(20, 2 * MiB, len(data)) == data
+
+
+def test_app_buffer_fields_are_validated():
+    async def main():
+        async with XCCL(fabric()) as x:
+            with pytest.raises(ConfigError, match="AppBuffer.offset"):
+                await x.send(0, 1, AppBuffer(0.5, 64), 1)  # type: ignore[arg-type]
+
+    xds.run(main)
+
+
+def test_acks_travel_back_over_the_link():
+    def send_time(dst_pod_kw):
+        pod = CloudMatrix384(**dst_pod_kw)
+        far = pod.n_pod_dies  # the first die of an attached 910B server (RoCE)
+
+        async def main():
+            async with XCCL(UBFabric(pod, app_bytes=1 * MiB, payload_mode="size")) as x:
+                t = await transfer(x, 0, far if dst_pod_kw else 20, 4 * KiB, dst_off=0)
+                return t["send"] - t["receive"]
+
+        return xds.run(main)
+
+    ub_gap = send_time({})
+    roce_gap = send_time({"servers": 4, "attached_910b_servers": 1})
+    assert ub_gap == POD.config.ub.latency_ns  # the ACK's one-way latency, not just t_meta
+    assert roce_gap == POD.config.roce.latency_ns

@@ -99,8 +99,9 @@ class UBFabric:
 
     def write_local(self, die: int, offset: int, data: bytes | memoryview) -> None:
         """Write ``die``'s own application region, instantly (the engine filling a tensor)."""
-        self._check_range(offset, len(data), "write")
-        self.memory(die).app[offset : offset + len(data)] = data
+        raw = memoryview(data).cast("B")
+        self._check_range(offset, raw.nbytes, "write")
+        self.memory(die).app[offset : offset + raw.nbytes] = raw
 
     # -- ports and costs -----------------------------------------------------------------------
     def port(self, die: int, name: str, bandwidth: float) -> Port:
@@ -133,22 +134,26 @@ class UBFabric:
         aivs: int = 1,
         op_bytes: int | None = None,
         fill: bool = True,
+        aiv_die: int | None = None,
     ) -> Transfer:
         """Cost of moving ``nbytes`` from ``src`` to ``dst`` with ``aivs`` AIVs' MTE2/MTE3.
 
         ``fill`` marks the first operation of a pipeline: it pays the MTE start-up and its
         exposed MTE2 load; later operations of the same AIV overlap both with the previous
         store (ping-pong). The ports are reserved: call this when the transfer is issued.
+        ``aiv_die`` is the die whose AIVs do the work (default ``src``; a pull uses the
+        reader's).
         """
         e = self.engines
         op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
-        limit = self.pod.spec_of(src).mte_max_bytes
+        worker = self.pod.spec_of(src if aiv_die is None else aiv_die)
+        limit = worker.mte_max_bytes
         if op > limit:
             raise ProtocolError(
                 f"an MTE operation moves at most half a UBuf ({limit} bytes), got {op}"
             )
         ports, link_bw, latency = self._link_ports(src, dst)
-        b_aiv = aiv_mte_bandwidth(e, self.pod.spec_of(src))
+        b_aiv = aiv_mte_bandwidth(e, worker)
         rate = min(aivs * b_aiv, link_bw)
         begin = start_ns + (e.mte_startup_ns + op * 1e9 / b_aiv if fill else 0.0)
         if src == dst:  # a local copy reads and writes the same HBM
@@ -188,6 +193,12 @@ class UBFabric:
     def post(self, when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
         """Apply ``callback(*args)`` at virtual time ``when_ns`` (a posted write's visibility)."""
         return current_runtime().call_at_ns(when_ns, callback, *args)
+
+    def meta_visible_ns(self, writer: int, owner: int, issued_ns: int) -> int:
+        """When a metadata write issued by ``writer`` at ``issued_ns`` is visible at ``owner``:
+        one metadata write (t_meta), and never before the link's one-way latency."""
+        latency = 0 if writer == owner else self.pod.link_between(writer, owner).latency_ns
+        return issued_ns + max(self.engines.meta_write_ns, latency)
 
     def post_meta(
         self, when_ns: int, owner: int, peer: int, aiv: int, direction: Direction, **fields: int
@@ -259,7 +270,10 @@ class UBFabric:
         if self.mode == "bytes":
             mem = self.memory(owner)
             self.post(arrive, lambda: snapshot.append(bytes(mem.app[offset : offset + nbytes])))
-        t = self.transfer(owner, reader, nbytes, engine=engine, start_ns=arrive, aivs=aivs)
+        if engine == "mte":
+            t = self.mte_transfer(owner, reader, nbytes, start_ns=arrive, aivs=aivs, aiv_die=reader)
+        else:
+            t = self.transfer(owner, reader, nbytes, engine=engine, start_ns=arrive)
         await sleep_until_ns(t.visible_ns)
         return snapshot[0] if self.mode == "bytes" else nbytes
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import numbers
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -109,12 +110,13 @@ class Runtime:
         Returns a handle with ``cancel()``. Callbacks due at the same nanosecond run in the
         order they were scheduled.
         """
+        when_ns = _as_ns(when_ns, "when_ns")
         if self._loop is not None:
             return self._loop.call_at_ns(max(when_ns, self._loop._now_ns), callback, *args)
         if self._trio_clock is None:
             raise RuntimeError("call_at_ns needs a run in progress")
         if self._trio_timers is None:
-            self._trio_timers = TrioTimerWheel(self.now_ns)
+            self._trio_timers = TrioTimerWheel(self.now_ns, self._on_callback_error)
         return self._trio_timers.call_at_ns(when_ns, callback, *args)
 
     # -- running -----------------------------------------------------------------------------
@@ -282,17 +284,25 @@ def now_ns() -> int:
     return current_runtime().now_ns()
 
 
+def _as_ns(value: object, name: str) -> int:
+    """An integer number of nanoseconds (numpy integers accepted; floats are an error)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer number of nanoseconds, got {value!r}")
+    return int(value)
+
+
 async def sleep_ns(duration_ns: int) -> None:
     """Sleep ``duration_ns`` nanoseconds of virtual time."""
+    duration_ns = _as_ns(duration_ns, "duration_ns")
     if duration_ns < 0:
         raise ValueError(f"cannot sleep a negative duration ({duration_ns} ns)")
     rt = current_runtime()
-    await rt.sleep_until_ns(rt.now_ns() + int(duration_ns))
+    await rt.sleep_until_ns(rt.now_ns() + duration_ns)
 
 
 async def sleep_until_ns(t_ns: int) -> None:
     """Sleep until virtual time ``t_ns``."""
-    await current_runtime().sleep_until_ns(int(t_ns))
+    await current_runtime().sleep_until_ns(_as_ns(t_ns, "t_ns"))
 
 
 def call_at_ns(when_ns: int, callback: Callable[..., object], *args: Any) -> Any:

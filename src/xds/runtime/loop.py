@@ -6,9 +6,11 @@ waits, it jumps the clock to the earliest pending timer instead. Everything buil
 clock (``asyncio.sleep``, anyio's ``sleep``, ``move_on_after``, ``fail_after``, deadlines of
 cancel scopes) therefore runs in virtual time, as fast as the CPU allows.
 
-Exactness: timer deadlines are snapped to whole nanoseconds and ordered by
-``(deadline, insertion sequence)``, so timers due at the same nanosecond fire in the order they
-were armed (FIFO), independent of float rounding or heap history.
+Exactness: timers are ordered by ``(deadline in whole nanoseconds, arming sequence)``, so timers
+due at the same nanosecond fire in the order they were armed (FIFO), independent of float
+rounding or heap history. The integer clock jumps to the head timer's nanosecond and the float
+clock (``time()``) to its exact deadline, so a caller comparing ``time()`` with the deadline it
+armed always finds it reached.
 
 When nothing is runnable and no timer is pending the model is deadlocked; the loop reports it to
 its owner (``on_deadlock``) instead of blocking forever. When the loop spins at one instant for
@@ -29,16 +31,18 @@ _RESOLUTION_S = 0.5e-9
 
 
 class _VirtualTimerHandle(asyncio.TimerHandle):
-    """A timer handle ordered by (deadline, arming sequence): FIFO among equal deadlines."""
+    """A timer handle ordered by (deadline in whole ns, arming sequence): FIFO among timers due
+    at the same nanosecond. ``_when`` keeps the caller's exact float deadline, so code that
+    compares ``loop.time()`` with its own deadline (anyio's timeouts do) sees it reached."""
 
-    __slots__ = ("_seq",)
+    __slots__ = ("_seq", "_when_ns")
 
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, _VirtualTimerHandle):
             return NotImplemented
-        if self._when == other._when:
+        if self._when_ns == other._when_ns:
             return self._seq < other._seq
-        return self._when < other._when
+        return self._when_ns < other._when_ns
 
 
 class _VirtualSelector(selectors.SelectSelector):
@@ -60,12 +64,12 @@ class _VirtualSelector(selectors.SelectSelector):
                 loop._spins = 0
                 loop._report_livelock()
             return []
-        # The head timer is in the future: jump to it.
+        # The head timer is in the future: jump to it. The float clock moves to the timer's
+        # own deadline (never below it), the integer clock to its nanosecond.
         head = loop._scheduled[0]
-        when_ns = round(head._when * 1e9)
-        if when_ns > loop._now_ns:
-            loop._now_ns = when_ns
-            loop._time_s = when_ns / 1e9
+        if head._when_ns > loop._now_ns:
+            loop._now_ns = head._when_ns
+        loop._time_s = max(loop._time_s, head._when, loop._now_ns / 1e9)
         loop._spins = 0
         return []
 
@@ -116,14 +120,25 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
     def call_at(self, when, callback, *args, context=None):  # type: ignore[override]
         if when is None:
             raise TypeError("when cannot be None")
-        return self.call_at_ns(round(when * 1e9), callback, *args, context=context)
+        return self._arm(when, round(when * 1e9), callback, args, context)
 
     def call_at_ns(
         self, when_ns: int, callback: Callable[..., object], *args: Any, context: Any = None
     ) -> asyncio.TimerHandle:
         """Schedule ``callback(*args)`` at virtual time ``when_ns`` (integer nanoseconds)."""
+        return self._arm(when_ns / 1e9, when_ns, callback, args, context)
+
+    def _arm(
+        self,
+        when: float,
+        when_ns: int,
+        callback: Callable[..., object],
+        args: tuple[Any, ...],
+        context: Any,
+    ) -> asyncio.TimerHandle:
         self._check_closed()
-        timer = _VirtualTimerHandle(when_ns / 1e9, callback, args, self, context)
+        timer = _VirtualTimerHandle(when, callback, args, self, context)
+        timer._when_ns = when_ns
         timer._seq = next(self._timer_seq)
         heapq.heappush(self._scheduled, timer)
         timer._scheduled = True

@@ -9,8 +9,10 @@ class Barrier:
     """A reusable barrier for ``parties`` tasks (e.g. the all-ranks metadata barrier).
 
     ``await barrier.wait()`` returns, for each party, its arrival rank in this generation
-    (0 = first, ``parties - 1`` = the one that released everyone). Works on both backends and
-    releases waiters in arrival order.
+    (0 = first, ``parties - 1`` = the one that released everyone). A waiter cancelled before
+    the release leaves the generation, and ranks are given out at release time, so they are
+    always ``0 .. parties - 1``. Works on both backends (on trio, waiters released together
+    resume in trio's seeded order).
     """
 
     def __init__(self, parties: int):
@@ -18,30 +20,31 @@ class Barrier:
             raise ValueError(f"a barrier needs at least one party, got {parties!r}")
         self.parties = parties
         self.generation = 0
-        self._arrived = 0
+        self._waiters: list[object] = []
         self._release = anyio.Event()
+        self._ranks: dict[object, int] = {}  # filled when this generation is released
 
     @property
     def waiting(self) -> int:
         """Parties currently waiting in this generation."""
-        return self._arrived
+        return len(self._waiters)
 
     async def wait(self) -> int:
-        rank = self._arrived
-        self._arrived += 1
-        if self._arrived == self.parties:
-            release = self._release
-            self._arrived = 0
+        token = object()
+        self._waiters.append(token)
+        release, ranks = self._release, self._ranks
+        if len(self._waiters) == self.parties:
+            ranks.update((t, i) for i, t in enumerate(self._waiters))
+            self._waiters = []
             self.generation += 1
-            self._release = anyio.Event()
+            self._release, self._ranks = anyio.Event(), {}
             release.set()
             await anyio.lowlevel.checkpoint()
-            return rank
-        release = self._release
+            return ranks.pop(token)
         try:
             await release.wait()
         except BaseException:
             if not release.is_set():
-                self._arrived -= 1  # a cancelled waiter leaves this generation
+                self._waiters.remove(token)  # a cancelled waiter leaves this generation
             raise
-        return rank
+        return ranks.pop(token)

@@ -37,8 +37,9 @@ class TimerHandle:
 class TrioTimerWheel:
     """Timed callbacks for the trio backend (one system task serves them all)."""
 
-    def __init__(self, now_ns: Callable[[], int]):
+    def __init__(self, now_ns: Callable[[], int], on_error: Callable[[BaseException], None]):
         self._now_ns = now_ns
+        self._on_error = on_error
         self._heap: list[tuple[int, int, TimerHandle]] = []
         self._seq = itertools.count()
         self._scope: Any = None
@@ -60,6 +61,8 @@ class TrioTimerWheel:
         import trio
 
         while True:
+            while self._heap and self._heap[0][2].cancelled:
+                heapq.heappop(self._heap)  # cancelled timers must not hold a deadline
             deadline = self._heap[0][0] / 1e9 if self._heap else math.inf
             with trio.CancelScope(deadline=deadline) as scope:
                 self._scope = scope
@@ -69,4 +72,7 @@ class TrioTimerWheel:
             while self._heap and self._heap[0][0] <= now:
                 _, _, handle = heapq.heappop(self._heap)
                 if not handle.cancelled:
-                    handle.callback(*handle.args)
+                    try:
+                        handle.callback(*handle.args)
+                    except Exception as exc:  # a model bug: fail the run, as on asyncio
+                        self._on_error(exc)

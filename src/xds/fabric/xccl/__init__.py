@@ -112,6 +112,10 @@ class XCCL:
         """Send and return when the receiver has ACKed (AIVs held throughout)."""
         return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
 
+    def reset_pair(self, src: int, dst: int) -> None:
+        """Re-initialise a pair abandoned by a cancelled or timed-out transfer."""
+        self.p2p.reset_pair(src, dst)
+
     async def receive(
         self,
         dst: int,
@@ -151,7 +155,8 @@ class XCCL:
         n_aiv: int = 2,
         engine: Engine = "mte",
     ) -> Handle:
-        """Start a send; AIVs are released once the data has moved, not held for the ACK."""
+        """Start a send; its AIVs are held while it moves data (including waits for ring
+        credits) and released before it waits for the final ACK."""
         return self._start(
             "send", src, dst, buf, event_id, self.p2p.send, dict(n_aiv=n_aiv, engine=engine)
         )
@@ -166,7 +171,8 @@ class XCCL:
         n_aiv: int = 2,
         engine: Engine = "mte",
     ) -> Handle:
-        """Start a receive; its completion is posted to ``dst``'s completion queue."""
+        """Start a receive; it takes its AIVs only once the sender's message has arrived, and
+        its completion is posted to ``dst``'s completion queue."""
         return self._start(
             "receive", dst, src, buf, event_id, self.p2p.receive, dict(n_aiv=n_aiv, engine=engine)
         )
@@ -194,9 +200,24 @@ class XCCL:
             ok, error = True, ""
             try:
                 await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
-            except XdsError as exc:
+            except XdsError as exc:  # a protocol failure: reported, the run goes on
                 ok, error = False, str(exc)
                 handle.error = exc
+            except BaseException as exc:  # cancelled or a bug: still complete the handle
+                handle.error = exc
+                handle.completion = Completion(
+                    op,
+                    die,
+                    peer,
+                    event_id,
+                    buf.nbytes,
+                    start,
+                    now_ns(),
+                    False,
+                    f"{type(exc).__name__}: {exc}",
+                )
+                handle._done.set()
+                raise
             handle.completion = Completion(
                 op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
             )

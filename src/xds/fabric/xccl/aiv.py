@@ -29,8 +29,10 @@ class AivPool:
                 f"n_aiv must be 1..{self.total} on die {self.die}, got {n}", field="n_aiv"
             )
         if not self._waiters and self.free >= n:
+            # a cancellation must not land between taking the AIVs and returning them
+            await anyio.lowlevel.checkpoint_if_cancelled()
             self.free -= n
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             return
         granted = anyio.Event()
         entry = (n, granted)

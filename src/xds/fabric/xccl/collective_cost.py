@@ -88,7 +88,8 @@ def exchange_completion(
     packed = pack_end_ns(cost, started, nbytes.sum(axis=1)) + pack_vector_ns
     # metadata of s reaches r after the AIV that owns destination r issued it
     issue = (np.arange(n) // cost.n_aiv + 1) * cost.meta_issue_ns
-    meta_visible = packed[:, None] + issue[None, :] + cost.meta_write_ns
+    meta_delay = np.maximum(cost.meta_write_ns, cost.link_latency_ns)  # as UBFabric.meta_visible_ns
+    meta_visible = packed[:, None] + issue[None, :] + meta_delay
     barrier = meta_visible.max(axis=0)
 
     lanes = min(cost.n_aiv, n)

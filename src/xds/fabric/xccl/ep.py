@@ -401,7 +401,7 @@ class EPGroup:
         for dest in range(self.R):
             issued = t0 + (dest // cfg.n_aiv + 1) * e.meta_issue_ns
             fabric.post_meta(
-                issued + e.meta_write_ns,
+                fabric.meta_visible_ns(me, self.ranks[dest], issued),
                 self.ranks[dest],
                 me,
                 slot,
@@ -436,7 +436,13 @@ class EPGroup:
                 tr = fabric.mte_transfer(self.ranks[src], me, nbytes, start_ns=now_ns(), fill=first)
                 await sleep_until_ns(tr.visible_ns + round(block.rows * per_row_ns))
                 received[src] = block
-                fabric.post(now_ns() + e.meta_write_ns, self._release, src, phase, parity)
+                fabric.post(
+                    fabric.meta_visible_ns(me, self.ranks[src], now_ns()),
+                    self._release,
+                    src,
+                    phase,
+                    parity,
+                )
                 first = False
 
         async with anyio.create_task_group() as tg:

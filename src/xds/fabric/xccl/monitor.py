@@ -76,6 +76,13 @@ class P2PMonitor:
         del self._slots[(src, dst, slot)]
         self._occupied[(src, dst)] -= 1
 
+    def forget_pair(self, src: int, dst: int) -> None:
+        """Drop the state of one pair (after :meth:`P2P.reset_pair`)."""
+        for table in (self._slots, self._visible):
+            for key in [k for k in table if k[0] == src and k[1] == dst]:
+                del table[key]
+        self._occupied.pop((src, dst), None)
+
     def check(self) -> None:
         """Raise if any violation was recorded."""
         if self.violations:

@@ -22,9 +22,12 @@ the data has moved and does not hold them while waiting for the ACK.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import AsyncIterator
 
 import anyio
+import anyio.abc
 import msgspec
 
 from ...errors import ConfigError, ProtocolError
@@ -58,6 +61,30 @@ class Message(msgspec.Struct):
     chunks: list[int]
     offsets: list[int]
     data: bytes | None
+
+
+@contextlib.asynccontextmanager
+async def _lanes() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group for a kernel's AIV lanes that re-raises a single lane error as itself
+    (a protocol error should not reach the caller wrapped in an exception group)."""
+    try:
+        async with anyio.create_task_group() as tg:
+            yield tg
+    except BaseExceptionGroup as group:
+        leaves = _leaf_exceptions(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaf_exceptions(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out.extend(_leaf_exceptions(exc))
+        else:
+            out.append(exc)
+    return out
 
 
 class _Pair:
@@ -103,11 +130,11 @@ class P2P:
             pool = self._aivs[die] = AivPool(die, self.fabric.pod.spec_of(die).aiv)
         return pool
 
-    def layout(self, nbytes: int, n_aiv: int, engine: str) -> tuple[int, list[int]]:
-        """(lanes, chunk sizes) of a message."""
+    def layout(self, nbytes: int, n_aiv: int, engine: str, src: int = 0) -> tuple[int, list[int]]:
+        """(lanes, chunk sizes) of a message sent by ``src``."""
         c = self.fabric.config
         if engine == "dma":
-            lanes = min(n_aiv, self.fabric.pod.spec_of(0).dma_engines)
+            lanes = min(n_aiv, self.fabric.pod.spec_of(src).dma_engines)
             size = c.dma_chunk_bytes
         else:
             lanes = n_aiv
@@ -129,6 +156,13 @@ class P2P:
             raise ProtocolError(f"die {die} cannot send to itself over XCCL point-to-point")
         if not isinstance(buf, AppBuffer):
             raise ConfigError(f"buffer must be an AppBuffer, got {buf!r}", field="buffer")
+        for name in ("offset", "nbytes"):
+            value = getattr(buf, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(
+                    f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
+                    field=f"buffer.{name}",
+                )
         self.fabric._check_range(buf.offset, buf.nbytes, "buffer")
         if not isinstance(event_id, int) or not 0 < event_id < 2**64:
             raise ConfigError(
@@ -152,6 +186,7 @@ class P2P:
     ) -> int:
         """Send ``buf`` of ``src`` to ``dst``; return the completion time (ns)."""
         self._check(src, dst, buf, event_id, n_aiv, engine)
+        start = now_ns()  # end to end, as P037 measures: queueing for the pair and AIVs counts
         pair = self.pair(src, dst)
         async with pair.send_lock:
             if pair.poisoned:
@@ -160,9 +195,8 @@ class P2P:
             await pool.acquire(n_aiv)
             held = True
             try:
-                start = now_ns()
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
-                lanes, chunks = self.layout(buf.nbytes, n_aiv, engine)
+                lanes, chunks = self.layout(buf.nbytes, n_aiv, engine, src)
                 data = None
                 if self.fabric.mode == "bytes":
                     data = bytes(self.fabric.memory(src).app[buf.offset : buf.offset + buf.nbytes])
@@ -186,7 +220,7 @@ class P2P:
                 pair.posted.append(msg)
                 pair.posted_event.set()
                 try:
-                    async with anyio.create_task_group() as tg:
+                    async with _lanes() as tg:
                         for lane in range(min(lanes, len(chunks))):
                             tg.start_soon(self._send_lane, pair, msg, lane)
                     if not hold_aivs:
@@ -275,6 +309,10 @@ class P2P:
         and one metadata write after the store completes."""
         return max(t.visible_ns, t.end_ns + self.fabric.engines.meta_write_ns)
 
+    def ack_visible_ns(self, pair: _Pair, issued_ns: int) -> int:
+        """When a credit or ACK the receiver writes back to the sender becomes visible."""
+        return self.fabric.meta_visible_ns(pair.dst, pair.src, issued_ns)
+
     def _post_tail(
         self, pair: _Pair, msg: Message, lane: int, chunk: int, published: int, t: Transfer
     ) -> None:
@@ -329,21 +367,25 @@ class P2P:
     ) -> int:
         """Receive the next message from ``src`` into ``buf`` of ``dst``; return the time."""
         self._check(dst, src, buf, event_id, n_aiv, engine)
+        start = now_ns()
         pair = self.pair(src, dst)
         async with pair.recv_lock:
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(dst)
+            if not hold_aivs:  # async mode: no AIV is held while waiting for the sender
+                await self._await_descriptor(pair)
             await pool.acquire(n_aiv)
             held = True
             try:
-                start = now_ns()
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
-                while not pair.posted:  # rendezvous with the sender's descriptor
-                    pair.posted_event = anyio.Event()
-                    await pair.posted_event.wait()
+                await self._await_descriptor(pair)  # rendezvous with the sender's descriptor
                 msg = pair.posted.popleft()
                 problems: list[str] = []
+                if msg.event_id != event_id:  # R3 (also for messages without chunks)
+                    problems.append(
+                        f"eventID mismatch: expected {event_id}, the sender wrote {msg.event_id}"
+                    )
                 if msg.nbytes != buf.nbytes:
                     problems.append(
                         f"receive buffer is {buf.nbytes} bytes but the message is {msg.nbytes}"
@@ -354,7 +396,7 @@ class P2P:
                         f"{msg.engine}/{msg.n_aiv}"
                     )
                 try:
-                    async with anyio.create_task_group() as tg:
+                    async with _lanes() as tg:
                         for lane in range(min(msg.lanes, len(msg.chunks))):
                             tg.start_soon(
                                 self._receive_lane, pair, msg, lane, buf, event_id, problems
@@ -370,7 +412,7 @@ class P2P:
                     held = False
                 flags = 0x1 | (NACK if problems else 0)
                 self.fabric.post_meta(
-                    now_ns() + self.fabric.engines.meta_write_ns,
+                    self.ack_visible_ns(pair, now_ns()),
                     src,
                     dst,
                     0,
@@ -397,6 +439,26 @@ class P2P:
             latency_ns=end - start,
         )
         return end
+
+    async def _await_descriptor(self, pair: _Pair) -> None:
+        while not pair.posted:
+            pair.posted_event = anyio.Event()
+            await pair.posted_event.wait()
+
+    def reset_pair(self, src: int, dst: int) -> None:
+        """Re-initialise the pair ``src -> dst`` after an abandoned transfer: drop its ring
+        contents, descriptors and credits on both sides (what re-establishing the pair's
+        managed ring and metadata does). Only call it when no transfer on the pair is running.
+        """
+        old = self._pairs.pop((src, dst), None)
+        if old is not None and (old.send_lock.locked() or old.recv_lock.locked()):
+            self._pairs[(src, dst)] = old
+            raise ProtocolError(f"pair {src}->{dst} has a transfer in progress")
+        for die, peer in ((src, dst), (dst, src)):
+            mem = self.fabric.memory(die)
+            for key in [k for k in mem._meta if k[0] == peer and k[2] != Direction.COLL]:
+                del mem._meta[key]
+        self.monitor.forget_pair(src, dst)
 
     async def _receive_lane(
         self,
@@ -449,7 +511,7 @@ class P2P:
     def after_copy_out(self, pair: _Pair, lane: int, consumed: int, t: Transfer) -> None:
         """Called when a chunk is copied out: publish the credit (R2: consume before ACK)."""
         self.fabric.post_meta(
-            t.end_ns + self.fabric.engines.meta_write_ns,
+            self.ack_visible_ns(pair, t.end_ns),
             pair.src,
             pair.dst,
             lane,
