@@ -297,7 +297,7 @@ async def test_reset_pair_recovers_after_a_timed_out_send(xds_backend):
 def test_app_buffer_fields_are_validated():
     async def main():
         async with XCCL(fabric()) as x:
-            with pytest.raises(ConfigError, match="AppBuffer.offset"):
+            with pytest.raises(ConfigError, match=r"AppBuffer\.offset"):
                 await x.send(0, 1, AppBuffer(0.5, 64), 1)  # type: ignore[arg-type]
 
     xds.run(main)
