@@ -1,0 +1,333 @@
+"""A2E and E2A: the asymmetric all-to-all of MoE-attention disaggregation (SPEC 5).
+
+Attention dies (one DP domain, ``N`` of them) send each token's hidden state to the expert
+dies (``M``) of its top-k experts (A2E); the experts' outputs come back and the attention die
+weights and accumulates them (E2A). With **trampolines** (P045, Figure 8) the first ``N`` expert
+dies relay: attention die ``a_i`` pushes *all* its rows to trampoline ``t_i`` with one metadata
+write (hop 1); ``t_i`` keeps the rows of its own expert and forwards the rest grouped by
+destination expert die (hop 2, A2E'). E2A runs in reverse: expert dies return each copy to the
+trampoline it came through (E2A'), which returns everything to its attention die (E2A). In
+**direct** mode every attention die pushes to every expert die itself (fan-out ``M``), the
+comparison P044 argues against. Transfers use NPU-Direct URMA (:mod:`xds.fabric.xccl.push`).
+
+Routing: ``top_k`` routed experts per token plus, when the group has shared-expert instances,
+one shared-expert copy on instance ``(attention index + token) mod n_shared`` (A19) with
+weight 1. Logical experts map to expert dies through an :class:`ExpertMap`.
+
+SPMD use: attention dies call :meth:`AEGroup.a2e` then :meth:`AEGroup.e2a`; expert dies call
+:meth:`AEGroup.expert_receive`, compute, then :meth:`AEGroup.expert_return`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from ...errors import ConfigError
+from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ..ub import UBFabric
+from . import wire
+from .moe import ExpertMap, WireDtype, payload_bytes, route
+from .push import Block, PushExchange
+
+Mode = Literal["trampoline", "direct"]
+_NAMES = ("hop1", "hop2", "back2", "back1", "direct", "direct_back")
+
+
+class AEConfig(msgspec.Struct, frozen=True, kw_only=True):
+    hidden: int
+    top_k: int
+    n_shared: int = 0
+    """Shared-expert instances (each token also goes to one of them, weight 1)."""
+    a2e_dtype: WireDtype = "int8"
+    e2a_dtype: WireDtype = "int8"
+    """P089: expert outputs are quantised before they cross dies too."""
+    mode: Mode = "trampoline"
+    n_aiv: int = 48
+
+
+class A2EHandle(msgspec.Struct):
+    """An attention die's A2E: where its tokens went (for E2A)."""
+
+    att: int
+    n_tokens: int
+    dest_die: np.ndarray  # [B, k'] expert-die index per (token, column), -1 if none
+    start_ns: int
+    end_ns: int
+
+
+class ExpertInput(msgspec.Struct):
+    """What one expert die received: one row per (attention die, token)."""
+
+    x: np.ndarray | None  # [n, H] float32 (None in size mode)
+    att: np.ndarray  # [n] source attention index
+    token: np.ndarray  # [n] token index at that attention die
+    slots: np.ndarray  # [n, k'] local expert slot on this die per column, -1 elsewhere
+    start_ns: int
+    end_ns: int
+
+    @property
+    def n(self) -> int:
+        return int(self.att.shape[0])
+
+
+def _side_dtype(width: int) -> np.dtype:
+    return np.dtype([("token", "<i4"), ("att", "<i4"), ("dest", "<i4"),
+                     ("slots", "<i4", (width,))])
+
+
+def _back_side_dtype() -> np.dtype:
+    return np.dtype([("token", "<i4"), ("att", "<i4"), ("k", "<i4")])
+
+
+class AEGroup:
+    """One DP domain's attention dies and the expert dies, joined by A2E/E2A."""
+
+    def __init__(self, fabric: UBFabric, attention: list[int], experts: list[int],
+                 expert_map: ExpertMap, config: AEConfig):
+        n, m = len(attention), len(experts)
+        if expert_map.n_ranks != m:
+            raise ConfigError(f"expert map has {expert_map.n_ranks} ranks, expected {m} "
+                              "expert dies", field="expert_map")
+        if config.mode == "trampoline" and n > m:
+            raise ConfigError(f"{n} attention dies need as many trampolines, but there are "
+                              f"only {m} expert dies", field="attention")
+        if set(attention) & set(experts):
+            raise ConfigError("a die cannot be both an attention and an expert die",
+                              field="experts")
+        for die in (*attention, *experts):
+            fabric.pod.check_die(die)
+        self.fabric = fabric
+        self.attention = list(attention)
+        self.experts = list(experts)
+        self.expert_map = expert_map
+        self.config = config
+        self.N, self.M = n, m
+        self.width = config.top_k + (1 if config.n_shared else 0)
+        self.push = PushExchange(fabric, _NAMES)
+        self._lanes = fabric.pod.spec_of(experts[0]).dma_engines
+
+    # -- row formats ----------------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return payload_bytes(self.config.hidden, self.config.a2e_dtype) + 12 + 4 * self.width
+
+    @property
+    def back_bytes(self) -> int:
+        return payload_bytes(self.config.hidden, self.config.e2a_dtype) + 12
+
+    def _rows(self, side: np.ndarray, x: np.ndarray | None, dtype: WireDtype) -> Block:
+        data = None
+        if x is not None:
+            full = np.zeros(len(side), dtype=np.dtype(
+                wire._payload_fields(self.config.hidden, dtype) + list(side.dtype.descr)))
+            wire.encode_payload(full, x, dtype)
+            for name in side.dtype.names:
+                full[name] = side[name]
+            data = full.tobytes()
+        return Block(len(side), data, side)
+
+    def _decode(self, block: Block, dtype: WireDtype) -> tuple[np.ndarray | None, np.ndarray]:
+        if block.data is None:
+            return None, block.side
+        full_dt = np.dtype(wire._payload_fields(self.config.hidden, dtype)
+                           + list(block.side.dtype.descr))
+        rows = np.frombuffer(block.data, dtype=full_dt)
+        return wire.decode_payload(rows, dtype), block.side
+
+    def _quant_ns(self, n_rows: int, dtype: WireDtype) -> int:
+        if dtype != "int8" or not n_rows:
+            return 0
+        die = self.fabric.pod.spec_of(self.experts[0])
+        ops = n_rows * self.config.hidden * self.fabric.engines.vector_ops_per_quant_element
+        return round(ops / die.vector_flops * 1e9)
+
+    # -- attention side --------------------------------------------------------------------------
+    def columns(self, att: int, topk_idx: np.ndarray) -> np.ndarray:
+        """Logical expert per (token, column): the routed top-k plus the shared instance."""
+        topk_idx = np.asarray(topk_idx, dtype=np.int64)
+        if not self.config.n_shared:
+            return topk_idx
+        b = topk_idx.shape[0]
+        shared = self.expert_map.n_experts - self.config.n_shared + (
+            (att + np.arange(b)) % self.config.n_shared)
+        return np.concatenate([topk_idx, shared[:, None]], axis=1)
+
+    async def a2e(self, att: int, x: np.ndarray | int, topk_idx: np.ndarray,
+                  event_id: int) -> A2EHandle:
+        """Send this attention die's tokens toward their experts."""
+        cfg = self.config
+        start = now_ns()
+        n_tokens = x if isinstance(x, int) else int(np.asarray(x).shape[0])
+        cols = self.columns(att, topk_idx)
+        if cols.shape != (n_tokens, self.width):
+            raise ConfigError(f"topk_idx must have shape ({n_tokens}, {cfg.top_k})",
+                              field="topk_idx")
+        routed = route(cols, self.expert_map)
+        dest, local = routed.dest_rank, routed.local_slot
+        # one row per (token, expert die), grouped by expert die
+        t_idx, c_idx = np.nonzero(dest >= 0)
+        pairs = np.unique(np.stack([dest[t_idx, c_idx], t_idx], axis=1), axis=0)
+        side = np.zeros(len(pairs), dtype=_side_dtype(self.width))
+        if len(pairs):
+            ds, ts = pairs[:, 0], pairs[:, 1]
+            side["dest"], side["token"], side["att"] = ds, ts, att
+            side["slots"] = np.where(dest[ts] == ds[:, None], local[ts], -1)
+        xs = None
+        if self.fabric.mode == "bytes":
+            xs = np.asarray(x, np.float32)[side["token"]]
+        me = self.attention[att]
+        await sleep_ns(self.fabric.engines.kernel_launch_ns)
+        t = self.fabric.mte_transfer(me, me, len(side) * self.row_bytes, start_ns=now_ns(),
+                                     aivs=cfg.n_aiv)
+        await sleep_until_ns(t.end_ns + self._quant_ns(n_tokens, cfg.a2e_dtype))
+        if cfg.mode == "trampoline":
+            block = self._rows(side, xs, cfg.a2e_dtype)
+            tramp = self.experts[att]
+            await self.push.push("hop1", me, event_id, {tramp: block}, [tramp], self.row_bytes,
+                                 lanes=1)
+        else:
+            blocks = {}
+            for j in range(self.M):
+                sel = side["dest"] == j
+                if sel.any():
+                    blocks[self.experts[j]] = self._rows(
+                        side[sel], None if xs is None else xs[sel], cfg.a2e_dtype)
+            await self.push.push("direct", me, event_id, blocks, self.experts, self.row_bytes,
+                                 lanes=self._lanes)
+        return A2EHandle(att, n_tokens, dest, start, now_ns())
+
+    async def e2a(self, handle: A2EHandle, weights: np.ndarray | None,
+                  event_id: int) -> np.ndarray | None:
+        """Collect this die's expert outputs and accumulate them with the gate weights."""
+        cfg = self.config
+        me = self.attention[handle.att]
+        if cfg.mode == "trampoline":
+            got = await self.push.collect("back1", me, event_id, [self.experts[handle.att]])
+        else:
+            got = await self.push.collect("direct_back", me, event_id, self.experts)
+        n_copies = int((handle.dest_die >= 0).sum())
+        await sleep_ns(self._quant_ns(n_copies, cfg.e2a_dtype) + round(
+            2 * n_copies * cfg.hidden / self.fabric.pod.spec_of(me).vector_flops * 1e9))
+        if self.fabric.mode != "bytes":
+            return None
+        if weights is None:
+            raise ConfigError("bytes payload mode needs the gate weights", field="weights")
+        w = np.asarray(weights, np.float32)
+        if cfg.n_shared:
+            w = np.concatenate([w, np.ones((w.shape[0], 1), np.float32)], axis=1)
+        outs = np.zeros((handle.n_tokens, self.width, cfg.hidden), np.float32)
+        seen = np.zeros((handle.n_tokens, self.width), bool)
+        for block in got.values():
+            vals, side = self._decode(block, cfg.e2a_dtype)
+            t, k = side["token"].astype(np.int64), side["k"].astype(np.int64)
+            seen[t, k] = True
+            outs[t, k] = vals
+        expected = handle.dest_die >= 0
+        if not np.array_equal(seen, expected):
+            from ...errors import ProtocolError
+
+            raise ProtocolError(f"E2A at attention die {handle.att}: copies lost or duplicated")
+        y = np.zeros((handle.n_tokens, cfg.hidden), np.float32)
+        for j in range(self.width):
+            y += np.where(expected[:, j, None], w[:, j, None] * outs[:, j], np.float32(0.0))
+        return y
+
+    # -- expert side ------------------------------------------------------------------------------
+    async def expert_receive(self, j: int, event_id: int) -> ExpertInput:
+        """Everything sent to expert die ``j`` (relaying first if it is a trampoline)."""
+        cfg = self.config
+        start = now_ns()
+        me = self.experts[j]
+        blocks: list[Block] = []
+        if cfg.mode == "direct":
+            blocks = list((await self.push.collect("direct", me, event_id,
+                                                   self.attention)).values())
+        else:
+            others = [self.experts[i] for i in range(self.N) if i != j]
+            if j < self.N:  # a trampoline: hop 1 in, hop 2 out
+                got = await self.push.collect("hop1", me, event_id, [self.attention[j]])
+                block = got.get(self.attention[j])
+                forward: dict[int, Block] = {}
+                if block is not None:
+                    xs, side = self._decode(block, cfg.a2e_dtype)
+                    for d in np.unique(side["dest"]):
+                        sel = side["dest"] == d
+                        sub = self._rows(side[sel], None if xs is None else xs[sel],
+                                         cfg.a2e_dtype)
+                        if d == j:
+                            blocks.append(sub)  # its own expert's rows: visible after hop 1
+                        else:
+                            forward[self.experts[int(d)]] = sub
+                notify = [d for d in self.experts if d != me]
+                await self.push.push("hop2", me, event_id, forward, notify, self.row_bytes,
+                                     lanes=self._lanes)
+            got2 = await self.push.collect("hop2", me, event_id, others)
+            blocks.extend(got2.values())
+        return self._expert_input(blocks, start)
+
+    def _expert_input(self, blocks: list[Block], start: int) -> ExpertInput:
+        cfg = self.config
+        sides = [b.side for b in blocks]
+        side = np.concatenate(sides) if sides else np.zeros(0, _side_dtype(self.width))
+        x = None
+        if self.fabric.mode == "bytes":
+            parts = [self._decode(b, cfg.a2e_dtype)[0] for b in blocks]
+            x = np.concatenate(parts) if parts else np.zeros((0, cfg.hidden), np.float32)
+        order = np.lexsort((side["token"], side["att"]))
+        side = side[order]
+        if x is not None:
+            x = x[order]
+        return ExpertInput(x, side["att"].astype(np.int64), side["token"].astype(np.int64),
+                           side["slots"].astype(np.int64).reshape(len(side), self.width),
+                           start, now_ns())
+
+    async def expert_return(self, j: int, inp: ExpertInput, outputs: np.ndarray | None,
+                            event_id: int) -> int:
+        """Send expert die ``j``'s outputs back (``outputs``: [n, k', H] per row and column,
+        used where ``inp.slots >= 0``); trampolines then relay to their attention die."""
+        cfg = self.config
+        me = self.experts[j]
+        rows_i, cols = np.nonzero(inp.slots >= 0)
+        side = np.zeros(len(rows_i), dtype=_back_side_dtype())
+        side["token"], side["att"], side["k"] = inp.token[rows_i], inp.att[rows_i], cols
+        vals = None
+        if self.fabric.mode == "bytes":
+            if outputs is None:
+                raise ConfigError("bytes payload mode needs expert outputs", field="outputs")
+            vals = np.asarray(outputs, np.float32)[rows_i, cols]
+        await sleep_ns(self._quant_ns(len(side), cfg.e2a_dtype))
+        by_att: dict[int, Block] = {}
+        for a in np.unique(side["att"]):
+            sel = side["att"] == a
+            by_att[int(a)] = self._rows(side[sel], None if vals is None else vals[sel],
+                                        cfg.e2a_dtype)
+        if cfg.mode == "direct":
+            await self.push.push("direct_back", me, event_id,
+                                 {self.attention[a]: b for a, b in by_att.items()},
+                                 self.attention, self.back_bytes, lanes=self._lanes)
+            return now_ns()
+        own = by_att.pop(j, None) if j < self.N else None
+        blocks = {self.experts[a]: b for a, b in by_att.items()}
+        notify = [self.experts[i] for i in range(self.N) if i != j]
+        await self.push.push("back2", me, event_id, blocks, notify, self.back_bytes,
+                             lanes=self._lanes)
+        if j < self.N:  # a trampoline: gather every expert's copies, then one push home
+            sources = [d for d in self.experts if d != me]
+            got = await self.push.collect("back2", me, event_id, sources)
+            parts = list(got.values()) + ([own] if own is not None else [])
+            side_all = np.concatenate([b.side for b in parts]) if parts else np.zeros(
+                0, _back_side_dtype())
+            vals_all = None
+            if self.fabric.mode == "bytes":
+                decoded = [self._decode(b, cfg.e2a_dtype)[0] for b in parts]
+                vals_all = np.concatenate(decoded) if decoded else np.zeros(
+                    (0, cfg.hidden), np.float32)
+            home = self.attention[j]
+            await self.push.push("back1", me, event_id,
+                                 {home: self._rows(side_all, vals_all, cfg.e2a_dtype)}
+                                 if len(side_all) else {}, [home], self.back_bytes, lanes=1)
+        emit("xccl", "e2a_expert", die=me, copies=len(side))
+        return now_ns()

@@ -1,0 +1,114 @@
+"""Push exchanges over NPU-Direct URMA: the building block of A2E and E2A (SPEC 5.3-5.4).
+
+A source die pushes one block per destination straight into the destination's managed area
+with DMA (URMA: an AIV only issues descriptors; no UBuf, no MTE2), then writes the
+destination's metadata field (eventID, row count), ordered after the data. A destination
+collects a block from every source it expects: the metadata of all of them is its barrier.
+
+Costs per source: the issuing AIVs (one per DMA queue) spend ``meta_issue_ns`` of scalar work
+per destination on the descriptor and again on the metadata write; each DMA queue pays the DMA
+start-up once and then streams its descriptors at link rate, sharing the source's egress and
+each destination's ingress with every other transfer (:mod:`xds.fabric.ports`).
+"""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import numpy as np
+
+from ...errors import ProtocolError
+from ...runtime import now_ns, sleep_until_ns
+from ..memory import Direction
+from ..ports import finish_ns
+from ..ub import UBFabric
+
+
+class Block(msgspec.Struct):
+    """Rows pushed from one die to another: count, bytes (bytes mode) and side information."""
+
+    rows: int
+    data: bytes | None
+    side: np.ndarray
+
+
+class PushExchange:
+    """Blocks and metadata of push exchanges over one fabric, keyed by exchange name."""
+
+    def __init__(self, fabric: UBFabric, names: tuple[str, ...]):
+        self.fabric = fabric
+        self._slot = {name: i for i, name in enumerate(names)}
+        self._blocks: dict[tuple[str, int, int, int], Block] = {}
+        self.meta_writes: dict[tuple[str, int], int] = {}  # (name, src) -> count, for tests
+
+    def _field_index(self, name: str, parity: int) -> int:
+        return 16 + 2 * self._slot[name] + parity
+
+    async def push(
+        self, name: str, src: int, event_id: int, blocks: dict[int, Block], notify: list[int],
+        row_bytes: int, *, lanes: int,
+    ) -> int:
+        """Push ``blocks`` (destination die -> block) from ``src``; write metadata to every die
+        in ``notify`` (a zero count where there is no block). Returns when the last metadata
+        write has been issued."""
+        fabric = self.fabric
+        e = fabric.engines
+        parity = event_id & 1
+        field = self._field_index(name, parity)
+        lanes = max(1, min(lanes, len(notify))) if notify else 1
+        queue_free = [now_ns()] * lanes  # when each issuing AIV / DMA queue is free
+        started = [False] * lanes
+        last_issue = now_ns()
+        for i, dst in enumerate(notify):
+            lane = i % lanes
+            block = blocks.get(dst)
+            issue = queue_free[lane] + e.meta_issue_ns  # descriptor
+            if block is not None and block.rows:
+                ports, link_bw, latency = fabric._link_ports(src, dst)
+                begin = issue + (0 if started[lane] else e.dma_startup_ns)
+                started[lane] = True
+                nbytes = block.rows * row_bytes
+                end = finish_ns(begin, nbytes, link_bw, ports, now_ns=now_ns())
+                fabric.stats.remote_ops += 1
+                fabric.stats.remote_bytes += nbytes
+                visible = end + latency
+                queue_free[lane] = issue + e.meta_issue_ns  # the metadata write
+                fabric.post(visible, self._deposit, name, src, dst, parity, block)
+                meta_at = max(visible, fabric.meta_visible_ns(src, dst, queue_free[lane]))
+            else:
+                queue_free[lane] = issue
+                meta_at = fabric.meta_visible_ns(src, dst, issue)
+            fabric.post_meta(meta_at, dst, src, field, Direction.COLL, event_id=event_id,
+                             chunk_id=block.rows if block is not None else 0)
+            last_issue = max(last_issue, queue_free[lane])
+        self.meta_writes[(name, src)] = self.meta_writes.get((name, src), 0) + len(notify)
+        await sleep_until_ns(last_issue)
+        return last_issue
+
+    def _deposit(self, name: str, src: int, dst: int, parity: int, block: Block) -> None:
+        key = (name, src, dst, parity)
+        if key in self._blocks:
+            raise ProtocolError(
+                f"{name}: die {src} overwrote its block at die {dst} before it was collected"
+            )
+        self._blocks[key] = block
+
+    async def collect(self, name: str, dst: int, event_id: int, sources: list[int]) -> dict[
+        int, Block
+    ]:
+        """Wait for every source's metadata for ``event_id``; return their blocks."""
+        parity = event_id & 1
+        field_index = self._field_index(name, parity)
+        mem = self.fabric.memory(dst)
+        out: dict[int, Block] = {}
+        for src in sources:
+            field = mem.meta(src, field_index, Direction.COLL)
+            while field.event_id != event_id:
+                await field.changed()
+            if field.chunk_id:
+                block = self._blocks.pop((name, src, dst, parity), None)
+                if block is None or block.rows != field.chunk_id:
+                    raise ProtocolError(f"{name}: metadata from die {src} visible before its data")
+                out[src] = block
+        await anyio.lowlevel.checkpoint()
+        return out
