@@ -190,14 +190,10 @@ def test_the_two_tiers_agree_within_10_percent(n_ranks, skew):
     proto = run_moe(tier="protocol", **kw)
     coll = run_moe(tier="collective", **kw)
     for a, b in ((proto.dispatch_ns, coll.dispatch_ns), (proto.combine_ns, coll.combine_ns)):
-        # the collective's latency (its last rank) and the mean rank latency
+        # the collective's latency (its last rank), and every rank's own latency
         assert abs(max(b) - max(a)) <= 0.10 * max(a), (max(a), max(b))
-        assert abs(np.mean(b) - np.mean(a)) <= 0.10 * np.mean(a), (np.mean(a), np.mean(b))
-        if not skew:
-            # every rank; under skew, simultaneous pulls from a hot source may be served in
-            # another order, which moves individual small ranks but not the collective
-            for x, y in zip(a, b, strict=True):
-                assert abs(y - x) <= 0.10 * x, (x, y)
+        for x, y in zip(a, b, strict=True):
+            assert abs(y - x) <= 0.10 * x, (x, y)
 
 
 @settings(max_examples=30, deadline=None)

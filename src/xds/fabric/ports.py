@@ -63,10 +63,19 @@ class Port:
 
 
 def finish_ns(
-    start_ns: float, nbytes: int, rate: float, ports: tuple[Port, ...], now_ns: float | None = None
+    start_ns: float,
+    nbytes: int,
+    rate: float,
+    ports: tuple[Port, ...],
+    now_ns: float | None = None,
+    efficiency: float = 1.0,
 ) -> int:
-    """When a transfer of ``nbytes`` at most ``rate`` B/s through ``ports`` completes."""
+    """When a transfer of ``nbytes`` at most ``rate`` B/s through ``ports`` completes.
+
+    ``efficiency`` < 1 models congestion: the ports carry the bytes as if their bandwidth were
+    that fraction of it."""
     end = start_ns + nbytes * 1e9 / rate
+    port_bytes = nbytes if efficiency == 1.0 else math.ceil(nbytes / efficiency)
     for port in ports:
-        end = max(end, port.reserve(start_ns, nbytes, now_ns=now_ns))
+        end = max(end, port.reserve(start_ns, port_bytes, now_ns=now_ns))
     return math.ceil(end)

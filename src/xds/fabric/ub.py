@@ -135,6 +135,8 @@ class UBFabric:
         op_bytes: int | None = None,
         fill: bool = True,
         aiv_die: int | None = None,
+        efficiency: float = 1.0,
+        now_ns: int | None = None,
     ) -> Transfer:
         """Cost of moving ``nbytes`` from ``src`` to ``dst`` with ``aivs`` AIVs' MTE2/MTE3.
 
@@ -142,7 +144,9 @@ class UBFabric:
         exposed MTE2 load; later operations of the same AIV overlap both with the previous
         store (ping-pong). The ports are reserved: call this when the transfer is issued.
         ``aiv_die`` is the die whose AIVs do the work (default ``src``; a pull uses the
-        reader's).
+        reader's). ``efficiency`` scales the link bandwidth of a remote transfer (collective
+        congestion, :func:`xds.hw.collective_efficiency`). ``now_ns`` is the current time
+        when the transfer is planned ahead (default: ``start_ns``).
         """
         e = self.engines
         op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
@@ -154,14 +158,16 @@ class UBFabric:
             )
         ports, link_bw, latency = self._link_ports(src, dst)
         b_aiv = aiv_mte_bandwidth(e, worker)
-        rate = min(aivs * b_aiv, link_bw)
+        now = start_ns if now_ns is None else now_ns
         begin = start_ns + (e.mte_startup_ns + op * 1e9 / b_aiv if fill else 0.0)
         if src == dst:  # a local copy reads and writes the same HBM
-            end = finish_ns(begin, 2 * nbytes, 2 * rate, ports, now_ns=start_ns)
+            rate = min(aivs * b_aiv, link_bw)
+            end = finish_ns(begin, 2 * nbytes, 2 * rate, ports, now_ns=now)
             self.stats.local_ops += 1
             self.stats.local_bytes += nbytes
         else:
-            end = finish_ns(begin, nbytes, rate, ports, now_ns=start_ns)
+            rate = min(aivs * b_aiv, link_bw * efficiency)
+            end = finish_ns(begin, nbytes, rate, ports, now_ns=now, efficiency=efficiency)
             self.stats.remote_ops += 1
             self.stats.remote_bytes += nbytes
         return Transfer(start_ns, end, end + latency)

@@ -14,6 +14,7 @@ from .specs import (
     LinkSpec,
     Network,
     aiv_mte_bandwidth,
+    collective_efficiency,
     sources,
 )
 from .topology import CloudMatrix384, DieLocation, PodConfig
@@ -35,5 +36,6 @@ __all__ = [
     "Network",
     "PodConfig",
     "aiv_mte_bandwidth",
+    "collective_efficiency",
     "sources",
 ]

@@ -13,6 +13,7 @@ on CloudMatrix384; LLS = JiusiServe/light-llm-simulator hardware profile; XDS = 
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated
 
@@ -133,6 +134,17 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             "[emulator choice] 100 ns: ~185 scalar cycles at 1.85 GHz"
         ),
     ] = 100
+    a2a_congestion: Annotated[
+        float,
+        Meta(ge=0),
+        _d(
+            "c in the all-to-all link efficiency 1 / (1 + c log2 F), F = peers a die exchanges "
+            "with at once in a collective (1 for point-to-point). Least-squares fit (0.2045) "
+            "to DeepEP-Ascend normal-mode BF16 combine bottleneck bandwidth on the A3 "
+            "SuperPOD: 125/103/95/91/81 GB/s at EP8/16/32/64/128 of 196 GB/s "
+            "(sgl-project/sgl-kernel-npu README, REFERENCE.md DEEPEP-ASC); fit within 0.025"
+        ),
+    ] = 0.2045
     vector_ops_per_quant_element: Annotated[
         int,
         Meta(ge=1),
@@ -146,6 +158,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 def aiv_mte_bandwidth(engines: EngineSpec, die: DieSpec) -> float:
     """b_aiv of ``die``: the explicit engine value, else HBM bandwidth / AIVs per die."""
     return engines.aiv_mte_bandwidth or die.hbm_bandwidth / die.aiv
+
+
+def collective_efficiency(engines: EngineSpec, fan: int) -> float:
+    """Fraction of link bandwidth a transfer gets when its die juggles ``fan`` peers at once."""
+    return 1.0 / (1.0 + engines.a2a_congestion * math.log2(max(int(fan), 1)))
 
 
 class Network(StrEnum):

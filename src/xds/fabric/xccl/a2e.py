@@ -74,8 +74,7 @@ class ExpertInput(msgspec.Struct):
 
 
 def _side_dtype(width: int) -> np.dtype:
-    return np.dtype([("token", "<i4"), ("att", "<i4"), ("dest", "<i4"),
-                     ("slots", "<i4", (width,))])
+    return np.dtype([("token", "<i4"), ("att", "<i4"), ("dest", "<i4"), ("slots", "<i4", (width,))])
 
 
 def _back_side_dtype() -> np.dtype:
@@ -85,18 +84,29 @@ def _back_side_dtype() -> np.dtype:
 class AEGroup:
     """One DP domain's attention dies and the expert dies, joined by A2E/E2A."""
 
-    def __init__(self, fabric: UBFabric, attention: list[int], experts: list[int],
-                 expert_map: ExpertMap, config: AEConfig):
+    def __init__(
+        self,
+        fabric: UBFabric,
+        attention: list[int],
+        experts: list[int],
+        expert_map: ExpertMap,
+        config: AEConfig,
+    ):
         n, m = len(attention), len(experts)
         if expert_map.n_ranks != m:
-            raise ConfigError(f"expert map has {expert_map.n_ranks} ranks, expected {m} "
-                              "expert dies", field="expert_map")
+            raise ConfigError(
+                f"expert map has {expert_map.n_ranks} ranks, expected {m} expert dies",
+                field="expert_map",
+            )
         if config.mode == "trampoline" and n > m:
-            raise ConfigError(f"{n} attention dies need as many trampolines, but there are "
-                              f"only {m} expert dies", field="attention")
+            raise ConfigError(
+                f"{n} attention dies need as many trampolines, but there are only {m} expert dies",
+                field="attention",
+            )
         if set(attention) & set(experts):
-            raise ConfigError("a die cannot be both an attention and an expert die",
-                              field="experts")
+            raise ConfigError(
+                "a die cannot be both an attention and an expert die", field="experts"
+            )
         for die in (*attention, *experts):
             fabric.pod.check_die(die)
         self.fabric = fabric
@@ -121,8 +131,12 @@ class AEGroup:
     def _rows(self, side: np.ndarray, x: np.ndarray | None, dtype: WireDtype) -> Block:
         data = None
         if x is not None:
-            full = np.zeros(len(side), dtype=np.dtype(
-                wire._payload_fields(self.config.hidden, dtype) + list(side.dtype.descr)))
+            full = np.zeros(
+                len(side),
+                dtype=np.dtype(
+                    wire._payload_fields(self.config.hidden, dtype) + list(side.dtype.descr)
+                ),
+            )
             wire.encode_payload(full, x, dtype)
             for name in side.dtype.names:
                 full[name] = side[name]
@@ -132,8 +146,9 @@ class AEGroup:
     def _decode(self, block: Block, dtype: WireDtype) -> tuple[np.ndarray | None, np.ndarray]:
         if block.data is None:
             return None, block.side
-        full_dt = np.dtype(wire._payload_fields(self.config.hidden, dtype)
-                           + list(block.side.dtype.descr))
+        full_dt = np.dtype(
+            wire._payload_fields(self.config.hidden, dtype) + list(block.side.dtype.descr)
+        )
         rows = np.frombuffer(block.data, dtype=full_dt)
         return wire.decode_payload(rows, dtype), block.side
 
@@ -151,20 +166,25 @@ class AEGroup:
         if not self.config.n_shared:
             return topk_idx
         b = topk_idx.shape[0]
-        shared = self.expert_map.n_experts - self.config.n_shared + (
-            (att + np.arange(b)) % self.config.n_shared)
+        shared = (
+            self.expert_map.n_experts
+            - self.config.n_shared
+            + ((att + np.arange(b)) % self.config.n_shared)
+        )
         return np.concatenate([topk_idx, shared[:, None]], axis=1)
 
-    async def a2e(self, att: int, x: np.ndarray | int, topk_idx: np.ndarray,
-                  event_id: int) -> A2EHandle:
+    async def a2e(
+        self, att: int, x: np.ndarray | int, topk_idx: np.ndarray, event_id: int
+    ) -> A2EHandle:
         """Send this attention die's tokens toward their experts."""
         cfg = self.config
         start = now_ns()
         n_tokens = x if isinstance(x, int) else int(np.asarray(x).shape[0])
         cols = self.columns(att, topk_idx)
         if cols.shape != (n_tokens, self.width):
-            raise ConfigError(f"topk_idx must have shape ({n_tokens}, {cfg.top_k})",
-                              field="topk_idx")
+            raise ConfigError(
+                f"topk_idx must have shape ({n_tokens}, {cfg.top_k})", field="topk_idx"
+            )
         routed = route(cols, self.expert_map)
         dest, local = routed.dest_rank, routed.local_slot
         # one row per (token, expert die), grouped by expert die
@@ -180,27 +200,32 @@ class AEGroup:
             xs = np.asarray(x, np.float32)[side["token"]]
         me = self.attention[att]
         await sleep_ns(self.fabric.engines.kernel_launch_ns)
-        t = self.fabric.mte_transfer(me, me, len(side) * self.row_bytes, start_ns=now_ns(),
-                                     aivs=cfg.n_aiv)
+        t = self.fabric.mte_transfer(
+            me, me, len(side) * self.row_bytes, start_ns=now_ns(), aivs=cfg.n_aiv
+        )
         await sleep_until_ns(t.end_ns + self._quant_ns(n_tokens, cfg.a2e_dtype))
         if cfg.mode == "trampoline":
             block = self._rows(side, xs, cfg.a2e_dtype)
             tramp = self.experts[att]
-            await self.push.push("hop1", me, event_id, {tramp: block}, [tramp], self.row_bytes,
-                                 lanes=1)
+            await self.push.push(
+                "hop1", me, event_id, {tramp: block}, [tramp], self.row_bytes, lanes=1
+            )
         else:
             blocks = {}
             for j in range(self.M):
                 sel = side["dest"] == j
                 if sel.any():
                     blocks[self.experts[j]] = self._rows(
-                        side[sel], None if xs is None else xs[sel], cfg.a2e_dtype)
-            await self.push.push("direct", me, event_id, blocks, self.experts, self.row_bytes,
-                                 lanes=self._lanes)
+                        side[sel], None if xs is None else xs[sel], cfg.a2e_dtype
+                    )
+            await self.push.push(
+                "direct", me, event_id, blocks, self.experts, self.row_bytes, lanes=self._lanes
+            )
         return A2EHandle(att, n_tokens, dest, start, now_ns())
 
-    async def e2a(self, handle: A2EHandle, weights: np.ndarray | None,
-                  event_id: int) -> np.ndarray | None:
+    async def e2a(
+        self, handle: A2EHandle, weights: np.ndarray | None, event_id: int
+    ) -> np.ndarray | None:
         """Collect this die's expert outputs and accumulate them with the gate weights."""
         cfg = self.config
         me = self.attention[handle.att]
@@ -209,8 +234,10 @@ class AEGroup:
         else:
             got = await self.push.collect("direct_back", me, event_id, self.experts)
         n_copies = int((handle.dest_die >= 0).sum())
-        await sleep_ns(self._quant_ns(n_copies, cfg.e2a_dtype) + round(
-            2 * n_copies * cfg.hidden / self.fabric.pod.spec_of(me).vector_flops * 1e9))
+        await sleep_ns(
+            self._quant_ns(n_copies, cfg.e2a_dtype)
+            + round(2 * n_copies * cfg.hidden / self.fabric.pod.spec_of(me).vector_flops * 1e9)
+        )
         if self.fabric.mode != "bytes":
             return None
         if weights is None:
@@ -243,8 +270,9 @@ class AEGroup:
         me = self.experts[j]
         blocks: list[Block] = []
         if cfg.mode == "direct":
-            blocks = list((await self.push.collect("direct", me, event_id,
-                                                   self.attention)).values())
+            blocks = list(
+                (await self.push.collect("direct", me, event_id, self.attention)).values()
+            )
         else:
             others = [self.experts[i] for i in range(self.N) if i != j]
             if j < self.N:  # a trampoline: hop 1 in, hop 2 out
@@ -255,15 +283,15 @@ class AEGroup:
                     xs, side = self._decode(block, cfg.a2e_dtype)
                     for d in np.unique(side["dest"]):
                         sel = side["dest"] == d
-                        sub = self._rows(side[sel], None if xs is None else xs[sel],
-                                         cfg.a2e_dtype)
+                        sub = self._rows(side[sel], None if xs is None else xs[sel], cfg.a2e_dtype)
                         if d == j:
                             blocks.append(sub)  # its own expert's rows: visible after hop 1
                         else:
                             forward[self.experts[int(d)]] = sub
                 notify = [d for d in self.experts if d != me]
-                await self.push.push("hop2", me, event_id, forward, notify, self.row_bytes,
-                                     lanes=self._lanes)
+                await self.push.push(
+                    "hop2", me, event_id, forward, notify, self.row_bytes, lanes=self._lanes
+                )
             got2 = await self.push.collect("hop2", me, event_id, others)
             blocks.extend(got2.values())
         return self._expert_input(blocks, start)
@@ -280,12 +308,18 @@ class AEGroup:
         side = side[order]
         if x is not None:
             x = x[order]
-        return ExpertInput(x, side["att"].astype(np.int64), side["token"].astype(np.int64),
-                           side["slots"].astype(np.int64).reshape(len(side), self.width),
-                           start, now_ns())
+        return ExpertInput(
+            x,
+            side["att"].astype(np.int64),
+            side["token"].astype(np.int64),
+            side["slots"].astype(np.int64).reshape(len(side), self.width),
+            start,
+            now_ns(),
+        )
 
-    async def expert_return(self, j: int, inp: ExpertInput, outputs: np.ndarray | None,
-                            event_id: int) -> int:
+    async def expert_return(
+        self, j: int, inp: ExpertInput, outputs: np.ndarray | None, event_id: int
+    ) -> int:
         """Send expert die ``j``'s outputs back (``outputs``: [n, k', H] per row and column,
         used where ``inp.slots >= 0``); trampolines then relay to their attention die."""
         cfg = self.config
@@ -302,32 +336,50 @@ class AEGroup:
         by_att: dict[int, Block] = {}
         for a in np.unique(side["att"]):
             sel = side["att"] == a
-            by_att[int(a)] = self._rows(side[sel], None if vals is None else vals[sel],
-                                        cfg.e2a_dtype)
+            by_att[int(a)] = self._rows(
+                side[sel], None if vals is None else vals[sel], cfg.e2a_dtype
+            )
         if cfg.mode == "direct":
-            await self.push.push("direct_back", me, event_id,
-                                 {self.attention[a]: b for a, b in by_att.items()},
-                                 self.attention, self.back_bytes, lanes=self._lanes)
+            await self.push.push(
+                "direct_back",
+                me,
+                event_id,
+                {self.attention[a]: b for a, b in by_att.items()},
+                self.attention,
+                self.back_bytes,
+                lanes=self._lanes,
+            )
             return now_ns()
         own = by_att.pop(j, None) if j < self.N else None
         blocks = {self.experts[a]: b for a, b in by_att.items()}
         notify = [self.experts[i] for i in range(self.N) if i != j]
-        await self.push.push("back2", me, event_id, blocks, notify, self.back_bytes,
-                             lanes=self._lanes)
+        await self.push.push(
+            "back2", me, event_id, blocks, notify, self.back_bytes, lanes=self._lanes
+        )
         if j < self.N:  # a trampoline: gather every expert's copies, then one push home
             sources = [d for d in self.experts if d != me]
             got = await self.push.collect("back2", me, event_id, sources)
             parts = list(got.values()) + ([own] if own is not None else [])
-            side_all = np.concatenate([b.side for b in parts]) if parts else np.zeros(
-                0, _back_side_dtype())
+            side_all = (
+                np.concatenate([b.side for b in parts])
+                if parts
+                else np.zeros(0, _back_side_dtype())
+            )
             vals_all = None
             if self.fabric.mode == "bytes":
                 decoded = [self._decode(b, cfg.e2a_dtype)[0] for b in parts]
-                vals_all = np.concatenate(decoded) if decoded else np.zeros(
-                    (0, cfg.hidden), np.float32)
+                vals_all = (
+                    np.concatenate(decoded) if decoded else np.zeros((0, cfg.hidden), np.float32)
+                )
             home = self.attention[j]
-            await self.push.push("back1", me, event_id,
-                                 {home: self._rows(side_all, vals_all, cfg.e2a_dtype)}
-                                 if len(side_all) else {}, [home], self.back_bytes, lanes=1)
+            await self.push.push(
+                "back1",
+                me,
+                event_id,
+                {home: self._rows(side_all, vals_all, cfg.e2a_dtype)} if len(side_all) else {},
+                [home],
+                self.back_bytes,
+                lanes=1,
+            )
         emit("xccl", "e2a_expert", die=me, copies=len(side))
         return now_ns()

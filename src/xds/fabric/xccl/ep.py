@@ -22,8 +22,8 @@ layers never read each other's metadata.
 
 Two fidelity tiers share this API (ARCHITECTURE.md "Fidelity tiers"): ``tier="protocol"`` moves
 every block and metadata write through the fabric; ``tier="collective"`` makes one event per
-collective and computes every rank's completion from all arrival times with the same costs in
-closed form (:mod:`xds.fabric.xccl.collective_cost`).
+collective and computes every rank's completion from all arrival times with the same costs and
+ports, replaying the pulls in issue order without tasks (:mod:`xds.fabric.xccl.collective_cost`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import msgspec
 import numpy as np
 
 from ...errors import ConfigError, ProtocolError
+from ...hw import collective_efficiency
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..memory import Direction
 from ..ub import UBFabric
 from . import wire
-from .collective_cost import ExchangeCost, exchange_completion
+from .collective_cost import exchange_completion
 from .moe import (
     ExpertMap,
     Layout,
@@ -163,7 +164,6 @@ class EPGroup:
         self._arrivals: dict[tuple[int, int], dict[int, _Arrival]] = {}
         self._results: dict[tuple[int, int], anyio.Event] = {}
         self._completion: dict[tuple[int, int], _Completion] = {}
-        self._exchange_cost: ExchangeCost | None = None
 
     # -- public API ------------------------------------------------------------------------------
     async def dispatch(
@@ -330,11 +330,6 @@ class EPGroup:
         die = self.fabric.pod.spec_of(self.ranks[0])
         return round(2 * n_copies * self.config.hidden / die.vector_flops * 1e9)
 
-    def _cost(self) -> ExchangeCost:
-        if self._exchange_cost is None:
-            self._exchange_cost = ExchangeCost.of(self.fabric, self.ranks, self.config.n_aiv)
-        return self._exchange_cost
-
     # -- the count-then-pull exchange --
     async def _exchange(
         self,
@@ -427,13 +422,24 @@ class EPGroup:
         for src in range(self.R):
             if incoming[src]:
                 lanes[src % len(lanes)].append(src)
+        # congestion: this die pulls from this many peers at once
+        fan_in = int(np.count_nonzero(incoming)) - (1 if incoming[rank] else 0)
+        efficiency = collective_efficiency(e, fan_in)
 
         async def lane(sources: list[int]) -> None:
             first = True
             for src in sources:
                 block = self._blocks[(src, phase, parity, rank)]
                 nbytes = block.rows * row_bytes
-                tr = fabric.mte_transfer(self.ranks[src], me, nbytes, start_ns=now_ns(), fill=first)
+                tr = fabric.mte_transfer(
+                    self.ranks[src],
+                    me,
+                    nbytes,
+                    start_ns=now_ns(),
+                    fill=first,
+                    aiv_die=me,
+                    efficiency=efficiency,
+                )
                 await sleep_until_ns(tr.visible_ns + round(block.rows * per_row_ns))
                 received[src] = block
                 fabric.post(
@@ -480,13 +486,16 @@ class EPGroup:
             ordered = [arrivals[s] for s in range(self.R)]
             count_matrix = np.stack([a.counts for a in ordered])
             barrier, end = exchange_completion(
-                self._cost(),
+                self.fabric,
+                self.ranks,
+                n_aiv=self.config.n_aiv,
                 arrival_ns=np.array([a.t_ns for a in ordered], dtype=np.int64),
                 counts=count_matrix,
                 row_bytes=row_bytes,
                 pack_vector_ns=np.array([a.costs[0] for a in ordered], dtype=np.int64),
                 per_row_ns=ordered[0].costs[1],
                 post_ns=np.array([a.costs[2] for a in ordered], dtype=np.int64),
+                now_ns=now_ns(),
             )
             self._completion[key] = _Completion(
                 barrier, end, count_matrix, [a.blocks for a in ordered], self.R

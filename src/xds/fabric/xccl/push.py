@@ -45,8 +45,15 @@ class PushExchange:
         return 16 + 2 * self._slot[name] + parity
 
     async def push(
-        self, name: str, src: int, event_id: int, blocks: dict[int, Block], notify: list[int],
-        row_bytes: int, *, lanes: int,
+        self,
+        name: str,
+        src: int,
+        event_id: int,
+        blocks: dict[int, Block],
+        notify: list[int],
+        row_bytes: int,
+        *,
+        lanes: int,
     ) -> int:
         """Push ``blocks`` (destination die -> block) from ``src``; write metadata to every die
         in ``notify`` (a zero count where there is no block). Returns when the last metadata
@@ -78,8 +85,15 @@ class PushExchange:
             else:
                 queue_free[lane] = issue
                 meta_at = fabric.meta_visible_ns(src, dst, issue)
-            fabric.post_meta(meta_at, dst, src, field, Direction.COLL, event_id=event_id,
-                             chunk_id=block.rows if block is not None else 0)
+            fabric.post_meta(
+                meta_at,
+                dst,
+                src,
+                field,
+                Direction.COLL,
+                event_id=event_id,
+                chunk_id=block.rows if block is not None else 0,
+            )
             last_issue = max(last_issue, queue_free[lane])
         self.meta_writes[(name, src)] = self.meta_writes.get((name, src), 0) + len(notify)
         await sleep_until_ns(last_issue)
@@ -93,9 +107,9 @@ class PushExchange:
             )
         self._blocks[key] = block
 
-    async def collect(self, name: str, dst: int, event_id: int, sources: list[int]) -> dict[
-        int, Block
-    ]:
+    async def collect(
+        self, name: str, dst: int, event_id: int, sources: list[int]
+    ) -> dict[int, Block]:
         """Wait for every source's metadata for ``event_id``; return their blocks."""
         parity = event_id & 1
         field_index = self._field_index(name, parity)
