@@ -50,3 +50,18 @@ def test_unknown_target_is_a_clear_error(capsys):
     assert main(["reproduce", "nope"]) == 2
     assert "unknown target" in capsys.readouterr().err
     assert "p2p" in target_names()
+
+
+def test_all_targets_are_registered():
+    assert target_names() == ["p2p", "dispatch-combine", "a2e-e2a"]
+
+
+def test_dispatch_combine_sweep_on_a_small_group():
+    from xds.reproduce.dispatch_combine import crossover
+    from xds.reproduce.dispatch_combine import measure as measure_dc
+
+    lat = measure_dc([1, 64], ep=16)
+    assert lat[64][0] > lat[1][0] and lat[64][1] > lat[1][1]
+    assert lat[64][0] < lat[64][1]  # INT8 dispatch moves half the bytes of BF16 combine
+    assert crossover({1: (10, 5), 8: (8, 8), 16: (6, 10)}) == 8.0
+    assert crossover({1: (5, 10), 8: (6, 10)}) == 1.0

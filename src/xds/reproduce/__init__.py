@@ -65,9 +65,13 @@ TargetFn = Callable[[], tuple[list[Row], list[TableData]]]
 
 
 def _targets() -> dict[str, TargetFn]:
-    from . import p2p
+    from . import a2e_e2a, dispatch_combine, p2p
 
-    return {"p2p": p2p.reproduce}
+    return {
+        "p2p": p2p.reproduce,
+        "dispatch-combine": dispatch_combine.reproduce,
+        "a2e-e2a": a2e_e2a.reproduce,
+    }
 
 
 def target_names() -> list[str]:

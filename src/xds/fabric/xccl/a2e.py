@@ -91,6 +91,8 @@ class AEGroup:
         experts: list[int],
         expert_map: ExpertMap,
         config: AEConfig,
+        *,
+        tier: str = "protocol",
     ):
         n, m = len(attention), len(experts)
         if expert_map.n_ranks != m:
@@ -116,7 +118,7 @@ class AEGroup:
         self.config = config
         self.N, self.M = n, m
         self.width = config.top_k + (1 if config.n_shared else 0)
-        self.push = PushExchange(fabric, _NAMES)
+        self.push = PushExchange(fabric, _NAMES, tier=tier)
         self._lanes = fabric.pod.spec_of(experts[0]).dma_engines
 
     # -- row formats ----------------------------------------------------------------------------

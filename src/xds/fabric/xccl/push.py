@@ -17,7 +17,8 @@ import anyio
 import msgspec
 import numpy as np
 
-from ...errors import ProtocolError
+from ...errors import ConfigError, ProtocolError
+from ...hw import collective_efficiency
 from ...runtime import now_ns, sleep_until_ns
 from ..memory import Direction
 from ..ports import finish_ns
@@ -33,13 +34,25 @@ class Block(msgspec.Struct):
 
 
 class PushExchange:
-    """Blocks and metadata of push exchanges over one fabric, keyed by exchange name."""
+    """Blocks and metadata of push exchanges over one fabric, keyed by exchange name.
 
-    def __init__(self, fabric: UBFabric, names: tuple[str, ...]):
+    Two tiers: ``protocol`` posts every block's arrival and every metadata write as a timed
+    event and destinations poll their metadata fields; ``collective`` computes the same times
+    with the same ports but records them, and a destination sleeps until the last metadata it
+    needs (no per-block events).
+    """
+
+    def __init__(self, fabric: UBFabric, names: tuple[str, ...], *, tier: str = "protocol"):
+        if tier not in ("protocol", "collective"):
+            raise ConfigError(f"unknown tier {tier!r}", field="tier")
         self.fabric = fabric
+        self.tier = tier
         self._slot = {name: i for i, name in enumerate(names)}
         self._blocks: dict[tuple[str, int, int, int], Block] = {}
         self.meta_writes: dict[tuple[str, int], int] = {}  # (name, src) -> count, for tests
+        # collective tier: (name, src, dst, event) -> (metadata visible at, block or None)
+        self._arrivals: dict[tuple[str, int, int, int], tuple[int, Block | None]] = {}
+        self._pushed: dict[tuple[str, int, int], anyio.Event] = {}
 
     def _field_index(self, name: str, parity: int) -> int:
         return 16 + 2 * self._slot[name] + parity
@@ -62,40 +75,55 @@ class PushExchange:
         e = fabric.engines
         parity = event_id & 1
         field = self._field_index(name, parity)
+        collective = self.tier == "collective"
         lanes = max(1, min(lanes, len(notify))) if notify else 1
-        queue_free = [now_ns()] * lanes  # when each issuing AIV / DMA queue is free
+        fan_out = sum(1 for d, b in blocks.items() if b.rows and d != src)
+        efficiency = collective_efficiency(e, fan_out)
+        t0 = now_ns()
+        queue_free = [t0] * lanes  # when each issuing AIV / DMA queue is free
         started = [False] * lanes
-        last_issue = now_ns()
+        last_issue = t0
         for i, dst in enumerate(notify):
             lane = i % lanes
             block = blocks.get(dst)
             issue = queue_free[lane] + e.meta_issue_ns  # descriptor
-            if block is not None and block.rows:
+            has_rows = block is not None and block.rows > 0
+            if has_rows:
                 ports, link_bw, latency = fabric._link_ports(src, dst)
                 begin = issue + (0 if started[lane] else e.dma_startup_ns)
                 started[lane] = True
                 nbytes = block.rows * row_bytes
-                end = finish_ns(begin, nbytes, link_bw, ports, now_ns=now_ns())
+                end = finish_ns(
+                    begin, nbytes, link_bw * efficiency, ports, now_ns=t0, efficiency=efficiency
+                )
                 fabric.stats.remote_ops += 1
                 fabric.stats.remote_bytes += nbytes
                 visible = end + latency
                 queue_free[lane] = issue + e.meta_issue_ns  # the metadata write
-                fabric.post(visible, self._deposit, name, src, dst, parity, block)
                 meta_at = max(visible, fabric.meta_visible_ns(src, dst, queue_free[lane]))
+                if not collective:
+                    fabric.post(visible, self._deposit, name, src, dst, parity, block)
             else:
                 queue_free[lane] = issue
                 meta_at = fabric.meta_visible_ns(src, dst, issue)
-            fabric.post_meta(
-                meta_at,
-                dst,
-                src,
-                field,
-                Direction.COLL,
-                event_id=event_id,
-                chunk_id=block.rows if block is not None else 0,
-            )
+            if collective:
+                self._arrivals[(name, src, dst, event_id)] = (meta_at, block if has_rows else None)
+            else:
+                fabric.post_meta(
+                    meta_at,
+                    dst,
+                    src,
+                    field,
+                    Direction.COLL,
+                    event_id=event_id,
+                    chunk_id=block.rows if block is not None else 0,
+                )
             last_issue = max(last_issue, queue_free[lane])
         self.meta_writes[(name, src)] = self.meta_writes.get((name, src), 0) + len(notify)
+        if collective:
+            pushed = self._pushed.pop((name, src, event_id), None)
+            if pushed is not None:
+                pushed.set()
         await sleep_until_ns(last_issue)
         return last_issue
 
@@ -111,6 +139,8 @@ class PushExchange:
         self, name: str, dst: int, event_id: int, sources: list[int]
     ) -> dict[int, Block]:
         """Wait for every source's metadata for ``event_id``; return their blocks."""
+        if self.tier == "collective":
+            return await self._collect_recorded(name, dst, event_id, sources)
         parity = event_id & 1
         field_index = self._field_index(name, parity)
         mem = self.fabric.memory(dst)
@@ -125,4 +155,21 @@ class PushExchange:
                     raise ProtocolError(f"{name}: metadata from die {src} visible before its data")
                 out[src] = block
         await anyio.lowlevel.checkpoint()
+        return out
+
+    async def _collect_recorded(
+        self, name: str, dst: int, event_id: int, sources: list[int]
+    ) -> dict[int, Block]:
+        out: dict[int, Block] = {}
+        ready = now_ns()
+        for src in sources:
+            key = (name, src, dst, event_id)
+            while key not in self._arrivals:  # that source has not pushed yet
+                pushed = self._pushed.setdefault((name, src, event_id), anyio.Event())
+                await pushed.wait()
+            meta_at, block = self._arrivals.pop(key)
+            ready = max(ready, meta_at)
+            if block is not None:
+                out[src] = block
+        await sleep_until_ns(ready)
         return out

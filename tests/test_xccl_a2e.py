@@ -1,0 +1,145 @@
+"""A2E/E2A: numerics through trampolines, fan-out, hop visibility, tiers."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import xds
+from xds.fabric import UBFabric
+from xds.fabric.xccl.a2e import AEConfig, AEGroup
+from xds.fabric.xccl.moe import ExpertMap
+from xds.hw import CloudMatrix384
+from xds.model import ReferenceMoE, TinyMoE, dequantize_int8, quantize_int8
+
+POD = CloudMatrix384(servers=4)
+
+
+def run_ae(
+    *,
+    mode="trampoline",
+    dtype="fp32",
+    tier="protocol",
+    n_att=4,
+    n_exp=6,
+    batch=5,
+    n_shared=0,
+    payload="bytes",
+    seed=0,
+):
+    shape = TinyMoE(hidden=32, intermediate=16, n_experts=12, top_k=3)
+    rng = np.random.default_rng(seed)
+    model = ReferenceMoE(shape, rng)
+    xs = [rng.standard_normal((batch, 32)).astype(np.float32) for _ in range(n_att)]
+    routes = [model.route(x) for x in xs]
+    emap = ExpertMap(12 + n_shared, n_exp)
+    slot_expert = {
+        (int(emap.slots_rank[p]), int(emap.local_index[p])): e
+        for e, reps in enumerate(emap.replicas)
+        for p in reps
+    }
+    out = {"ys": [None] * n_att, "recv_end": [0] * n_exp, "hop1_end": {}}
+
+    async def main():
+        fabric = UBFabric(POD, payload_mode=payload)
+        g = AEGroup(
+            fabric,
+            list(range(40, 40 + n_att)),
+            list(range(0, 2 * n_exp, 2)),
+            emap,
+            AEConfig(
+                hidden=32, top_k=3, n_shared=n_shared, a2e_dtype=dtype, e2a_dtype=dtype, mode=mode
+            ),
+            tier=tier,
+        )
+
+        async def att(i):
+            x = xs[i] if payload == "bytes" else batch
+            h = await g.a2e(i, x, routes[i][0], event_id=1)
+            out["ys"][i] = await g.e2a(h, routes[i][1], event_id=2)
+
+        async def exp(j):
+            inp = await g.expert_receive(j, event_id=1)
+            out["recv_end"][j] = inp.end_ns
+            res = None
+            if payload == "bytes":
+                res = np.zeros((inp.n, g.width, 32), np.float32)
+                for r in range(inp.n):
+                    for c in range(g.width):
+                        s = int(inp.slots[r, c])
+                        if s >= 0:
+                            e = slot_expert[(j, s)]
+                            if e >= 12:  # a shared-expert instance: identity for the test
+                                res[r, c] = inp.x[r]
+                            else:
+                                res[r, c] = model.expert(e, inp.x[r : r + 1])[0]
+            await g.expert_return(j, inp, res, event_id=2)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n_att):
+                tg.start_soon(att, i)
+            for j in range(n_exp):
+                tg.start_soon(exp, j)
+        out["meta"] = g.push.meta_writes
+        out["end"] = xds.now_ns()
+
+    xds.run(main, seed=seed)
+    out.update(model=model, xs=xs, routes=routes)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["trampoline", "direct"])
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_e2a_of_experts_of_a2e_equals_the_dense_reference(mode, tier, dtype):
+    out = run_ae(mode=mode, tier=tier, dtype=dtype)
+    q = (lambda v: dequantize_int8(*quantize_int8(v))) if dtype == "int8" else None
+    for i, y in enumerate(out["ys"]):
+        ref = out["model"].forward(out["xs"][i], *out["routes"][i], round_input=q, round_output=q)
+        assert np.array_equal(y, ref)
+
+
+def test_shared_expert_instances_add_one_unweighted_copy_per_token():
+    out = run_ae(n_shared=2, n_exp=7)
+    for i, y in enumerate(out["ys"]):
+        ref = out["model"].forward(out["xs"][i], *out["routes"][i]) + out["xs"][i]
+        np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_trampolines_cut_the_attention_dies_fan_out_to_one():
+    tramp = run_ae(mode="trampoline", payload="size")["meta"]
+    direct = run_ae(mode="direct", payload="size")["meta"]
+    for die in range(40, 44):
+        assert tramp[("hop1", die)] == 1  # exactly one metadata write per A2E
+        assert direct[("direct", die)] == 6  # one per expert die
+    # trampolines take over the fan-out (to every other expert die)
+    assert all(tramp[("hop2", d)] == 5 for d in (0, 2, 4, 6))
+
+
+def test_non_trampoline_experts_see_rows_only_after_both_hops():
+    out = run_ae(payload="size")
+    trampolines, others = out["recv_end"][:4], out["recv_end"][4:]
+    dma = POD.engines.dma_startup_ns
+    # hop 1 alone already costs a DMA start-up; experts fed only by hop 2 pay a second one
+    assert min(others) > dma * 2
+    assert max(trampolines) >= dma
+
+
+def test_the_two_tiers_agree():
+    for mode in ("trampoline", "direct"):
+        a = run_ae(mode=mode, payload="size", tier="protocol", n_att=6, n_exp=9, batch=16)
+        b = run_ae(mode=mode, payload="size", tier="collective", n_att=6, n_exp=9, batch=16)
+        assert abs(a["end"] - b["end"]) <= 0.10 * a["end"]
+        for x, y in zip(a["recv_end"], b["recv_end"], strict=True):
+            assert abs(x - y) <= 0.10 * x
+
+
+def test_bad_groups_are_clear_errors():
+    from xds.errors import ConfigError
+
+    fabric = UBFabric(POD)
+    with pytest.raises(ConfigError, match="trampolines"):
+        AEGroup(fabric, list(range(10)), [20, 21], ExpertMap(4, 2), AEConfig(hidden=8, top_k=1))
+    with pytest.raises(ConfigError, match="both"):
+        AEGroup(fabric, [1, 2], [2, 3], ExpertMap(4, 2), AEConfig(hidden=8, top_k=1))
