@@ -64,4 +64,5 @@ def test_dispatch_combine_sweep_on_a_small_group():
     assert lat[64][0] > lat[1][0] and lat[64][1] > lat[1][1]
     assert lat[64][0] < lat[64][1]  # INT8 dispatch moves half the bytes of BF16 combine
     assert crossover({1: (10, 5), 8: (8, 8), 16: (6, 10)}) == 8.0
-    assert crossover({1: (5, 10), 8: (6, 10)}) == 1.0
+    assert crossover({1: (5, 10), 8: (6, 10)}) == 0.0
+    assert crossover({1: (15, 10), 8: (16, 10)}) == 8.0

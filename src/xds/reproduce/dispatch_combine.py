@@ -15,6 +15,8 @@ the owner's weighted accumulation.
 
 from __future__ import annotations
 
+import itertools
+
 import anyio
 import numpy as np
 
@@ -30,71 +32,71 @@ BATCHES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128]
 EP = 128
 
 
+async def _one_batch(
+    fabric: UBFabric, ep: int, batch: int, round_: int, tier: str
+) -> tuple[int, int]:
+    """Dispatch then combine once on every rank from common starts; the two latencies."""
+    model = DEEPSEEK_V3
+    group = EPGroup(
+        fabric,
+        list(range(ep)),
+        ExpertMap(model.routed_experts, ep),
+        EPConfig(
+            hidden=model.hidden,
+            top_k=model.top_k,
+            max_tokens_per_rank=batch,
+            dispatch_dtype="int8",
+            combine_dtype="bf16",
+        ),
+        tier=tier,  # type: ignore[arg-type]
+    )
+    pick = rng(f"reproduce/dispatch-combine/{batch}")
+    routes = [
+        np.stack(
+            [pick.choice(model.routed_experts, model.top_k, replace=False) for _ in range(batch)]
+        )
+        for _ in range(ep)
+    ]
+    t_dispatch = now_ns() + 1_000_000  # a common start, after earlier traffic drained
+    t_combine = t_dispatch + 1_000_000
+    ends = {"dispatch": 0, "combine": 0}
+
+    async def rank(r: int) -> None:
+        await sleep_until_ns(t_dispatch)
+        h = await group.dispatch(r, batch, routes[r], 2 * round_ + 2)
+        ends["dispatch"] = max(ends["dispatch"], now_ns())
+        await sleep_until_ns(t_combine)
+        await group.combine(r, h, None, None, 2 * round_ + 3)
+        ends["combine"] = max(ends["combine"], now_ns())
+
+    async with anyio.create_task_group() as tg:
+        for r in range(ep):
+            tg.start_soon(rank, r)
+    return ends["dispatch"] - t_dispatch, ends["combine"] - t_combine
+
+
 def measure(
     batches: list[int] = BATCHES, *, ep: int = EP, seed: int = 0, tier: str = "collective"
 ) -> dict[int, tuple[int, int]]:
     """Per batch: (dispatch latency, combine latency) in ns."""
-    model = DEEPSEEK_V3
     pod = CloudMatrix384(servers=max(1, ep // 16))
 
     async def main() -> dict[int, tuple[int, int]]:
         fabric = UBFabric(pod, payload_mode="size")
-        out: dict[int, tuple[int, int]] = {}
-        for round_, batch in enumerate(batches):
-            group = EPGroup(
-                fabric,
-                list(range(ep)),
-                ExpertMap(model.routed_experts, ep),
-                EPConfig(
-                    hidden=model.hidden,
-                    top_k=model.top_k,
-                    max_tokens_per_rank=batch,
-                    dispatch_dtype="int8",
-                    combine_dtype="bf16",
-                ),
-                tier=tier,  # type: ignore[arg-type]
-            )
-            pick = rng(f"reproduce/dispatch-combine/{batch}")
-            routes = [
-                np.stack(
-                    [
-                        pick.choice(model.routed_experts, model.top_k, replace=False)
-                        for _ in range(batch)
-                    ]
-                )
-                for _ in range(ep)
-            ]
-            t_dispatch = now_ns() + 1_000_000  # a common start, after earlier traffic drained
-            t_combine = t_dispatch + 1_000_000
-            ends = {"dispatch": 0, "combine": 0}
-
-            async def rank(
-                r: int, routes=routes, group=group, t_d=t_dispatch, t_c=t_combine, round_=round_
-            ) -> None:
-                await sleep_until_ns(t_d)
-                h = await group.dispatch(r, len(routes[r]), routes[r], 2 * round_ + 2)
-                ends["dispatch"] = max(ends["dispatch"], now_ns())
-                await sleep_until_ns(t_c)
-                await group.combine(r, h, None, None, 2 * round_ + 3)
-                ends["combine"] = max(ends["combine"], now_ns())
-
-            async with anyio.create_task_group() as tg:
-                for r in range(ep):
-                    tg.start_soon(rank, r)
-            out[batch] = (ends["dispatch"] - t_dispatch, ends["combine"] - t_combine)
-        return out
+        return {b: await _one_batch(fabric, ep, b, i, tier) for i, b in enumerate(batches)}
 
     return run(main, seed=seed, event_log=False)
 
 
 def crossover(lat: dict[int, tuple[int, int]]) -> float:
     """The batch where dispatch becomes faster than combine (linear interpolation of the
-    difference between sweep points); the largest batch if it never does."""
+    difference between sweep points); 0 if dispatch is faster at every batch, the largest
+    batch if it never is."""
     batches = sorted(lat)
     diff = [lat[b][0] - lat[b][1] for b in batches]
     if diff[0] <= 0:
-        return float(batches[0])
-    for (b0, d0), (b1, d1) in zip(zip(batches, diff), zip(batches[1:], diff[1:]), strict=False):
+        return 0.0
+    for (b0, d0), (b1, d1) in itertools.pairwise(zip(batches, diff, strict=True)):
         if d0 > 0 >= d1:
             return b0 + (b1 - b0) * d0 / (d0 - d1)
     return float(batches[-1])
