@@ -293,16 +293,21 @@ def _as_ns(value: object, name: str) -> int:
 
 async def sleep_ns(duration_ns: int) -> None:
     """Sleep ``duration_ns`` nanoseconds of virtual time."""
-    duration_ns = _as_ns(duration_ns, "duration_ns")
+    if type(duration_ns) is not int:  # the hot path passes plain ints
+        duration_ns = _as_ns(duration_ns, "duration_ns")
     if duration_ns < 0:
         raise ValueError(f"cannot sleep a negative duration ({duration_ns} ns)")
-    rt = current_runtime()
+    rt = _current.get()
+    if rt is None:
+        raise RuntimeError("no xds run in progress: call this inside xds.run(...)")
     await rt.sleep_until_ns(rt.now_ns() + duration_ns)
 
 
 async def sleep_until_ns(t_ns: int) -> None:
     """Sleep until virtual time ``t_ns``."""
-    await current_runtime().sleep_until_ns(_as_ns(t_ns, "t_ns"))
+    if type(t_ns) is not int:
+        t_ns = _as_ns(t_ns, "t_ns")
+    await current_runtime().sleep_until_ns(t_ns)
 
 
 def call_at_ns(when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
