@@ -1,5 +1,6 @@
 """Models: specs of the served models, kernel cost functions, and a tiny numeric reference MoE."""
 
+from .costs import CostModel, Kernel, KernelEfficiency, Precision
 from .numerics import (
     dequantize_int8,
     from_bf16_bits,
@@ -26,7 +27,11 @@ __all__ = [
     "MINIMAX_M1",
     "MODELS",
     "QWEN3_235B",
+    "CostModel",
+    "Kernel",
+    "KernelEfficiency",
     "ModelSpec",
+    "Precision",
     "ReferenceMoE",
     "TinyMoE",
     "dequantize_int8",

@@ -1,0 +1,227 @@
+"""Kernel cost model: the time of each decode/prefill kernel on one die (SPEC 2, 6, 9).
+
+A kernel's time is the larger of its compute time (FLOPs at the die's peak for its data type
+times a compute efficiency) and its memory time (bytes at HBM bandwidth times a memory
+efficiency). Efficiencies come from CloudMatrix-Infer's measurements on the same chip
+(Zuo et al., arXiv:2506.12708, "CMI" in REFERENCE.md), an experiment independent of the
+xDeepServe results xds reproduces:
+
+=========================  ======  =====================================================
+factor                     value   source
+=========================  ======  =====================================================
+attention_compute          0.654   CMI: MLA compute utilisation (BF16) 65.4 %
+attention_memory           0.841   CMI: MLA memory-bandwidth utilisation 84.1 %
+gemm_compute               0.80    CMI: INT8 GEMM compute utilisation 77.4-82.7 %
+memory (other kernels)     0.841   as MLA; CMI reports no other memory utilisation
+graph_launch_ns            0.7 ms  CMI: each graph dispatch adds 0.6-0.8 ms
+eager_op_dispatch_ns       30 us   [emulator choice] host dispatch per operator (SPEC 2.1)
+=========================  ======  =====================================================
+
+Shapes follow the model spec (:mod:`xds.model.specs`). MLA runs in the absorbed form used for
+decode: the query is projected into the 512-dim latent, attention reads the cached latent plus
+the RoPE key once per sequence (MTP tokens of a sequence share the read), and the output goes
+back through the absorbed value and output projections.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ..hw import DieSpec
+from .specs import ModelSpec
+
+Engine = Literal["cube_int8", "cube_bf16", "vector"]
+
+
+class KernelEfficiency(msgspec.Struct, frozen=True, kw_only=True):
+    attention_compute: Annotated[float, Meta(gt=0, le=1)] = 0.654
+    attention_memory: Annotated[float, Meta(gt=0, le=1)] = 0.841
+    gemm_compute: Annotated[float, Meta(gt=0, le=1)] = 0.80
+    memory: Annotated[float, Meta(gt=0, le=1)] = 0.841
+    vector_compute: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    """[emulator choice] vector kernels (norms, sampling) are memory-bound in practice."""
+    graph_launch_ns: Annotated[int, Meta(ge=0)] = 700_000
+    eager_op_dispatch_ns: Annotated[int, Meta(ge=0)] = 30_000
+
+
+class Precision(msgspec.Struct, frozen=True, kw_only=True):
+    """Which components run in INT8 (SPEC 9.2); each switch changes cost only."""
+
+    mla_int8: bool = True
+    """Wq_a, Wkv_a, Wq_b and Wo as INT8 QMM (P087)."""
+    moe_int8: bool = True
+    """All expert weights and the dense MLP as INT8 QMM (P088)."""
+    kv_int8_nope: bool = True
+    """The non-RoPE latent of the KV cache in INT8 (P090)."""
+    attention_int8: bool = False
+    """The whole attention computation in INT8 (precision-insensitive layers, P090)."""
+    lm_head_bf16: bool = True
+
+
+class Kernel(msgspec.Struct, frozen=True):
+    name: str
+    flops: float
+    bytes: float
+    engine: Engine
+    time_ns: int
+
+
+class CostModel:
+    """Kernel times of one model on one die."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        die: DieSpec,
+        *,
+        precision: Precision | None = None,
+        efficiency: KernelEfficiency | None = None,
+    ):
+        self.model = model
+        self.die = die
+        self.precision = precision or Precision()
+        self.eff = efficiency or KernelEfficiency()
+
+    # -- the primitive ---------------------------------------------------------------------------
+    def kernel(
+        self, name: str, flops: float, nbytes: float, engine: Engine, *, attention: bool = False
+    ) -> Kernel:
+        die, eff = self.die, self.eff
+        if engine == "vector":
+            peak, c_eff = die.vector_flops, eff.vector_compute
+        else:
+            peak = die.int8_ops if engine == "cube_int8" else die.bf16_flops
+            c_eff = eff.attention_compute if attention else eff.gemm_compute
+        m_eff = eff.attention_memory if attention else eff.memory
+        t = max(flops / (peak * c_eff), nbytes / (die.hbm_bandwidth * m_eff))
+        return Kernel(name, flops, nbytes, engine, round(t * 1e9))
+
+    def _gemm(self, name: str, tokens: float, k: int, n: int, int8: bool) -> Kernel:
+        """A (tokens x k) @ (k x n) projection: weights read once, BF16 activations."""
+        wbytes = k * n * (1 if int8 else 2)
+        act = tokens * (k + n) * 2
+        return self.kernel(
+            name, 2.0 * tokens * k * n, wbytes + act, "cube_int8" if int8 else "cube_bf16"
+        )
+
+    # -- decode kernels ----------------------------------------------------------------------------
+    def mla_prolog(self, tokens: float) -> list[Kernel]:
+        m, int8 = self.model, self.precision.mla_int8
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return [
+            self.kernel("rmsnorm", 5.0 * tokens * m.hidden, 4.0 * tokens * m.hidden, "vector"),
+            self._gemm("q_a_proj", tokens, m.hidden, m.q_lora_rank, int8),
+            self._gemm("q_b_proj", tokens, m.q_lora_rank, m.heads * qk, int8),
+            self._gemm("kv_a_proj", tokens, m.hidden, m.kv_lora_rank + m.qk_rope_head_dim, int8),
+            # absorbed W_UK: per head, the nope query (128) into the latent (512); summed over
+            # heads this has the FLOPs and weight bytes of one (heads*128 x 512) projection
+            self._gemm("q_absorb", tokens, m.heads * m.qk_nope_head_dim, m.kv_lora_rank, False),
+        ]
+
+    def mla_attention(self, seqs: int, tokens_per_seq: float, context: int) -> Kernel:
+        """Attention over ``context`` cached tokens for ``seqs`` sequences, each with
+        ``tokens_per_seq`` query tokens (1 + MTP drafts)."""
+        m, p = self.model, self.precision
+        tokens = seqs * tokens_per_seq
+        latent = m.kv_lora_rank
+        flops = (
+            2.0 * tokens * m.heads * context * (latent + m.qk_rope_head_dim)
+            + 2.0 * tokens * m.heads * context * latent
+        )
+        kv_bytes = seqs * context * m.kv_bytes_per_token_layer(int8_nope=p.kv_int8_nope)
+        engine: Engine = "cube_int8" if p.attention_int8 else "cube_bf16"
+        return self.kernel("mla_attention", flops, kv_bytes, engine, attention=True)
+
+    def mla_output(self, tokens: float) -> list[Kernel]:
+        m, int8 = self.model, self.precision.mla_int8
+        return [
+            self._gemm("v_absorb", tokens, m.kv_lora_rank, m.heads * m.v_head_dim, False),
+            self._gemm("o_proj", tokens, m.heads * m.v_head_dim, m.hidden, int8),
+        ]
+
+    def gating(self, tokens: float) -> Kernel:
+        m = self.model
+        return self._gemm("gating", tokens, m.hidden, m.routed_experts, False)
+
+    def expert(self, tokens: float, *, name: str = "routed_expert") -> Kernel:
+        """One expert's SwiGLU MLP on the ``tokens`` routed to it (INT8 QMM when quantised);
+        its weights are read once whatever the token count."""
+        m, int8 = self.model, self.precision.moe_int8
+        h, i = m.hidden, m.moe_intermediate
+        wbytes = 3 * h * i * (1 if int8 else 2) if tokens > 0 else 0
+        return self.kernel(
+            name,
+            2.0 * tokens * 3 * h * i,
+            wbytes + tokens * (2 * h + 2 * i) * 2,
+            "cube_int8" if int8 else "cube_bf16",
+        )
+
+    def dense_mlp(self, tokens: float) -> Kernel:
+        m, int8 = self.model, self.precision.moe_int8
+        h, i = m.hidden, m.dense_intermediate
+        return self.kernel(
+            "dense_mlp",
+            2.0 * tokens * 3 * h * i,
+            3 * h * i * (1 if int8 else 2) + tokens * (2 * h + 2 * i) * 2,
+            "cube_int8" if int8 else "cube_bf16",
+        )
+
+    def lm_head(self, tokens: float) -> Kernel:
+        m = self.model
+        return self._gemm("lm_head", tokens, m.hidden, m.vocab, not self.precision.lm_head_bf16)
+
+    def sampling(self, tokens: float) -> Kernel:
+        """Greedy sampling: a max over the vocabulary per token (vector, memory-bound)."""
+        v = self.model.vocab
+        return self.kernel("sampling", 2.0 * tokens * v, 4.0 * tokens * v, "vector")
+
+    def decode_layer(
+        self,
+        *,
+        seqs: int,
+        tokens_per_seq: float,
+        context: int,
+        expert_tokens: list[float] | None = None,
+        dense: bool = False,
+    ) -> list[Kernel]:
+        """All compute kernels of one decoder layer on one die (communication excluded).
+
+        ``expert_tokens`` lists the tokens each expert held by this die processes (MoE layers
+        under EP); ``dense`` selects the dense MLP instead.
+        """
+        tokens = seqs * tokens_per_seq
+        kernels = [
+            *self.mla_prolog(tokens),
+            self.mla_attention(seqs, tokens_per_seq, context),
+            *self.mla_output(tokens),
+            self.kernel(
+                "post_norm",
+                5.0 * tokens * self.model.hidden,
+                4.0 * tokens * self.model.hidden,
+                "vector",
+            ),
+        ]
+        if dense:
+            kernels.append(self.dense_mlp(tokens))
+        else:
+            kernels.append(self.gating(tokens))
+            kernels.extend(self.expert(t) for t in (expert_tokens or []))
+        return kernels
+
+    # -- execution modes ---------------------------------------------------------------------------
+    def graph_time_ns(self, kernels: list[Kernel]) -> int:
+        """Graph mode (decode): kernels back to back after one launch (SPEC 2.1)."""
+        return self.eff.graph_launch_ns + sum(k.time_ns for k in kernels)
+
+    def eager_time_ns(self, kernels: list[Kernel]) -> int:
+        """Eager mode (prefill): the host dispatches each operator; operator i starts at
+        max(device free, its dispatch done) (SPEC 2.1)."""
+        device_free = 0
+        dispatched = 0
+        for k in kernels:
+            dispatched += self.eff.eager_op_dispatch_ns
+            device_free = max(device_free, dispatched) + k.time_ns
+        return device_free
