@@ -1,0 +1,104 @@
+"""The TE-shell's decode DP routing (SPEC 6.3, P057/P059/P100).
+
+Each request is routed once: DP groups at their batch limit (active + pending >= limit) are
+excluded; among the rest the one with the lowest ``kv_used + kv_reserved + reservation`` wins,
+ties to the lowest index. ``kv_used`` is the last periodic snapshot (it may be stale);
+pending counts and reservations update immediately, so a burst between snapshots still
+spreads. When no DP qualifies the router answers :data:`BACKPRESSURE` and the caller holds the
+request until capacity frees (it is never dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import msgspec
+
+from ..errors import ConfigError
+
+
+class _Backpressure:
+    def __repr__(self) -> str:
+        return "BACKPRESSURE"
+
+
+BACKPRESSURE: Final = _Backpressure()
+
+
+class DPLoad(msgspec.Struct):
+    """What the TE-shell knows of one DP group."""
+
+    batch_limit: int
+    active: int = 0
+    pending: int = 0
+    kv_used_blocks: int = 0
+    """Last periodic snapshot."""
+    kv_reserved_blocks: int = 0
+
+
+class DecodeRouter:
+    """Routes decode requests across DP groups (the TE-shell's first duty, P055)."""
+
+    def __init__(self, n_dp: int, batch_limit: int, *, block_tokens: int = 128):
+        if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
+            raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
+        self.block_tokens = block_tokens
+        self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
+        self._reservations: dict[object, tuple[int, int]] = {}  # request -> (dp, blocks)
+
+    def reservation_blocks(self, max_output_tokens: int) -> int:
+        """ESTIMATE_OUTPUT_KV: blocks for the request's longest output (A25)."""
+        return math.ceil(max(0, max_output_tokens) / self.block_tokens)
+
+    def route(self, request: object, max_output_tokens: int) -> int | _Backpressure:
+        """The DP for ``request`` (now pending there), or BACKPRESSURE."""
+        if request in self._reservations:
+            raise ConfigError(f"request {request!r} was already routed", field="request")
+        reserve = self.reservation_blocks(max_output_tokens)
+        best, best_score = -1, 0
+        for i, dp in enumerate(self.dps):
+            if dp.active + dp.pending >= dp.batch_limit:
+                continue  # at its batch limit: never chosen
+            score = dp.kv_used_blocks + dp.kv_reserved_blocks + reserve
+            if best < 0 or score < best_score:
+                best, best_score = i, score
+        if best < 0:
+            return BACKPRESSURE
+        dp = self.dps[best]
+        dp.pending += 1
+        dp.kv_reserved_blocks += reserve
+        self._reservations[request] = (best, reserve)
+        return best
+
+    def admitted(self, request: object) -> None:
+        """The DP started serving the request: pending -> active."""
+        dp_index, _ = self._reservation(request)
+        dp = self.dps[dp_index]
+        dp.pending -= 1
+        dp.active += 1
+
+    def finished(self, request: object, *, admitted: bool = True) -> None:
+        """The request completed or failed: counts and reservation return to baseline."""
+        dp_index, reserve = self._reservations.pop(self._key(request))
+        dp = self.dps[dp_index]
+        if admitted:
+            dp.active -= 1
+        else:
+            dp.pending -= 1
+        dp.kv_reserved_blocks -= reserve
+
+    def snapshot_kv(self, used_blocks: list[int]) -> None:
+        """The periodic KV metric collection (P059)."""
+        if len(used_blocks) != len(self.dps):
+            raise ConfigError("one KV figure per DP group", field="used_blocks")
+        for dp, used in zip(self.dps, used_blocks, strict=True):
+            dp.kv_used_blocks = used
+
+    def _key(self, request: object) -> object:
+        if request not in self._reservations:
+            raise ConfigError(f"request {request!r} is not routed", field="request")
+        return request
+
+    def _reservation(self, request: object) -> tuple[int, int]:
+        return self._reservations[self._key(request)]
