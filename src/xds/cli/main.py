@@ -167,11 +167,14 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
 
 @app.command()
 @click.argument("target")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def reproduce(target: str, as_json: bool) -> int:
-    """Reproduce a result of the paper: TARGET is one of the targets below, or 'all'.
+@click.option("--json", "as_json", is_flag=True, help="Print each result as one JSON object.")
+@click.option("--quick", is_flag=True, help="Short runs where a target allows it (for CI).")
+@click.option("--strict", is_flag=True, help="Exit with code 1 if any row misses.")
+def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
+    """Reproduce results of the paper: TARGET is p2p, dispatch-combine, a2e-e2a,
+    peak-decode, or all.
 
-    Prints the paper's number beside xds's for each row; exits 1 if a row misses.
+    Prints the paper's number beside xds's for each row.
     """
     import json
 
@@ -180,7 +183,7 @@ def reproduce(target: str, as_json: bool) -> int:
     names = target_names() if target == "all" else [target]
     ok = True
     for name in names:
-        result = run_target(name)
+        result = run_target(name, quick=quick)
         ok = ok and all(row.ok for row in result.rows)
         if as_json:
             print(json.dumps(result.to_json_object()))
@@ -201,7 +204,7 @@ def reproduce(target: str, as_json: bool) -> int:
             rel = {"lt": "<", "gt": ">"}.get(r.relation, f"within {r.tolerance:.0%}")
             rows.add_row(r.name, f"{r.paper:g}", f"{r.xds:g}", r.unit, rel, "yes" if r.ok else "NO")
         console.print(rows)
-    return 0 if ok else 1
+    return 0 if ok or not strict else 1
 
 
 def main(argv: list[str] | None = None) -> int:

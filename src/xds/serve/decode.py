@@ -1,0 +1,577 @@
+"""Colocated decode on FlowServe: DP groups, the TE-shell, MTP steps, the iteration clock.
+
+A *decode instance* runs DP attention on every die and EP for the MoE layers across all of
+them (SPEC 6.1). Requests enter through the TE-shell, which routes each one once
+(:mod:`xds.serve.routing`); each DP group is a self-contained stack: its DP master admits
+requests into its KV blocks under a batch limit, its executor runs one forward pass per
+iteration, and its output processor streams committed tokens straight to the frontend
+(output shortcutting, SPEC 6.2), never through the TE-shell.
+
+One iteration (SPEC 8.3, P123): MTP forward + sampling, then the main model verifies
+``1 + k`` tokens per sequence through all layers + final sampling and the accept check, then
+the scheduler gap. Within the main pass every die runs its dense layers and the attention part
+of the first MoE layer on its own; the first dispatch is the first all-die barrier and absorbs
+the host jitter of every DP (SPEC 6.5); from there the dies move in lockstep: per MoE layer,
+dispatch, the slowest expert, combine, then the next layer's attention (the slowest DP).
+
+Two fidelity tiers (ARCHITECTURE.md): ``layer`` - every die is a task that sleeps through its
+own per-layer work and meets the others at each dispatch barrier; ``iteration`` - the same
+quantities for all dies at once in numpy, one event per iteration. Both draw the same random
+numbers (routing counts, jitter, MTP acceptance) from the same named streams.
+"""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import numpy as np
+
+from ..errors import ConfigError
+from ..hw import CloudMatrix384
+from ..model import MODELS, CostModel, KernelEfficiency, Precision
+from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
+from ..units import MS
+from .jitter import JitterConfig, sample
+from .kv import KVBlockManager
+from .mtp import MTPConfig, tokens_per_step
+from .routing import BACKPRESSURE, DecodeRouter
+
+
+class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A colocated decode deployment and its workload (defaults: SPEC 12.2's peak run)."""
+
+    model: str = "deepseek-r1"
+    dies: int = 288
+    batch_per_die: int = 60
+    input_tokens: int = 2048
+    output_tokens: int = 2048
+    mtp: MTPConfig = MTPConfig(k=1, acceptance=(0.9,))
+    shared_expert_dies: int = 32
+    dispatch_dtype: str = "int8"
+    combine_dtype: str = "bf16"
+    scheduler_gap_ns: int = 2 * MS
+    jitter: JitterConfig = JitterConfig(enabled=True)
+    precision: Precision = Precision()
+    efficiency: KernelEfficiency = KernelEfficiency()
+    block_tokens: int = 128
+    kv_blocks_per_die: int = 0
+    """0: derived from HBM left after the weights held by a die."""
+
+    @property
+    def spec(self):
+        if self.model not in MODELS:
+            raise ConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
+            )
+        return MODELS[self.model]
+
+
+class CommCosts(msgspec.Struct, frozen=True):
+    """Dispatch/combine latency of one MoE layer at a given tokens-per-die (collective tier,
+    measured once from a common start: the barrier-free cost of the exchange)."""
+
+    tokens_per_die: int
+    dispatch_ns: int
+    combine_ns: int
+
+
+class Breakdown(msgspec.Struct):
+    """Per-kernel time of iterations (ns, summed), Figure 20 style."""
+
+    attention: int = 0
+    mla_other: int = 0
+    gating: int = 0
+    dispatch: int = 0
+    experts: int = 0
+    combine: int = 0
+    dense_mlp: int = 0
+    lm_head: int = 0
+    sampling: int = 0
+    launch: int = 0
+    jitter_wait: int = 0
+
+    def add(self, other: Breakdown) -> None:
+        for name in self.__struct_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def total(self) -> int:
+        return sum(getattr(self, n) for n in self.__struct_fields__)
+
+
+class IterationOutcome(msgspec.Struct):
+    time_ns: int
+    breakdown: Breakdown
+    first_dispatch_ns: np.ndarray  # per die: its first dispatch kernel's duration
+
+
+class DecodeModel:
+    """Per-iteration costs of the instance (shared by both tiers)."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        comm: CommCosts,
+        comm_mtp: CommCosts | None = None,
+        pod: CloudMatrix384 | None = None,
+    ):
+        self.config = config
+        self.model = config.spec
+        self.pod = pod or CloudMatrix384(servers=max(1, -(-config.dies // 16)))
+        self.cost = CostModel(
+            self.model, self.pod.die_spec, precision=config.precision, efficiency=config.efficiency
+        )
+        self.comm = comm
+        self.comm_mtp = comm_mtp or comm
+        self._attn_cache: dict[tuple[int, float, int], tuple[int, int, int]] = {}
+        self._dense_cache: dict[float, int] = {}
+        self._expert_cache: dict[float, int] = {}
+
+    # pieces of one pass ------------------------------------------------------------------------
+    def attention_part(
+        self, seqs: int, tokens_per_seq: float, context: int
+    ) -> tuple[int, int, int]:
+        """(attention, other MLA + norms, gating) of one MoE layer on one die."""
+        key = (seqs, tokens_per_seq, context)
+        hit = self._attn_cache.get(key)
+        if hit is not None:
+            return hit
+        c = self.cost
+        tokens = seqs * tokens_per_seq
+        attn = c.mla_attention(seqs, tokens_per_seq, context).time_ns if seqs else 0
+        other = (
+            sum(k.time_ns for k in c.mla_prolog(tokens))
+            + sum(k.time_ns for k in c.mla_output(tokens))
+            + c.kernel(
+                "post_norm",
+                5.0 * tokens * self.model.hidden,
+                4.0 * tokens * self.model.hidden,
+                "vector",
+            ).time_ns
+            if seqs
+            else 0
+        )
+        gate = c.gating(tokens).time_ns if seqs else 0
+        self._attn_cache[key] = (attn, other, gate)
+        return attn, other, gate
+
+    def dense_mlp_ns(self, tokens: float) -> int:
+        hit = self._dense_cache.get(tokens)
+        if hit is None:
+            hit = self._dense_cache[tokens] = self.cost.dense_mlp(tokens).time_ns if tokens else 0
+        return hit
+
+    def expert_ns(self, tokens: float) -> int:
+        hit = self._expert_cache.get(tokens)
+        if hit is None:
+            hit = self._expert_cache[tokens] = self.cost.expert(tokens).time_ns
+        return hit
+
+    def head_ns(self, tokens: float) -> tuple[int, int]:
+        return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
+
+    def expert_load(self, gen: np.random.Generator, tokens_total: int) -> float:
+        """Tokens on the busiest expert die of one MoE layer: routed copies spread over the
+        routed experts (multinomial, uniform gating), the shared expert over its instances."""
+        cfg, m = self.config, self.model
+        routed = gen.multinomial(
+            tokens_total * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
+        )
+        shared = tokens_total / max(1, cfg.shared_expert_dies) if cfg.shared_expert_dies else 0
+        return float(max(routed.max(), shared))
+
+    def draw_experts(
+        self, seqs: np.ndarray, gen: np.random.Generator
+    ) -> tuple[list[int], list[int]]:
+        """Expert-compute time of every MoE layer of this iteration: (MTP layer, main layers),
+        drawn in that order from the routing stream (both tiers draw through here)."""
+        m = self.model
+        total = int(seqs.sum())
+        k = self.config.mtp.k
+        mtp = [self.expert_ns(self.expert_load(gen, total))]
+        main = [
+            self.expert_ns(self.expert_load(gen, total * (1 + k)))
+            for _ in range(m.layers - m.dense_layers)
+        ]
+        return mtp, main
+
+    def iteration(
+        self, seqs: np.ndarray, context: np.ndarray, jitter_ns: np.ndarray, gen: np.random.Generator
+    ) -> IterationOutcome:
+        """One iteration for all dies at once (iteration tier)."""
+        return self.account(seqs, context, jitter_ns, *self.draw_experts(seqs, gen))
+
+    def account(
+        self,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        jitter_ns: np.ndarray,
+        mtp_experts: list[int],
+        main_experts: list[int],
+    ) -> IterationOutcome:
+        """Time and per-kernel breakdown of one iteration given its expert-compute draws."""
+        m = self.model
+        eff = self.config.efficiency
+        k = self.config.mtp.k
+        bd = Breakdown()
+        mtp = self._pass(
+            seqs,
+            context,
+            1.0,
+            1,
+            jitter=np.zeros_like(jitter_ns),
+            bd=bd,
+            experts=mtp_experts,
+            comm=self.comm_mtp,
+        )
+        main = self._pass(
+            seqs,
+            context,
+            1.0 + k,
+            m.layers,
+            jitter=jitter_ns,
+            bd=bd,
+            experts=main_experts,
+            dense=m.dense_layers,
+            comm=self.comm,
+        )
+        t = mtp.time_ns + main.time_ns + 2 * eff.graph_launch_ns
+        bd.launch += 2 * eff.graph_launch_ns
+        return IterationOutcome(t, bd, main.first_dispatch_ns)
+
+    def _pass(
+        self,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        tokens_per_seq: float,
+        layers: int,
+        *,
+        jitter: np.ndarray,
+        bd: Breakdown,
+        experts: list[int],
+        comm: CommCosts,
+        dense: int = 0,
+    ) -> IterationOutcome:
+        d, c = comm.dispatch_ns, comm.combine_ns
+        parts = [
+            self.attention_part(int(s), tokens_per_seq, int(x))
+            for s, x in zip(seqs, context, strict=True)
+        ]
+        attn = np.array([p[0] for p in parts], dtype=np.int64)
+        other = np.array([p[1] for p in parts], dtype=np.int64)
+        gate = np.array([p[2] for p in parts], dtype=np.int64)
+        per_layer = attn + other + gate
+        dense_mlp = np.array(
+            [self.dense_mlp_ns(float(s) * tokens_per_seq) for s in seqs], dtype=np.int64
+        )
+        # dies run alone until the first dispatch: dense layers + first MoE layer's attention
+        arrive = dense * (attn + other + dense_mlp) + per_layer + jitter
+        barrier = int(arrive.max())
+        first_dispatch = barrier - arrive + d
+        slowest = int(np.argmax(arrive))
+        t = barrier
+        bd.jitter_wait += int(jitter[slowest])
+        bd.attention += int(dense * attn[slowest] + attn[slowest])
+        bd.mla_other += int(dense * other[slowest] + other[slowest])
+        bd.gating += int(gate[slowest])
+        bd.dense_mlp += int(dense * dense_mlp[slowest])
+        next_attn = int(per_layer.max())
+        i_max = int(np.argmax(per_layer))
+        for layer, expert_ns in enumerate(experts):
+            t += d + expert_ns + c
+            bd.dispatch += d
+            bd.experts += expert_ns
+            bd.combine += c
+            if layer + 1 < len(experts):
+                t += next_attn
+                bd.attention += int(attn[i_max])
+                bd.mla_other += int(other[i_max])
+                bd.gating += int(gate[i_max])
+        head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
+        t += head + samp
+        bd.lm_head += head
+        bd.sampling += samp
+        return IterationOutcome(t, bd, first_dispatch)
+
+
+def measure_comm(config: DecodeConfig, tokens_per_die: int, *, seed: int = 0) -> CommCosts:
+    """Dispatch/combine cost of one MoE layer with ``tokens_per_die`` tokens on every die
+    (collective tier, uniform routing + shared-expert instances, common start)."""
+    from ..fabric import UBFabric
+    from ..fabric.xccl.ep import EPConfig, EPGroup
+    from ..fabric.xccl.moe import ExpertMap
+    from ..runtime import run
+
+    m = config.spec
+    n = config.dies
+    shared = config.shared_expert_dies
+    pod = CloudMatrix384(servers=max(1, -(-n // 16)))
+
+    async def main() -> CommCosts:
+        fabric = UBFabric(pod, payload_mode="size")
+        emap = (
+            ExpertMap(m.routed_experts + shared, n)
+            if m.routed_experts + shared >= n
+            else ExpertMap(m.routed_experts, n)
+        )
+        width = m.top_k + (1 if shared else 0)
+        group = EPGroup(
+            fabric,
+            list(range(n)),
+            emap,
+            EPConfig(
+                hidden=m.hidden,
+                top_k=width,
+                max_tokens_per_rank=max(1, tokens_per_die),
+                dispatch_dtype=config.dispatch_dtype,  # type: ignore[arg-type]
+                combine_dtype=config.combine_dtype,
+            ),  # type: ignore[arg-type]
+            tier="collective",
+        )
+        pick = rng("decode/comm-routing")
+        routes = []
+        for r in range(n):
+            idx = (
+                np.stack(
+                    [
+                        pick.choice(m.routed_experts, m.top_k, replace=False)
+                        for _ in range(tokens_per_die)
+                    ]
+                )
+                if tokens_per_die
+                else np.zeros((0, m.top_k), np.int64)
+            )
+            if shared:
+                col = m.routed_experts + (r + np.arange(tokens_per_die)) % shared
+                idx = np.concatenate([idx, col[:, None]], axis=1)
+            routes.append(idx)
+        ends = {"d": 0, "c": 0}
+        t0 = now_ns() + 1_000
+        t1 = t0 + 10 * MS
+
+        async def rank(r: int) -> None:
+            await sleep_until_ns(t0)
+            h = await group.dispatch(r, tokens_per_die, routes[r], 2)
+            ends["d"] = max(ends["d"], now_ns())
+            await sleep_until_ns(t1)
+            await group.combine(r, h, None, None, 3)
+            ends["c"] = max(ends["c"], now_ns())
+
+        async with anyio.create_task_group() as tg:
+            for r in range(n):
+                tg.start_soon(rank, r)
+        return CommCosts(tokens_per_die, ends["d"] - t0, ends["c"] - t1)
+
+    return run(main, seed=seed, event_log=False)
+
+
+class DecodeResult(msgspec.Struct):
+    iterations: int
+    elapsed_ns: int
+    tokens: int
+    requests: int
+    mean_iteration_ns: float
+    mean_tokens_per_step: float
+    breakdown: Breakdown
+    first_dispatch_max_over_min: float
+    iteration_ns: list[int]
+
+
+class DecodeInstance:
+    """A colocated decode instance running as tasks: TE-shell, DP groups, output processors."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        comm: CommCosts,
+        comm_mtp: CommCosts | None = None,
+        *,
+        tier: str = "iteration",
+    ):
+        if tier not in ("iteration", "layer"):
+            raise ConfigError(f"unknown tier {tier!r}; choose iteration or layer", field="tier")
+        self.config = config
+        self.tier = tier
+        self.model = DecodeModel(config, comm, comm_mtp)
+        n = config.dies
+        self.router = DecodeRouter(n, config.batch_per_die, block_tokens=config.block_tokens)
+        cap = config.kv_blocks_per_die or self._kv_capacity()
+        self.kv = [KVBlockManager(cap, block_tokens=config.block_tokens) for _ in range(n)]
+        self.remaining = np.zeros((n, config.batch_per_die), dtype=np.int64)
+        self.context = np.zeros((n, config.batch_per_die), dtype=np.int64)
+        self.request_of: dict[tuple[int, int], int] = {}
+        self.streamed = np.zeros((n, config.batch_per_die), dtype=np.int64)
+        """Tokens each sequence's output processor delivered to the frontend."""
+
+    def _kv_capacity(self) -> int:
+        from .kv import kv_capacity_blocks
+
+        m = self.config.spec
+        # weights a die holds: attention + dense layers replicated per DP, one routed expert +
+        # one redundant slot (INT8), embeddings/LM head in BF16
+        attn = m.layers * (
+            m.hidden * m.q_lora_rank
+            + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+            + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.heads * m.v_head_dim * m.hidden
+        )
+        dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
+        experts = 2 * m.moe_layers * m.expert_params
+        embed = 2 * m.vocab * m.hidden * 2
+        return kv_capacity_blocks(
+            m,
+            self.model.pod.die_spec,
+            weight_bytes=attn + dense + experts + embed,
+            block_tokens=self.config.block_tokens,
+            int8_nope=self.config.precision.kv_int8_nope,
+        )
+
+    # -- the TE-shell: route every request once --
+    def admit_all(self, n_requests: int) -> None:
+        """Route and admit ``n_requests`` (all prefilled before decode starts, SPEC 12.2)."""
+        cfg = self.config
+        slot = np.zeros(cfg.dies, dtype=np.int64)
+        for req in range(n_requests):
+            dp = self.router.route(req, cfg.output_tokens)
+            if dp is BACKPRESSURE:
+                raise ConfigError(
+                    f"{n_requests} requests exceed {cfg.dies} DPs x batch {cfg.batch_per_die}",
+                    field="requests",
+                )
+            assert isinstance(dp, int)
+            # ignore-eos, fixed length: the whole sequence's blocks are held from admission
+            self.kv[dp].admit(req, cfg.input_tokens + cfg.output_tokens)
+            self.router.admitted(req)
+            s = int(slot[dp])
+            slot[dp] += 1
+            self.remaining[dp, s] = cfg.output_tokens - 1  # prefill emitted the first token
+            self.context[dp, s] = cfg.input_tokens + 1
+            self.request_of[(dp, s)] = req
+            self.streamed[dp, s] = 1
+
+    # -- running --
+    async def run(self, *, max_iterations: int | None = None) -> DecodeResult:
+        cfg = self.config
+        n = cfg.dies
+        start = now_ns()
+        bd = Breakdown()
+        iteration_ns: list[int] = []
+        tokens = 0
+        steps = 0.0
+        ratios: list[float] = []
+        send_out, recv_out = anyio.create_memory_object_stream[tuple[int, np.ndarray]](
+            max_buffer_size=float("inf")
+        )
+        jit_gens = [rng(f"decode/jitter/dp{r}") for r in range(n)]
+        mtp_gens = [rng(f"decode/mtp/dp{r}") for r in range(n)]
+        routing_gen = rng("decode/routing")
+        barrier = Barrier(n) if self.tier == "layer" else None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._output_processor, recv_out)
+            it = 0
+            while (self.remaining > 0).any() and (max_iterations is None or it < max_iterations):
+                live = self.remaining > 0
+                seqs = live.sum(axis=1)
+                ctx = np.where(
+                    seqs > 0, (self.context * live).sum(axis=1) // np.maximum(seqs, 1), 0
+                )
+                draws = [sample(cfg.jitter, jit_gens[r], it) for r in range(n)]
+                jitter = np.array([d.before_dispatch_ns for d in draws], dtype=np.int64)
+                between = max(d.between_passes_ns for d in draws)
+                t_iter = now_ns()
+                if self.tier == "iteration":
+                    out = self.model.iteration(seqs, ctx, jitter, routing_gen)
+                    await sleep_ns(out.time_ns)
+                else:
+                    out = await self._layer_iteration(seqs, ctx, jitter, routing_gen, barrier)
+                bd.add(out.breakdown)
+                fd = out.first_dispatch_ns
+                ratios.append(float(fd.max() / max(1, fd.min())))
+                committed = np.stack(
+                    [tokens_per_step(cfg.mtp, mtp_gens[r], cfg.batch_per_die) for r in range(n)]
+                )
+                committed = np.minimum(committed, self.remaining) * live
+                self.remaining -= committed
+                self.context += committed
+                tokens += int(committed.sum())
+                steps += float(committed.sum() / max(1, live.sum()))
+                for r in range(n):
+                    if committed[r].any():
+                        send_out.send_nowait((r, committed[r].copy()))
+                self._retire(live)
+                await sleep_ns(cfg.scheduler_gap_ns + between)
+                iteration_ns.append(now_ns() - t_iter)
+                it += 1
+            send_out.close()
+        elapsed = now_ns() - start
+        return DecodeResult(
+            iterations=len(iteration_ns),
+            elapsed_ns=elapsed,
+            tokens=tokens,
+            requests=len(self.request_of),
+            mean_iteration_ns=float(np.mean(iteration_ns)) if iteration_ns else 0.0,
+            mean_tokens_per_step=steps / max(1, len(iteration_ns)),
+            breakdown=bd,
+            first_dispatch_max_over_min=float(np.mean(ratios)) if ratios else 0.0,
+            iteration_ns=iteration_ns,
+        )
+
+    async def _layer_iteration(
+        self,
+        seqs: np.ndarray,
+        ctx: np.ndarray,
+        jitter: np.ndarray,
+        gen: np.random.Generator,
+        barrier: Barrier | None,
+    ) -> IterationOutcome:
+        """The layer tier: every die a task, meeting the others at each dispatch barrier."""
+        cfg, dm = self.config, self.model
+        m = dm.model
+        eff = cfg.efficiency
+        n = cfg.dies
+        mtp_experts, main_experts = dm.draw_experts(seqs, gen)
+        first_dispatch = np.zeros(n, dtype=np.int64)
+        t0 = now_ns()
+
+        async def die(r: int) -> None:
+            assert barrier is not None
+            s = int(seqs[r])
+            for tps, dense, jit, experts, comm in (
+                (1.0, 0, 0, mtp_experts, dm.comm_mtp),
+                (1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm),
+            ):
+                attn, other, gate = dm.attention_part(s, tps, int(ctx[r]))
+                dmlp = dm.dense_mlp_ns(float(s) * tps)
+                await sleep_ns(eff.graph_launch_ns)
+                await sleep_ns(dense * (attn + other + dmlp) + attn + other + gate + jit)
+                arrived = now_ns()
+                for layer, expert_ns in enumerate(experts):
+                    await barrier.wait()  # the dispatch barrier
+                    if layer == 0 and dense:
+                        first_dispatch[r] = now_ns() - arrived + comm.dispatch_ns
+                    await sleep_ns(comm.dispatch_ns + expert_ns + comm.combine_ns)
+                    if layer + 1 < len(experts):
+                        await sleep_ns(attn + other + gate)
+                        # the next dispatch waits for the slowest DP's attention
+                head, samp = dm.head_ns(float(seqs.max()) * tps)
+                await sleep_ns(head + samp)
+                await barrier.wait()
+
+        async with anyio.create_task_group() as tg:
+            for r in range(n):
+                tg.start_soon(die, r)
+        accounted = dm.account(seqs, ctx, jitter, mtp_experts, main_experts)
+        return IterationOutcome(now_ns() - t0, accounted.breakdown, first_dispatch)
+
+    def _retire(self, live_before: np.ndarray) -> None:
+        done = live_before & (self.remaining == 0)
+        for dp, s in zip(*np.nonzero(done), strict=True):
+            req = self.request_of[(int(dp), int(s))]
+            self.kv[int(dp)].release(req)
+            self.router.finished(req)
+            emit("decode", "finished", request=req, dp=int(dp))
+
+    async def _output_processor(self, stream) -> None:
+        """Output shortcutting: committed tokens go from each DP straight to the frontend."""
+        async with stream:
+            async for dp, committed in stream:
+                self.streamed[dp] += committed

@@ -1,0 +1,114 @@
+"""Colocated decode: DP groups, TE-shell, MTP steps, tiers, KV accounting, jitter switches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xds
+from xds.serve.decode import CommCosts, DecodeConfig, DecodeInstance, measure_comm
+from xds.serve.jitter import JitterConfig
+from xds.serve.mtp import MTPConfig
+
+SMALL = DecodeConfig(
+    dies=32, batch_per_die=6, input_tokens=256, output_tokens=48, shared_expert_dies=0
+)
+COMM = CommCosts(12, 60_000, 110_000)
+COMM_MTP = CommCosts(6, 35_000, 60_000)
+
+
+def run(config=SMALL, *, tier="iteration", iterations=None, seed=0):
+    async def main():
+        inst = DecodeInstance(config, COMM, COMM_MTP, tier=tier)
+        inst.admit_all(config.dies * config.batch_per_die)
+        res = await inst.run(max_iterations=iterations)
+        return inst, res
+
+    return xds.run(main, seed=seed, event_log=False)
+
+
+def test_every_request_streams_exactly_its_output_and_frees_its_kv():
+    inst, res = run()
+    assert res.requests == 32 * 6
+    assert (inst.streamed == SMALL.output_tokens).all()  # in order, no gaps, no duplicates
+    for kv in inst.kv:
+        kv.check()
+        assert kv.free == kv.capacity  # no block leaks
+    assert all(d.active == d.pending == d.kv_reserved_blocks == 0 for d in inst.router.dps)
+    assert res.tokens == 32 * 6 * (SMALL.output_tokens - 1)  # the first came from prefill
+
+
+def test_mtp_commits_about_1_9_tokens_per_step():
+    _, early = run(iterations=10)  # before any sequence hits its length cap
+    assert early.mean_tokens_per_step == pytest.approx(1.9, abs=0.05)
+    _, res = run()
+    no_mtp = DecodeConfig(
+        **{**{f: getattr(SMALL, f) for f in SMALL.__struct_fields__}, "mtp": MTPConfig(k=0)}
+    )
+    _, res0 = run(no_mtp)
+    assert res0.mean_tokens_per_step == 1.0
+    assert res0.iterations > 1.5 * res.iterations  # the slowest sequence sets the tail
+
+
+def test_layer_tier_matches_iteration_tier():
+    _, a = run(tier="iteration", iterations=10)
+    _, b = run(tier="layer", iterations=10)
+    assert abs(a.mean_iteration_ns - b.mean_iteration_ns) <= 0.02 * a.mean_iteration_ns
+    assert a.iteration_ns == b.iteration_ns
+    assert a.breakdown == b.breakdown
+
+
+def test_same_seed_same_run_and_another_seed_differs():
+    _, a = run(iterations=8, seed=3)
+    _, b = run(iterations=8, seed=3)
+    _, c = run(iterations=8, seed=4)
+    assert a.iteration_ns == b.iteration_ns and a.tokens == b.tokens
+    assert a.tokens != c.tokens or a.iteration_ns != c.iteration_ns
+
+
+def test_unmitigated_jitter_stalls_the_first_dispatch():
+    base = {f: getattr(SMALL, f) for f in SMALL.__struct_fields__}
+    calm = DecodeConfig(**{**base, "jitter": JitterConfig(enabled=True)})
+    wild = DecodeConfig(
+        **{
+            **base,
+            "jitter": JitterConfig(
+                enabled=True,
+                manual_gc=False,
+                core_pinning=False,
+                graph_cache=False,
+                recompile_probability=0.05,
+            ),
+        }
+    )
+    _, a = run(calm, iterations=30)
+    _, b = run(wild, iterations=30)
+    assert max(b.iteration_ns) - min(b.iteration_ns) > 100_000_000  # >100 ms stalls
+    assert b.first_dispatch_max_over_min > 3 * a.first_dispatch_max_over_min
+    assert b.mean_iteration_ns > a.mean_iteration_ns
+
+
+def test_attention_grows_as_sequences_get_longer():
+    _, res = run()
+    early = np.mean(res.iteration_ns[:3])
+    late = np.mean(res.iteration_ns[-6:-3])
+    assert late > early
+
+
+def test_comm_costs_come_from_the_collective_tier():
+    cfg = DecodeConfig(dies=16, batch_per_die=4, shared_expert_dies=0)
+    small = measure_comm(cfg, 4)
+    large = measure_comm(cfg, 32)
+    assert 0 < small.dispatch_ns < large.dispatch_ns
+    assert large.combine_ns > large.dispatch_ns  # BF16 combine moves twice the bytes
+
+
+def test_too_many_requests_is_a_clear_error():
+    from xds.errors import ConfigError
+
+    async def main():
+        inst = DecodeInstance(SMALL, COMM, COMM_MTP)
+        with pytest.raises(ConfigError, match="exceed"):
+            inst.admit_all(SMALL.dies * SMALL.batch_per_die + 1)
+
+    xds.run(main)
