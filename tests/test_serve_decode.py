@@ -20,8 +20,7 @@ COMM_MTP = CommCosts(6, 35_000, 60_000)
 def run(config=SMALL, *, tier="iteration", iterations=None, seed=0):
     async def main():
         inst = DecodeInstance(config, COMM, COMM_MTP, tier=tier)
-        inst.admit_all(config.dies * config.batch_per_die)
-        res = await inst.run(max_iterations=iterations)
+        res = await inst.serve(config.dies * config.batch_per_die, max_iterations=iterations)
         return inst, res
 
     return xds.run(main, seed=seed, event_log=False)
@@ -109,6 +108,6 @@ def test_too_many_requests_is_a_clear_error():
     async def main():
         inst = DecodeInstance(SMALL, COMM, COMM_MTP)
         with pytest.raises(ConfigError, match="exceed"):
-            inst.admit_all(SMALL.dies * SMALL.batch_per_die + 1)
+            await inst.serve(SMALL.dies * SMALL.batch_per_die + 1)
 
     xds.run(main)

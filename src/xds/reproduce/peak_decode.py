@@ -34,8 +34,7 @@ def measure(
 
     async def main() -> DecodeResult:
         instance = DecodeInstance(cfg, comm, comm_mtp, tier=tier)
-        instance.admit_all(cfg.dies * cfg.batch_per_die)
-        result = await instance.run(max_iterations=iterations)
+        result = await instance.serve(cfg.dies * cfg.batch_per_die, max_iterations=iterations)
         if iterations is None:
             for kv in instance.kv:
                 kv.check()

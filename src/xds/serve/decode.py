@@ -25,6 +25,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ConfigError
 from ..hw import CloudMatrix384
@@ -34,7 +35,7 @@ from ..units import MS
 from .jitter import JitterConfig, sample
 from .kv import KVBlockManager
 from .mtp import MTPConfig, tokens_per_step
-from .routing import BACKPRESSURE, DecodeRouter
+from .routing import DecodeRouter
 
 
 class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -425,31 +426,80 @@ class DecodeInstance:
             int8_nope=self.config.precision.kv_int8_nope,
         )
 
-    # -- the TE-shell: route every request once --
-    def admit_all(self, n_requests: int) -> None:
-        """Route and admit ``n_requests`` (all prefilled before decode starts, SPEC 12.2)."""
+    # -- the TE-shell, DP masters and output processors --
+    async def serve(self, n_requests: int, *, max_iterations: int | None = None) -> DecodeResult:
+        """Route ``n_requests`` through the TE-shell to the DP groups, let every DP master
+        admit its share (all prefills done before decode starts, SPEC 12.2), then decode."""
         cfg = self.config
-        slot = np.zeros(cfg.dies, dtype=np.int64)
-        for req in range(n_requests):
-            dp = self.router.route(req, cfg.output_tokens)
-            if dp is BACKPRESSURE:
-                raise ConfigError(
-                    f"{n_requests} requests exceed {cfg.dies} DPs x batch {cfg.batch_per_die}",
-                    field="requests",
-                )
-            assert isinstance(dp, int)
-            # ignore-eos, fixed length: the whole sequence's blocks are held from admission
-            self.kv[dp].admit(req, cfg.input_tokens + cfg.output_tokens)
-            self.router.admitted(req)
-            s = int(slot[dp])
-            slot[dp] += 1
-            self.remaining[dp, s] = cfg.output_tokens - 1  # prefill emitted the first token
-            self.context[dp, s] = cfg.input_tokens + 1
-            self.request_of[(dp, s)] = req
-            self.streamed[dp, s] = 1
+        n = cfg.dies
+        if n_requests > n * cfg.batch_per_die:
+            raise ConfigError(
+                f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "
+                "admitted before decode starts",
+                field="requests",
+            )
+        inbox = [
+            anyio.create_memory_object_stream[int](max_buffer_size=float("inf")) for _ in range(n)
+        ]
+        outbox = [
+            anyio.create_memory_object_stream[np.ndarray](max_buffer_size=float("inf"))
+            for _ in range(n)
+        ]
+        async with anyio.create_task_group() as tg:
+            admitted = anyio.Event()
+            pending = [n]
 
-    # -- running --
-    async def run(self, *, max_iterations: int | None = None) -> DecodeResult:
+            async def master(dp: int) -> None:
+                await self._dp_master(dp, inbox[dp][1])
+                pending[0] -= 1
+                if not pending[0]:
+                    admitted.set()
+
+            for dp in range(n):
+                tg.start_soon(master, dp, name=f"dp-master-{dp}")
+                tg.start_soon(
+                    self._output_processor, dp, outbox[dp][1], name=f"output-processor-{dp}"
+                )
+            for req in range(n_requests):  # the TE-shell touches each request once
+                dp = self.router.route(req, cfg.output_tokens)
+                assert isinstance(dp, int)  # capacity was checked above: never backpressure
+                inbox[dp][0].send_nowait(req)
+            for send, _ in inbox:
+                send.close()
+            await admitted.wait()
+            try:
+                return await self._decode([send for send, _ in outbox], max_iterations)
+            finally:
+                for send, _ in outbox:
+                    send.close()
+
+    async def _dp_master(self, dp: int, requests: MemoryObjectReceiveStream[int]) -> None:
+        """One DP master: admit routed requests into KV blocks and free batch slots."""
+        cfg = self.config
+        slot = 0
+        async with requests:
+            async for req in requests:
+                # ignore-eos, fixed length: the whole sequence's blocks are held from admission
+                self.kv[dp].admit(req, cfg.input_tokens + cfg.output_tokens)
+                self.router.admitted(req)
+                self.remaining[dp, slot] = cfg.output_tokens - 1  # prefill emitted token 1
+                self.context[dp, slot] = cfg.input_tokens + 1
+                self.request_of[(dp, slot)] = req
+                self.streamed[dp, slot] = 1
+                slot += 1
+
+    async def _output_processor(
+        self, dp: int, stream: MemoryObjectReceiveStream[np.ndarray]
+    ) -> None:
+        """Output shortcutting: one DP's committed tokens go straight to the frontend."""
+        async with stream:
+            async for committed in stream:
+                self.streamed[dp] += committed
+
+    # -- the iteration loop --
+    async def _decode(
+        self, outbox: list[MemoryObjectSendStream[np.ndarray]], max_iterations: int | None
+    ) -> DecodeResult:
         cfg = self.config
         n = cfg.dies
         start = now_ns()
@@ -458,54 +508,45 @@ class DecodeInstance:
         tokens = 0
         steps = 0.0
         ratios: list[float] = []
-        send_out, recv_out = anyio.create_memory_object_stream[tuple[int, np.ndarray]](
-            max_buffer_size=float("inf")
-        )
         jit_gens = [rng(f"decode/jitter/dp{r}") for r in range(n)]
         mtp_gens = [rng(f"decode/mtp/dp{r}") for r in range(n)]
         routing_gen = rng("decode/routing")
         barrier = Barrier(n) if self.tier == "layer" else None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._output_processor, recv_out)
-            it = 0
-            while (self.remaining > 0).any() and (max_iterations is None or it < max_iterations):
-                live = self.remaining > 0
-                seqs = live.sum(axis=1)
-                ctx = np.where(
-                    seqs > 0, (self.context * live).sum(axis=1) // np.maximum(seqs, 1), 0
-                )
-                draws = [sample(cfg.jitter, jit_gens[r], it) for r in range(n)]
-                jitter = np.array([d.before_dispatch_ns for d in draws], dtype=np.int64)
-                between = max(d.between_passes_ns for d in draws)
-                t_iter = now_ns()
-                if self.tier == "iteration":
-                    out = self.model.iteration(seqs, ctx, jitter, routing_gen)
-                    await sleep_ns(out.time_ns)
-                else:
-                    out = await self._layer_iteration(seqs, ctx, jitter, routing_gen, barrier)
-                bd.add(out.breakdown)
-                fd = out.first_dispatch_ns
-                ratios.append(float(fd.max() / max(1, fd.min())))
-                committed = np.stack(
-                    [tokens_per_step(cfg.mtp, mtp_gens[r], cfg.batch_per_die) for r in range(n)]
-                )
-                committed = np.minimum(committed, self.remaining) * live
-                self.remaining -= committed
-                self.context += committed
-                tokens += int(committed.sum())
-                steps += float(committed.sum() / max(1, live.sum()))
-                for r in range(n):
-                    if committed[r].any():
-                        send_out.send_nowait((r, committed[r].copy()))
-                self._retire(live)
-                await sleep_ns(cfg.scheduler_gap_ns + between)
-                iteration_ns.append(now_ns() - t_iter)
-                it += 1
-            send_out.close()
-        elapsed = now_ns() - start
+        it = 0
+        while (self.remaining > 0).any() and (max_iterations is None or it < max_iterations):
+            live = self.remaining > 0
+            seqs = live.sum(axis=1)
+            ctx = np.where(seqs > 0, (self.context * live).sum(axis=1) // np.maximum(seqs, 1), 0)
+            draws = [sample(cfg.jitter, jit_gens[r], it) for r in range(n)]
+            jitter = np.array([d.before_dispatch_ns for d in draws], dtype=np.int64)
+            between = max(d.between_passes_ns for d in draws)
+            t_iter = now_ns()
+            if self.tier == "iteration":
+                out = self.model.iteration(seqs, ctx, jitter, routing_gen)
+                await sleep_ns(out.time_ns)
+            else:
+                out = await self._layer_iteration(seqs, ctx, jitter, routing_gen, barrier)
+            bd.add(out.breakdown)
+            fd = out.first_dispatch_ns
+            ratios.append(float(fd.max() / max(1, fd.min())))
+            committed = np.stack(
+                [tokens_per_step(cfg.mtp, mtp_gens[r], cfg.batch_per_die) for r in range(n)]
+            )
+            committed = np.minimum(committed, self.remaining) * live
+            self.remaining -= committed
+            self.context += committed
+            tokens += int(committed.sum())
+            steps += float(committed.sum() / max(1, live.sum()))
+            for r in range(n):
+                if committed[r].any():
+                    outbox[r].send_nowait(committed[r].copy())
+            self._retire(live)
+            await sleep_ns(cfg.scheduler_gap_ns + between)
+            iteration_ns.append(now_ns() - t_iter)
+            it += 1
         return DecodeResult(
             iterations=len(iteration_ns),
-            elapsed_ns=elapsed,
+            elapsed_ns=now_ns() - start,
             tokens=tokens,
             requests=len(self.request_of),
             mean_iteration_ns=float(np.mean(iteration_ns)) if iteration_ns else 0.0,
@@ -569,9 +610,3 @@ class DecodeInstance:
             self.kv[int(dp)].release(req)
             self.router.finished(req)
             emit("decode", "finished", request=req, dp=int(dp))
-
-    async def _output_processor(self, stream) -> None:
-        """Output shortcutting: committed tokens go from each DP straight to the frontend."""
-        async with stream:
-            async for dp, committed in stream:
-                self.streamed[dp] += committed
