@@ -53,7 +53,7 @@ def test_unknown_target_is_a_clear_error(capsys):
 
 
 def test_all_targets_are_registered():
-    assert target_names() == ["p2p", "dispatch-combine", "a2e-e2a", "peak-decode"]
+    assert target_names() == ["p2p", "dispatch-combine", "a2e-e2a", "peak-decode", "eplb"]
 
 
 def test_dispatch_combine_sweep_on_a_small_group():

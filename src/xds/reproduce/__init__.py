@@ -65,13 +65,14 @@ TargetFn = Callable[..., tuple[list[Row], list[TableData]]]
 
 
 def _targets() -> dict[str, TargetFn]:
-    from . import a2e_e2a, dispatch_combine, p2p, peak_decode
+    from . import a2e_e2a, dispatch_combine, eplb, p2p, peak_decode
 
     return {
         "p2p": p2p.reproduce,
         "dispatch-combine": dispatch_combine.reproduce,
         "a2e-e2a": a2e_e2a.reproduce,
         "peak-decode": peak_decode.reproduce,
+        "eplb": eplb.reproduce,
     }
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ConfigError
+from ..fabric.xccl.moe import ExpertMap
 from ..hw import CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
@@ -123,6 +124,9 @@ class DecodeModel:
         )
         self.comm = comm
         self.comm_mtp = comm_mtp or comm
+        self.routed_die_share: np.ndarray | None = None
+        """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
+        placements on skewed routing); None means uniform routing drawn per pass."""
         self._attn_cache: dict[tuple[int, float, int], tuple[int, int, int]] = {}
         self._dense_cache: dict[float, int] = {}
         self._expert_cache: dict[float, int] = {}
@@ -188,12 +192,28 @@ class DecodeModel:
         m = self.model
         total = int(seqs.sum())
         k = self.config.mtp.k
+        moe_layers = m.layers - m.dense_layers
+        if self.routed_die_share is not None:  # a fixed placement on a measured load
+            mtp = [self.expert_ns(self.busiest_die(total, moe_layers // 2))]
+            main = [
+                self.expert_ns(self.busiest_die(total * (1 + k), layer))
+                for layer in range(moe_layers)
+            ]
+            return mtp, main
         mtp = [self.expert_ns(self.expert_load(gen, total))]
-        main = [
-            self.expert_ns(self.expert_load(gen, total * (1 + k)))
-            for _ in range(m.layers - m.dense_layers)
-        ]
+        main = [self.expert_ns(self.expert_load(gen, total * (1 + k))) for _ in range(moe_layers)]
         return mtp, main
+
+    def busiest_die(self, tokens: int, layer: int) -> float:
+        """Tokens on the busiest die of ``layer`` under ``routed_die_share`` (plus the shared
+        expert's instances on the last dies)."""
+        assert self.routed_die_share is not None
+        cfg = self.config
+        die = self.routed_die_share[layer] * tokens * self.model.top_k
+        if cfg.shared_expert_dies:
+            die = die.copy()
+            die[cfg.dies - cfg.shared_expert_dies :] += tokens / cfg.shared_expert_dies
+        return float(die.max())
 
     def iteration(
         self, seqs: np.ndarray, context: np.ndarray, jitter_ns: np.ndarray, gen: np.random.Generator
@@ -294,12 +314,21 @@ class DecodeModel:
         return IterationOutcome(t, bd, first_dispatch)
 
 
-def measure_comm(config: DecodeConfig, tokens_per_die: int, *, seed: int = 0) -> CommCosts:
+def measure_comm(
+    config: DecodeConfig,
+    tokens_per_die: int,
+    *,
+    seed: int = 0,
+    expert_map: ExpertMap | None = None,
+    popularity: np.ndarray | None = None,
+) -> CommCosts:
     """Dispatch/combine cost of one MoE layer with ``tokens_per_die`` tokens on every die
-    (collective tier, uniform routing + shared-expert instances, common start)."""
+    (collective tier, common start). Routing is uniform over the routed experts unless
+    ``popularity`` gives their probabilities; each token also visits one shared-expert
+    instance. ``expert_map`` places logical experts (routed, then shared) on the dies,
+    replicas included (EPLB)."""
     from ..fabric import UBFabric
     from ..fabric.xccl.ep import EPConfig, EPGroup
-    from ..fabric.xccl.moe import ExpertMap
     from ..runtime import run
 
     m = config.spec
@@ -309,7 +338,7 @@ def measure_comm(config: DecodeConfig, tokens_per_die: int, *, seed: int = 0) ->
 
     async def main() -> CommCosts:
         fabric = UBFabric(pod, payload_mode="size")
-        emap = (
+        emap = expert_map or (
             ExpertMap(m.routed_experts + shared, n)
             if m.routed_experts + shared >= n
             else ExpertMap(m.routed_experts, n)

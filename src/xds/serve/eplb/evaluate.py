@@ -1,0 +1,103 @@
+"""Comparing balancing policies on the same held-out window (REFERENCE.md "fair comparison").
+
+Each policy plans on a fit window of the load tensor and is evaluated on the next window:
+per layer, the per-die load when each expert's tokens split evenly over its replicas,
+balancedness (mean/max die load), and the modelled time of the busiest die's expert GEMM.
+:func:`forward_latency` then runs the decode iteration model of :mod:`xds.serve.decode` with
+the placement: the busiest die per layer sets the MoE time, and dispatch/combine are measured
+on the collective tier with the skewed routing and the replicas in the expert map.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from ...fabric.xccl.moe import ExpertMap
+from ..decode import DecodeConfig, DecodeModel, measure_comm
+from .policies import Layout, Plan, Policy, balancedness
+
+
+class PolicyScore(msgspec.Struct):
+    name: str
+    balancedness_mean: float
+    balancedness_min: float
+    moe_ms: float
+    """Busiest die's expert GEMM summed over the MoE layers, at peak-decode tokens per die."""
+    replicas_used: int
+
+
+def plan_layers(policy: Policy, fit: np.ndarray, layout: Layout, budget: int) -> list[Plan]:
+    """One plan per MoE layer from ``fit[t, l, e]``."""
+    return [policy.plan(fit[:, layer].T, layout, budget) for layer in range(fit.shape[1])]
+
+
+def die_shares(plans: list[Plan], evaluation: np.ndarray, n_dies: int) -> np.ndarray:
+    """[layers, dies]: each die's share of the layer's routed copies in the evaluation window."""
+    load = evaluation.sum(axis=0).astype(np.float64)  # [layers, experts]
+    out = np.zeros((len(plans), n_dies))
+    for layer, plan in enumerate(plans):
+        total = load[layer].sum()
+        out[layer] = plan.die_loads(load[layer] / max(total, 1.0), n_dies)
+    return out
+
+
+def score(
+    policy: Policy,
+    fit: np.ndarray,
+    evaluation: np.ndarray,
+    layout: Layout,
+    budget: int,
+    config: DecodeConfig,
+) -> tuple[PolicyScore, list[Plan]]:
+    plans = plan_layers(policy, fit, layout, budget)
+    load = evaluation.sum(axis=0)
+    bal = [balancedness(p, load[layer], layout.n_dies) for layer, p in enumerate(plans)]
+    model = DecodeModel(config, comm=None)  # type: ignore[arg-type]
+    tokens = config.dies * config.batch_per_die * (1 + config.mtp.k) * config.spec.top_k
+    shares = die_shares(plans, evaluation, layout.n_dies)
+    moe = sum(model.expert_ns(float(s.max() * tokens)) for s in shares)
+    used = int(sum(int(p.copies.sum()) - len(p.copies) for p in plans))
+    return PolicyScore(policy.name, float(np.mean(bal)), float(np.min(bal)), moe / 1e6, used), plans
+
+
+def expert_map_for(plan: Plan, n_routed: int, n_shared: int, n_dies: int) -> ExpertMap:
+    """The EP group's map: routed experts (primary + replicas) then shared instances."""
+    replicas: list[list[int]] = []
+    slots_rank: list[int] = []
+    for dies in plan.replica_dies:
+        ids = []
+        for d in dies:
+            ids.append(len(slots_rank))
+            slots_rank.append(d)
+        replicas.append(ids)
+    for i in range(n_shared):
+        replicas.append([len(slots_rank)])
+        slots_rank.append(n_dies - n_shared + i)
+    return ExpertMap(n_routed + n_shared, n_dies, replicas=replicas, slots_rank=slots_rank)
+
+
+def forward_latency(
+    config: DecodeConfig, plans: list[Plan], evaluation: np.ndarray, *, seed: int = 0
+) -> float:
+    """Iteration time (ns) of decode at the config's batch with this placement."""
+    m = config.spec
+    n = config.dies
+    shares = die_shares(plans, evaluation, n)
+    load = evaluation.sum(axis=0).astype(np.float64)
+    # dispatch/combine on the layer with the median imbalance, replicas in the expert map
+    ratio = load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12)
+    rep = int(np.argsort(ratio)[len(ratio) // 2])
+    popularity = load[rep] / load[rep].sum()
+    emap = expert_map_for(plans[rep], m.routed_experts, config.shared_expert_dies, n)
+    tokens = config.batch_per_die * (1 + config.mtp.k)
+    comm = measure_comm(config, tokens, seed=seed, expert_map=emap, popularity=popularity)
+    comm_mtp = measure_comm(
+        config, config.batch_per_die, seed=seed, expert_map=emap, popularity=popularity
+    )
+    model = DecodeModel(config, comm, comm_mtp)
+    model.routed_die_share = shares
+    seqs = np.full(n, config.batch_per_die)
+    context = np.full(n, config.input_tokens + config.output_tokens // 2)
+    out = model.iteration(seqs, context, np.zeros(n, dtype=np.int64), np.random.default_rng(seed))
+    return float(out.time_ns)

@@ -1,0 +1,131 @@
+"""Four-phase expert reconfiguration with versioned mappings (SPEC 7.4, P077).
+
+The logical-to-physical mapping of every MoE layer is an immutable :class:`Mapping` with a
+version. A forward pass takes the current mapping once and uses it for all its layers and dies
+(it is stamped with the version). Reconfiguring a redundant slot:
+
+1. **prefetch** the new expert's weights from storage into host memory;
+2. publish a mapping in which the affected slots are **disabled** (no replica points there);
+3. **load** the weights into the slots asynchronously (forward passes keep running);
+4. publish a mapping that **re-enables** the slots with their new experts.
+
+So no forward pass routes a token to a slot that is disabled or loading, every logical expert
+keeps at least one enabled replica (its primary, which never moves) at every instant, and no
+iteration waits for a weight load.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from ...errors import ConfigError
+from ...runtime import emit, sleep_ns
+from .policies import Plan
+
+SlotState = Literal["enabled", "disabled", "loading", "empty"]
+
+
+class Mapping(msgspec.Struct, frozen=True):
+    """One version of the logical->physical table: per layer, per expert, replica dies."""
+
+    version: int
+    replicas: tuple[tuple[tuple[int, ...], ...], ...]  # [layer][expert] -> dies
+
+    def dies_of(self, layer: int, expert: int) -> tuple[int, ...]:
+        return self.replicas[layer][expert]
+
+
+class MappingTable:
+    """The current mapping plus the state of every redundant slot."""
+
+    def __init__(self, primaries: list[list[int]]):
+        """``primaries[layer][expert]``: the die holding the expert's primary."""
+        self.layers = len(primaries)
+        self._current = Mapping(0, tuple(tuple((d,) for d in layer) for layer in primaries))
+        self.primaries = primaries
+        # (layer, die) -> (expert or -1, state) of the die's redundant slot
+        self.slots: dict[tuple[int, int], tuple[int, SlotState]] = {}
+        self.history: list[Mapping] = [self._current]
+
+    @property
+    def current(self) -> Mapping:
+        return self._current
+
+    def _publish(self, replicas: list[list[list[int]]]) -> Mapping:
+        for layer, experts in enumerate(replicas):
+            for e, dies in enumerate(experts):
+                if not dies:
+                    raise ConfigError(
+                        f"layer {layer} expert {e} would have no enabled replica", field="plan"
+                    )
+                for d in dies[1:]:
+                    state = self.slots.get((layer, d), (-1, "empty"))
+                    if state != (e, "enabled"):
+                        raise ConfigError(
+                            f"layer {layer} die {d}: slot is {state[1]}, cannot serve tokens",
+                            field="plan",
+                        )
+        self._current = Mapping(
+            self._current.version + 1, tuple(tuple(tuple(d) for d in layer) for layer in replicas)
+        )
+        self.history.append(self._current)
+        return self._current
+
+    def _replicas(self) -> list[list[list[int]]]:
+        return [[list(dies) for dies in layer] for layer in self._current.replicas]
+
+    async def reconfigure(self, plans: list[Plan], *, prefetch_ns: int, load_ns: int) -> None:
+        """Move to ``plans`` (one per layer) in four phases while passes keep running."""
+        if len(plans) != self.layers:
+            raise ConfigError(f"need one plan per layer ({self.layers})", field="plans")
+        target: dict[tuple[int, int], int] = {}
+        for layer, plan in enumerate(plans):
+            for e, dies in enumerate(plan.replica_dies):
+                if dies[0] != self.primaries[layer][e]:
+                    raise ConfigError(
+                        f"layer {layer} expert {e}: primaries do not move", field="plans"
+                    )
+                for d in dies[1:]:
+                    target[(layer, d)] = e
+        changed = sorted(
+            key
+            for key in set(target) | set(self.slots)
+            if self.slots.get(key, (-1, "empty"))[0] != target.get(key, -1)
+        )
+        # 1. prefetch the new weights into host memory
+        await sleep_ns(prefetch_ns)
+        # 2. disable the affected slots
+        replicas = self._replicas()
+        for layer, d in changed:
+            old = self.slots.get((layer, d), (-1, "empty"))[0]
+            if old >= 0:
+                replicas[layer][old] = [x for x in replicas[layer][old] if x != d]
+            self.slots[(layer, d)] = (old, "disabled")
+        self._publish(replicas)
+        # 3. load asynchronously; passes keep using the mapping that excludes these slots
+        for key in changed:
+            self.slots[key] = (target.get(key, -1), "loading")
+        await sleep_ns(load_ns)
+        # 4. re-enable with the new experts
+        for layer, d in changed:
+            e = target.get((layer, d), -1)
+            self.slots[(layer, d)] = (e, "enabled" if e >= 0 else "empty")
+            if e >= 0:
+                replicas[layer][e].append(d)
+        self._publish(replicas)
+        emit("eplb", "reconfigured", version=self._current.version, slots=len(changed))
+
+    def check_pass(self, mapping: Mapping) -> None:
+        """A forward pass using ``mapping`` now: every replica it routes to is enabled."""
+        for layer, experts in enumerate(mapping.replicas):
+            for e, dies in enumerate(experts):
+                if not dies:
+                    raise AssertionError(f"layer {layer} expert {e} has no replica")
+                for d in dies[1:]:
+                    if self.slots.get((layer, d)) != (e, "enabled"):
+                        raise AssertionError(
+                            f"pass v{mapping.version} routes layer {layer} expert {e} to die "
+                            f"{d} whose slot is {self.slots.get((layer, d))}"
+                        )
