@@ -1,0 +1,37 @@
+"""Workloads and results: trace loaders, generators, per-request records and summaries.
+
+The replay driver for PD-disaggregated deployments (issue 7) builds on these.
+"""
+
+from .loaders import (
+    load,
+    load_azure,
+    load_generic,
+    load_lengths,
+    load_mooncake,
+    load_request_csv,
+)
+from .metrics import SLA, RequestRecord, Stat, Summary, check_complete, summarize, write
+from .workload import Request, Workload, fixed, gamma_arrivals, poisson_arrivals, synthetic
+
+__all__ = [
+    "SLA",
+    "Request",
+    "RequestRecord",
+    "Stat",
+    "Summary",
+    "Workload",
+    "check_complete",
+    "fixed",
+    "gamma_arrivals",
+    "load",
+    "load_azure",
+    "load_generic",
+    "load_lengths",
+    "load_mooncake",
+    "load_request_csv",
+    "poisson_arrivals",
+    "summarize",
+    "synthetic",
+    "write",
+]

@@ -1,0 +1,328 @@
+"""Trace loaders: Mooncake JSONL, Azure LLM inference CSV, the Vidur/Frontier request CSV,
+lengths-only CSVs with a chosen arrival process, and generic CSV/JSONL with a column mapping.
+
+Malformed input fails with :class:`xds.errors.TraceError` naming the file, the line and the
+field (a missing column, a negative or non-integer length, timestamps out of order when sorting
+was not asked for). Nothing is dropped silently: every line becomes a request or an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..errors import TraceError
+from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
+
+_json = msgspec.json.Decoder()
+
+
+def _open(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError("file not found", path=str(p))
+    return p
+
+
+def _int_field(value: Any, *, path: str, line: int, field: str, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
+    if isinstance(value, int):
+        out = value
+    elif isinstance(value, float) and value.is_integer():
+        out = int(value)
+    elif isinstance(value, str):
+        try:
+            out = int(value.strip())
+        except ValueError:
+            raise TraceError(
+                f"expected an integer, got {value!r}", path=path, line=line, field=field
+            ) from None
+    else:
+        raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
+    if out < minimum:
+        raise TraceError(f"must be >= {minimum}, got {out}", path=path, line=line, field=field)
+    return out
+
+
+def _finish(
+    rows: list[tuple[int, int, int, tuple[int, ...], int]], path: str, sort: bool
+) -> Workload:
+    """Order by arrival (or check the order), rebase arrivals to 0, number the requests."""
+    if not sort:
+        for (a, *_), (b, *rest) in zip(rows, rows[1:], strict=False):
+            if b < a:
+                raise TraceError(
+                    "timestamps go backwards (pass sort=True to sort them)",
+                    path=path,
+                    line=rest[-1],
+                    field="timestamp",
+                )
+    else:
+        rows = sorted(rows, key=lambda r: (r[0], r[4]))
+    base = rows[0][0] if rows else 0
+    return Workload(
+        tuple(Request(i, a - base, x, y, h, line) for i, (a, x, y, h, line) in enumerate(rows)),
+        path,
+    )
+
+
+def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
+    p = _open(path)
+    rows = []
+    with p.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = _json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise TraceError(f"invalid JSON ({exc})", path=str(p), line=line_no) from None
+            if not isinstance(obj, dict):
+                raise TraceError("expected a JSON object", path=str(p), line=line_no)
+            for key in ("timestamp", "input_length", "output_length"):
+                if key not in obj:
+                    raise TraceError("missing", path=str(p), line=line_no, field=key)
+            ts = _int_field(obj["timestamp"], path=str(p), line=line_no, field="timestamp")
+            x = _int_field(
+                obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
+            )
+            y = _int_field(
+                obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
+            )
+            hashes = obj.get("hash_ids", [])
+            if not isinstance(hashes, list):
+                raise TraceError("expected a list", path=str(p), line=line_no, field="hash_ids")
+            rows.append((ts * 1_000_000, x, y, tuple(int(h) for h in hashes), line_no))
+    return _finish(rows, str(p), sort)
+
+
+def _csv_rows(p: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
+    with p.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        for col in required:
+            if col not in header:
+                raise TraceError(
+                    f"missing column (header has {', '.join(header)})",
+                    path=str(p),
+                    line=1,
+                    field=col,
+                )
+        for line_no, row in enumerate(reader, start=2):
+            if None in row or any(v is None for v in row.values()):
+                raise TraceError("wrong number of fields", path=str(p), line=line_no)
+            yield line_no, row
+
+
+def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
+    """Azure LLM inference trace CSV: ``TIMESTAMP`` (date-time), ``ContextTokens``,
+    ``GeneratedTokens``."""
+    p = _open(path)
+    rows = []
+    for line_no, row in _csv_rows(p, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]):
+        raw = row["TIMESTAMP"].strip()
+        try:
+            head, _, frac = raw.partition(".")
+            stamp = dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC)
+            ns = int(stamp.timestamp()) * 1_000_000_000 + int((frac + "0" * 9)[:9] or 0)
+        except ValueError:
+            raise TraceError(
+                f"not a timestamp: {raw!r}", path=str(p), line=line_no, field="TIMESTAMP"
+            ) from None
+        x = _int_field(
+            row["ContextTokens"], path=str(p), line=line_no, field="ContextTokens", minimum=1
+        )
+        y = _int_field(
+            row["GeneratedTokens"], path=str(p), line=line_no, field="GeneratedTokens", minimum=1
+        )
+        rows.append((ns, x, y, (), line_no))
+    return _finish(rows, str(p), sort)
+
+
+def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
+    """The request CSV of Vidur and Frontier: ``arrived_at`` (s), ``num_prefill_tokens``,
+    ``num_decode_tokens``."""
+    p = _open(path)
+    rows = []
+    for line_no, row in _csv_rows(p, ["arrived_at", "num_prefill_tokens", "num_decode_tokens"]):
+        try:
+            t = float(row["arrived_at"])
+        except ValueError:
+            raise TraceError(
+                "not a number", path=str(p), line=line_no, field="arrived_at"
+            ) from None
+        if t < 0:
+            raise TraceError("must be >= 0", path=str(p), line=line_no, field="arrived_at")
+        x = _int_field(
+            row["num_prefill_tokens"],
+            path=str(p),
+            line=line_no,
+            field="num_prefill_tokens",
+            minimum=1,
+        )
+        y = _int_field(
+            row["num_decode_tokens"],
+            path=str(p),
+            line=line_no,
+            field="num_decode_tokens",
+            minimum=1,
+        )
+        rows.append((round(t * 1e9), x, y, (), line_no))
+    return _finish(rows, str(p), sort)
+
+
+def load_lengths(
+    path: str | Path,
+    *,
+    input_column: str,
+    output_column: str,
+    rng: np.random.Generator,
+    rate_per_s: float,
+    cv: float = 1.0,
+    invalid: str = "error",
+) -> Workload:
+    """A lengths-only CSV (e.g. ShareGPT or Vidur's processed lengths) with arrivals from a
+    Poisson (``cv = 1``) or Gamma process at ``rate_per_s``. ``invalid="drop"`` leaves out
+    rows with unusable lengths (e.g. ShareGPT's empty turns) and lists them in
+    ``Workload.dropped``; the default raises."""
+    if invalid not in ("error", "drop"):
+        raise TraceError(f"invalid must be 'error' or 'drop', got {invalid!r}", field="invalid")
+    p = _open(path)
+    lengths = []
+    lines = []
+    dropped: list[tuple[int, str]] = []
+    for line_no, row in _csv_rows(p, [input_column, output_column]):
+        try:
+            x = _int_field(
+                row[input_column], path=str(p), line=line_no, field=input_column, minimum=1
+            )
+            y = _int_field(
+                row[output_column], path=str(p), line=line_no, field=output_column, minimum=1
+            )
+        except TraceError as exc:
+            if invalid == "error":
+                raise
+            dropped.append((line_no, str(exc)))
+            continue
+        lengths.append((x, y))
+        lines.append(line_no)
+    n = len(lengths)
+    arrivals = (
+        poisson_arrivals(rng, n, rate_per_s)
+        if cv == 1.0
+        else gamma_arrivals(rng, n, rate_per_s, cv)
+    )
+    return Workload(
+        tuple(
+            Request(i, int(arrivals[i] - arrivals[0]) if n else 0, x, y, (), lines[i])
+            for i, (x, y) in enumerate(lengths)
+        ),
+        str(p),
+        tuple(dropped),
+    )
+
+
+def load_generic(
+    path: str | Path, *, mapping: dict[str, str], time_unit_ns: int = 1, sort: bool = False
+) -> Workload:
+    """A CSV or JSONL with your column names: ``mapping`` maps ``arrival``, ``input``,
+    ``output`` (and optionally ``hashes``) to the file's columns; arrivals are multiplied by
+    ``time_unit_ns`` (e.g. 1_000_000 for milliseconds)."""
+    p = _open(path)
+    for key in ("arrival", "input", "output"):
+        if key not in mapping:
+            raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
+    records: Iterator[tuple[int, dict[str, Any]]]
+    if p.suffix in (".jsonl", ".json"):
+
+        def _json_rows() -> Iterator[tuple[int, dict[str, Any]]]:
+            with p.open("rb") as f:
+                for line_no, raw in enumerate(f, start=1):
+                    if raw.strip():
+                        try:
+                            yield line_no, _json.decode(raw)
+                        except msgspec.DecodeError as exc:
+                            raise TraceError(
+                                f"invalid JSON ({exc})", path=str(p), line=line_no
+                            ) from None
+
+        records = _json_rows()
+    else:
+        records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")])
+    get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
+    rows = []
+    for line_no, row in records:
+        a = get(row, mapping["arrival"], line_no)
+        try:
+            arrival = round(float(a) * time_unit_ns)
+        except (TypeError, ValueError):
+            raise TraceError(
+                "not a number", path=str(p), line=line_no, field=mapping["arrival"]
+            ) from None
+        if arrival < 0:
+            raise TraceError("must be >= 0", path=str(p), line=line_no, field=mapping["arrival"])
+        x = _int_field(
+            get(row, mapping["input"], line_no),
+            path=str(p),
+            line=line_no,
+            field=mapping["input"],
+            minimum=1,
+        )
+        y = _int_field(
+            get(row, mapping["output"], line_no),
+            path=str(p),
+            line=line_no,
+            field=mapping["output"],
+            minimum=1,
+        )
+        hashes: tuple[int, ...] = ()
+        if "hashes" in mapping and mapping["hashes"] in row:
+            hashes = tuple(int(h) for h in row[mapping["hashes"]])
+        rows.append((arrival, x, y, hashes, line_no))
+    return _finish(rows, str(p), sort)
+
+
+def _getter(path: str) -> Callable[[dict[str, Any], str, int], Any]:
+    def get(row: dict[str, Any], key: str, line: int) -> Any:
+        if key not in row:
+            raise TraceError("missing", path=path, line=line, field=key)
+        return row[key]
+
+    return get
+
+
+FORMATS: dict[str, Callable[..., Workload]] = {
+    "mooncake": load_mooncake,
+    "azure": load_azure,
+    "request-csv": load_request_csv,
+}
+
+
+def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
+    """Load a trace, guessing the format from its first line when ``fmt`` is None."""
+    p = _open(path)
+    if fmt is None:
+        first = p.open().readline()
+        if first.lstrip().startswith("{") and "input_length" in first:
+            fmt = "mooncake"
+        elif first.startswith("TIMESTAMP"):
+            fmt = "azure"
+        elif "arrived_at" in first:
+            fmt = "request-csv"
+        else:
+            raise TraceError(
+                "cannot tell the trace format; pass fmt= (mooncake, azure, "
+                "request-csv) or use load_lengths / load_generic",
+                path=str(p),
+            )
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", path=str(p))
+    return FORMATS[fmt](p, **options)

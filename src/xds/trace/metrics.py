@@ -1,0 +1,171 @@
+"""Serving metrics of a replay (SPEC 12.4): per-request records and their summary.
+
+Every request of a workload ends as exactly one :class:`RequestRecord`: completed (with its
+first-token and per-token times) or failed with a reason. The summary reports TTFT, TPOT,
+inter-token latency and end-to-end latency (mean, p50, p90, p99), output tokens per second per
+chip, SLA goodput (share of requests meeting both TTFT and TPOT targets; defaults TTFT < 2 s
+and TPOT < 35 ms, P126) and queueing / KV-transfer times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from ..errors import ConfigError
+
+Outcome = Literal["completed", "failed"]
+
+
+class RequestRecord(msgspec.Struct):
+    request_id: int
+    arrival_ns: int
+    input_tokens: int
+    output_tokens: int
+    outcome: Outcome = "completed"
+    reason: str = ""
+    first_token_ns: int = -1
+    finish_ns: int = -1
+    token_ns: list[int] = []
+    """Time of every output token after the first (for ITL); may be empty if not tracked."""
+    prefill_placement: str = ""
+    decode_placement: str = ""
+    queue_ns: int = 0
+    kv_transfer_ns: int = 0
+
+    @property
+    def ttft_ns(self) -> int:
+        return self.first_token_ns - self.arrival_ns
+
+    @property
+    def tpot_ns(self) -> float:
+        """Mean time per output token after the first."""
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.finish_ns - self.first_token_ns) / (self.output_tokens - 1)
+
+    @property
+    def e2e_ns(self) -> int:
+        return self.finish_ns - self.arrival_ns
+
+
+class Stat(msgspec.Struct):
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float] | np.ndarray) -> Stat:
+        v = np.asarray(values, dtype=np.float64)
+        if not v.size:
+            return cls(float("nan"), float("nan"), float("nan"), float("nan"))
+        p50, p90, p99 = np.percentile(v, [50, 90, 99])
+        return cls(float(v.mean()), float(p50), float(p90), float(p99))
+
+
+class SLA(msgspec.Struct, frozen=True):
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 35.0
+
+
+class Summary(msgspec.Struct):
+    requests: int
+    completed: int
+    failed: int
+    failures: dict[str, int]
+    ttft_ms: Stat
+    tpot_ms: Stat
+    itl_ms: Stat
+    e2e_s: Stat
+    queue_ms: Stat
+    kv_transfer_ms: Stat
+    output_tokens_per_s: float
+    output_tokens_per_s_per_chip: float
+    goodput: float
+    sla: SLA
+    duration_s: float
+
+
+def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None = None) -> Summary:
+    """The summary of a finished replay (``chips`` for the per-chip throughput)."""
+    if chips < 1:
+        raise ConfigError("chips must be >= 1", field="chips")
+    sla = sla or SLA()
+    done = [r for r in records if r.outcome == "completed"]
+    failures: dict[str, int] = {}
+    for r in records:
+        if r.outcome == "failed":
+            failures[r.reason or "unknown"] = failures.get(r.reason or "unknown", 0) + 1
+    itl = [
+        (b - a) / 1e6
+        for r in done
+        for a, b in zip([r.first_token_ns, *r.token_ns], r.token_ns, strict=False)
+    ]
+    start = min((r.arrival_ns for r in records), default=0)
+    end = max((r.finish_ns for r in done), default=start)
+    duration = max(end - start, 1) / 1e9
+    tokens = sum(r.output_tokens for r in done)
+    good = sum(1 for r in done if r.ttft_ns / 1e6 < sla.ttft_ms and r.tpot_ns / 1e6 < sla.tpot_ms)
+    return Summary(
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        failures=failures,
+        ttft_ms=Stat.of([r.ttft_ns / 1e6 for r in done]),
+        tpot_ms=Stat.of([r.tpot_ns / 1e6 for r in done if r.output_tokens > 1]),
+        itl_ms=Stat.of(itl),
+        e2e_s=Stat.of([r.e2e_ns / 1e9 for r in done]),
+        queue_ms=Stat.of([r.queue_ns / 1e6 for r in done]),
+        kv_transfer_ms=Stat.of([r.kv_transfer_ns / 1e6 for r in done]),
+        output_tokens_per_s=tokens / duration,
+        output_tokens_per_s_per_chip=tokens / duration / chips,
+        goodput=good / len(records) if records else 0.0,
+        sla=sla,
+        duration_s=duration,
+    )
+
+
+def check_complete(records: Sequence[RequestRecord], n_requests: int) -> None:
+    """Every request of the workload appears exactly once."""
+    ids = sorted(r.request_id for r in records)
+    if ids != list(range(n_requests)):
+        missing = sorted(set(range(n_requests)) - set(ids))
+        raise AssertionError(f"replay lost or duplicated requests (missing: {missing[:10]})")
+
+
+def write(
+    out_dir: str | Path, records: Sequence[RequestRecord], summary: Summary, *, csv: bool = False
+) -> None:
+    """``requests.jsonl`` (one line per request), ``summary.json``, optionally
+    ``requests.csv``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    enc = msgspec.json.Encoder()
+    with (out / "requests.jsonl").open("wb") as f:
+        for r in sorted(records, key=lambda r: r.request_id):
+            f.write(enc.encode(r) + b"\n")
+    (out / "summary.json").write_bytes(msgspec.json.format(enc.encode(summary)))
+    if csv:
+        cols = [
+            "request_id",
+            "arrival_ns",
+            "input_tokens",
+            "output_tokens",
+            "outcome",
+            "reason",
+            "first_token_ns",
+            "finish_ns",
+            "prefill_placement",
+            "decode_placement",
+            "queue_ns",
+            "kv_transfer_ns",
+        ]
+        with (out / "requests.csv").open("w") as f:
+            f.write(",".join(cols) + "\n")
+            for r in sorted(records, key=lambda r: r.request_id):
+                f.write(",".join(str(getattr(r, c)) for c in cols) + "\n")

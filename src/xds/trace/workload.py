@@ -1,0 +1,153 @@
+"""Workload records and generators (SPEC 0.4 "Trace replay").
+
+A :class:`Request` is what a trace says about one request: when it arrives (integer ns from
+the start of the replay), its prompt length, its output length, and optionally the prefix-cache
+block hashes of its prompt (Mooncake's ``hash_ids``). Generators build workloads xds can replay
+on a machine without any trace files: fixed lengths, Poisson or Gamma arrivals, lengths from
+simple distributions; all randomness from the seeded generator passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from ..errors import ConfigError
+from ..units import S
+
+
+class Request(msgspec.Struct, frozen=True):
+    request_id: int
+    arrival_ns: int
+    input_tokens: int
+    output_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+    source_line: int = 0
+    """Line of the trace file the request came from (0 if generated)."""
+
+
+class Workload(msgspec.Struct, frozen=True):
+    """An ordered list of requests plus where they came from."""
+
+    requests: tuple[Request, ...]
+    source: str = "generated"
+    dropped: tuple[tuple[int, str], ...] = ()
+    """(line, reason) of input rows left out on request (``invalid="drop"``), never silently."""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.requests[-1].arrival_ns - self.requests[0].arrival_ns if self.requests else 0
+
+    def scaled(self, rate_scale: float) -> Workload:
+        """Arrivals ``rate_scale`` times as dense (``2`` halves every inter-arrival gap)."""
+        if rate_scale <= 0:
+            raise ConfigError(f"rate_scale must be positive, got {rate_scale}", field="rate_scale")
+        return Workload(
+            tuple(
+                msgspec.structs.replace(r, arrival_ns=round(r.arrival_ns / rate_scale))
+                for r in self.requests
+            ),
+            self.source,
+            self.dropped,
+        )
+
+    def limited(self, limit: int | None) -> Workload:
+        if limit is None:
+            return self
+        if limit < 0:
+            raise ConfigError("limit must be >= 0", field="limit")
+        return Workload(self.requests[:limit], self.source, self.dropped)
+
+
+def _build(
+    arrivals: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], source: str
+) -> Workload:
+    return Workload(
+        tuple(
+            Request(i, int(a), int(x), int(y))
+            for i, (a, x, y) in enumerate(zip(arrivals, inputs, outputs, strict=True))
+        ),
+        source,
+    )
+
+
+def _check_counts(n: int, *lengths: int) -> None:
+    if n < 0:
+        raise ConfigError("n must be >= 0", field="n")
+    if any(v < 1 for v in lengths):
+        raise ConfigError("token lengths must be >= 1", field="length")
+
+
+def fixed(
+    input_tokens: int, output_tokens: int, n: int, *, rate_per_s: float | None = None
+) -> Workload:
+    """``n`` identical requests, all at time 0 or evenly spaced at ``rate_per_s``."""
+    _check_counts(n, input_tokens, output_tokens)
+    gap = 0 if rate_per_s is None else round(S / rate_per_s)
+    return _build(
+        [i * gap for i in range(n)],
+        [input_tokens] * n,
+        [output_tokens] * n,
+        f"fixed({input_tokens},{output_tokens},n={n})",
+    )
+
+
+def poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
+    if rate_per_s <= 0:
+        raise ConfigError("rate must be positive", field="rate_per_s")
+    return np.cumsum(rng.exponential(S / rate_per_s, n)).astype(np.int64)
+
+
+def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: float) -> np.ndarray:
+    """Gamma inter-arrival times with mean ``1/rate`` and coefficient of variation ``cv``
+    (cv = 1 is Poisson; > 1 is bursty)."""
+    if rate_per_s <= 0 or cv <= 0:
+        raise ConfigError("rate and cv must be positive", field="cv")
+    shape = 1.0 / cv**2
+    return np.cumsum(rng.gamma(shape, S / rate_per_s / shape, n)).astype(np.int64)
+
+
+def synthetic(
+    rng: np.random.Generator,
+    n: int,
+    *,
+    rate_per_s: float,
+    cv: float = 1.0,
+    input_mean: int = 2048,
+    output_mean: int = 512,
+    input_max: int = 65_536,
+    output_max: int = 32_768,
+) -> Workload:
+    """Poisson (cv = 1) or Gamma arrivals; log-normal lengths with the given means."""
+    _check_counts(n, input_mean, output_mean)
+    arrivals = (
+        poisson_arrivals(rng, n, rate_per_s)
+        if cv == 1.0
+        else gamma_arrivals(rng, n, rate_per_s, cv)
+    )
+    sigma = 1.0
+
+    def lengths(mean: int, cap: int) -> np.ndarray:
+        mu = np.log(mean) - sigma**2 / 2
+        return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, cap).astype(np.int64)
+
+    return _build(
+        arrivals,
+        lengths(input_mean, input_max),
+        lengths(output_mean, output_max),
+        f"synthetic(n={n}, rate={rate_per_s}/s, cv={cv})",
+    )
+
+
+def with_arrivals(
+    lengths: Sequence[tuple[int, int]], arrivals: np.ndarray, source: str
+) -> Workload:
+    """Pair (input, output) lengths with an arrival process."""
+    if len(arrivals) != len(lengths):
+        raise ConfigError("one arrival per request", field="arrivals")
+    return _build(arrivals, [x for x, _ in lengths], [y for _, y in lengths], source)

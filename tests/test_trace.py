@@ -1,0 +1,182 @@
+"""Workloads: loaders (with their errors), generators, records and summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import xds.trace as t
+from xds.errors import TraceError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_mooncake_jsonl(tmp_path):
+    p = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 5, "input_length": 100, "output_length": 7, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 9, "input_length": 30, "output_length": 3}\n',
+    )
+    w = t.load(p)
+    assert [r.arrival_ns for r in w.requests] == [0, 4_000_000]
+    assert w.requests[0].prefix_hashes == (1, 2) and w.requests[1].source_line == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ('{"timestamp": 1, "input_length": 100}\n', "line 1 field 'output_length': missing"),
+        ('{"timestamp": 1, "input_length": -4, "output_length": 2}\n', "field 'input_length'"),
+        ('{"timestamp": 1, "input_length": 1.5, "output_length": 2}\n', "expected an integer"),
+        (
+            '{"timestamp": 9, "input_length": 1, "output_length": 2}\n'
+            '{"timestamp": 3, "input_length": 1, "output_length": 2}\n',
+            "line 2 field 'timestamp'",
+        ),
+        ("not json\n", "line 1: invalid JSON"),
+    ],
+)
+def test_malformed_mooncake_names_file_line_and_field(tmp_path, text, where):
+    p = write(tmp_path, "bad.jsonl", text)
+    with pytest.raises(TraceError) as info:
+        t.load_mooncake(p)
+    assert str(p) in str(info.value) and where in str(info.value)
+
+
+def test_unsorted_timestamps_can_be_sorted(tmp_path):
+    p = write(
+        tmp_path,
+        "u.jsonl",
+        '{"timestamp": 9, "input_length": 1, "output_length": 2}\n'
+        '{"timestamp": 3, "input_length": 5, "output_length": 2}\n',
+    )
+    w = t.load_mooncake(p, sort=True)
+    assert [r.input_tokens for r in w.requests] == [5, 1]
+
+
+def test_azure_and_request_csv(tmp_path):
+    a = write(
+        tmp_path,
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,4808,10\n2023-11-16 18:17:04.0319600,3180,8\n",
+    )
+    w = t.load(a)
+    assert [r.arrival_ns for r in w.requests] == [0, 52_000_000]
+    v = write(
+        tmp_path, "v.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,10,2\n1.25,20,3\n"
+    )
+    w = t.load(v)
+    assert [r.arrival_ns for r in w.requests] == [0, 750_000_000]
+    bad = write(tmp_path, "b.csv", "arrived_at,num_prefill_tokens\n0,1\n")
+    with pytest.raises(TraceError, match="field 'num_decode_tokens': missing column"):
+        t.load_request_csv(bad)
+
+
+def test_lengths_with_arrivals_and_explicit_drops(tmp_path):
+    p = write(tmp_path, "l.csv", "in,out\n10,5\n0,3\n7,2\n")
+    with pytest.raises(TraceError, match="line 3 field 'in'"):
+        t.load_lengths(
+            p, input_column="in", output_column="out", rng=np.random.default_rng(0), rate_per_s=10
+        )
+    w = t.load_lengths(
+        p,
+        input_column="in",
+        output_column="out",
+        rng=np.random.default_rng(0),
+        rate_per_s=10,
+        invalid="drop",
+    )
+    assert len(w) == 2 and w.dropped[0][0] == 3  # nothing disappears silently
+    assert w.requests[0].arrival_ns == 0 < w.requests[1].arrival_ns
+
+
+def test_generic_mapping_csv_and_jsonl(tmp_path):
+    c = write(tmp_path, "g.csv", "t_ms,p,d\n0,11,4\n2,12,5\n")
+    w = t.load_generic(
+        c, mapping={"arrival": "t_ms", "input": "p", "output": "d"}, time_unit_ns=1_000_000
+    )
+    assert [r.arrival_ns for r in w.requests] == [0, 2_000_000]
+    j = write(tmp_path, "g.jsonl", json.dumps({"at": 1, "i": 3, "o": 4, "h": [7]}) + "\n")
+    w = t.load_generic(j, mapping={"arrival": "at", "input": "i", "output": "o", "hashes": "h"})
+    assert w.requests[0].prefix_hashes == (7,)
+    with pytest.raises(TraceError, match="line 1 field 'o': missing"):
+        t.load_generic(
+            write(tmp_path, "x.jsonl", '{"at": 1, "i": 3}\n'),
+            mapping={"arrival": "at", "input": "i", "output": "o"},
+        )
+
+
+def test_generators_rate_scale_and_limit():
+    w = t.fixed(2048, 2048, n=4, rate_per_s=2)
+    assert [r.arrival_ns for r in w.requests] == [0, 500_000_000, 1_000_000_000, 1_500_000_000]
+    assert [r.arrival_ns for r in w.scaled(2).requests][-1] == 750_000_000
+    assert len(w.limited(2)) == 2
+    rng = np.random.default_rng(0)
+    s = t.synthetic(rng, 20_000, rate_per_s=100, cv=1.0, input_mean=1000, output_mean=100)
+    gaps = np.diff([r.arrival_ns for r in s.requests])
+    assert np.mean(gaps) == pytest.approx(1e7, rel=0.05)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.05)
+    b = t.synthetic(np.random.default_rng(1), 20_000, rate_per_s=100, cv=3.0)
+    g = np.diff([r.arrival_ns for r in b.requests])
+    assert np.std(g) / np.mean(g) == pytest.approx(3.0, rel=0.1)
+    assert np.mean([r.input_tokens for r in s.requests]) == pytest.approx(1000, rel=0.05)
+
+
+def test_summary_and_outputs(tmp_path):
+    recs = [
+        t.RequestRecord(
+            0,
+            0,
+            100,
+            11,
+            first_token_ns=500_000_000,
+            finish_ns=800_000_000,
+            token_ns=[500_000_000 + 30_000_000 * i for i in range(1, 11)],
+        ),
+        t.RequestRecord(
+            1, 100_000_000, 100, 5, first_token_ns=2_600_000_000, finish_ns=2_800_000_000
+        ),
+        t.RequestRecord(2, 0, 10, 3, outcome="failed", reason="kv capacity"),
+    ]
+    t.check_complete(recs, 3)
+    with pytest.raises(AssertionError):
+        t.check_complete(recs[:2], 3)
+    s = t.summarize(recs, chips=2)
+    assert s.completed == 2 and s.failures == {"kv capacity": 1}
+    assert s.ttft_ms.p50 == pytest.approx(1500)
+    assert s.tpot_ms.mean == pytest.approx((30 + 50) / 2)
+    assert s.itl_ms.mean == pytest.approx(30)
+    assert s.goodput == pytest.approx(1 / 3)  # only request 0 meets TTFT < 2 s, TPOT < 35 ms
+    t.write(tmp_path / "out", recs, s, csv=True)
+    lines = (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["reason"] == "kv capacity"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["completed"] == 2
+    assert (tmp_path / "out" / "requests.csv").read_text().count("\n") == 4
+
+
+@needs_data
+def test_real_traces_load():
+    m = t.load(DATA / "mooncake" / "conversation_trace.jsonl")
+    a = t.load(DATA / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv")
+    assert len(m) == 12_031 and len(a) == 8_819
+    assert all(r.prefix_hashes for r in m.requests[:100])
+    v = t.load_lengths(
+        DATA / "vidur_processed" / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+        input_column="num_prefill_tokens",
+        output_column="num_decode_tokens",
+        rng=np.random.default_rng(0),
+        rate_per_s=2,
+    )
+    assert len(v) == 28_257
