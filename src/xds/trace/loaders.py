@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def _finish(
 ) -> Workload:
     """Order by arrival (or check the order), rebase arrivals to 0, number the requests."""
     if not sort:
-        for (a, *_), (b, *rest) in zip(rows, rows[1:], strict=False):
+        for (a, *_), (b, *rest) in itertools.pairwise(rows):
             if b < a:
                 raise TraceError(
                     "timestamps go backwards (pass sort=True to sort them)",
