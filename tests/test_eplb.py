@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import numpy as np
 import pytest
@@ -179,3 +181,28 @@ def test_collector_counts_every_routed_pair_and_reports_once_per_window():
     assert (total.sum(axis=1) == 3 * (5 * 2 - 1)).all()  # B*k minus masked slots
     assert len(col.reports) == 1 and col.close_window().sum() == 0
     assert col.report_cost_ns(xds.hw.CloudMatrix384(servers=1)) > 0
+
+
+def test_reconfiguration_rejects_slot_conflicts_and_serialises():
+    from xds.serve.eplb import Plan
+
+    table = MappingTable([[0, 1, 2]])
+    clash = Plan(np.array([2, 2, 1]), [[0, 3], [1, 3], [2]])
+
+    async def main() -> None:
+        with pytest.raises(ConfigError, match="both placed there"):
+            await table.reconfigure([clash], prefetch_ns=0, load_ns=10)
+        a = Plan(np.array([2, 1, 1]), [[0, 3], [1], [2]])
+        b = Plan(np.array([1, 2, 1]), [[0], [1, 3], [2]])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(table.reconfigure, [a], prefetch_ns=0, load_ns=100))
+            tg.start_soon(functools.partial(table.reconfigure, [b], prefetch_ns=0, load_ns=100))
+            for _ in range(40):  # passes while both reconfigurations are in flight
+                table.check_pass(table.current)
+                await xds.sleep_ns(10)
+        assert table.current.dies_of(0, 1) == (1, 3) and table.current.dies_of(0, 0) == (0,)
+
+    async def runner() -> None:
+        await main()
+
+    xds.run(runner)

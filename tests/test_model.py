@@ -104,3 +104,10 @@ def test_graph_mode_pays_one_launch_and_eager_mode_idles_on_short_operators():
     assert CM.graph_time_ns(ks) == 700_000 + sum(k.time_ns for k in ks)
     eager = CM.eager_time_ns(ks)
     assert eager >= 10 * 30_000  # the device idles waiting for host dispatch
+
+
+def test_non_mla_models_are_refused_clearly():
+    from xds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="MLA attention only"):
+        CostModel(QWEN3_235B, ASCEND_910C_DIE)

@@ -60,7 +60,7 @@ def test_router_never_picks_a_full_dp_and_returns_to_baseline(n_dp, limit, ops):
     for r in active:
         router.finished(r)
     for r in pending:
-        router.finished(r, admitted=False)
+        router.finished(r)
     assert all(d.active == d.pending == d.kv_reserved_blocks == 0 for d in router.dps)
 
 
@@ -79,6 +79,11 @@ def test_router_errors():
         router.route("a", 10)
     with pytest.raises(ConfigError, match="not routed"):
         router.finished("zzz")
+    router.admitted("a")
+    with pytest.raises(ConfigError, match="already admitted"):
+        router.admitted("a")
+    router.finished("a")
+    assert router.dps[0].active == router.dps[0].pending == 0
 
 
 # -- KV blocks ---------------------------------------------------------------------------------

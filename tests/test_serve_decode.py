@@ -111,3 +111,37 @@ def test_too_many_requests_is_a_clear_error():
             await inst.serve(SMALL.dies * SMALL.batch_per_die + 1)
 
     xds.run(main)
+
+
+def test_bad_decode_configs_are_clear_errors():
+    from xds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="input_tokens"):
+        DecodeConfig(input_tokens=-5)
+    with pytest.raises(ConfigError, match="shared_expert_dies"):
+        DecodeConfig(dies=16, shared_expert_dies=32)
+    with pytest.raises(ConfigError, match="MLA models only"):
+        DecodeConfig(model="qwen3-235b")
+
+    async def main():
+        tight = DecodeConfig(
+            dies=4,
+            batch_per_die=6,
+            input_tokens=256,
+            output_tokens=48,
+            shared_expert_dies=0,
+            kv_blocks_per_die=5,
+        )
+        with pytest.raises(ConfigError, match="KV blocks"):
+            await DecodeInstance(tight, COMM, COMM_MTP).serve(24)
+
+    xds.run(main)
+
+
+def test_mtp_passes_scale_with_draft_depth():
+    base = {f: getattr(SMALL, f) for f in SMALL.__struct_fields__}
+    one = DecodeConfig(**{**base, "mtp": MTPConfig(k=1)})
+    two = DecodeConfig(**{**base, "mtp": MTPConfig(k=2, acceptance=(0.9, 0.4))})
+    _, a = run(one, iterations=5)
+    _, b = run(two, iterations=5)
+    assert b.breakdown.launch == 3 * a.breakdown.launch // 2  # one graph per MTP forward

@@ -180,3 +180,23 @@ def test_real_traces_load():
         rate_per_s=2,
     )
     assert len(v) == 28_257
+
+
+def test_generic_csv_hashes_and_physical_line_numbers(tmp_path):
+    c = write(tmp_path, "h.csv", "t,i,o,h\n0,5,2,12 7\n\n1,x,2,3\n")
+    with pytest.raises(TraceError, match="line 4 field 'i'"):
+        t.load_generic(c, mapping={"arrival": "t", "input": "i", "output": "o", "hashes": "h"})
+    ok = write(tmp_path, "ok.csv", "t,i,o,h\n0,5,2,12 7\n")
+    w = t.load_generic(ok, mapping={"arrival": "t", "input": "i", "output": "o", "hashes": "h"})
+    assert w.requests[0].prefix_hashes == (12, 7)
+    m = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 1, "input_length": 2, "output_length": 2, "hash_ids": ["a"]}\n',
+    )
+    with pytest.raises(TraceError, match="hash_ids"):
+        t.load_mooncake(m)
+    from xds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rate"):
+        t.fixed(10, 10, n=2, rate_per_s=0)

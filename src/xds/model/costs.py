@@ -30,6 +30,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ..errors import ConfigError
 from ..hw import DieSpec
 from .specs import ModelSpec
 
@@ -80,6 +81,12 @@ class CostModel:
         precision: Precision | None = None,
         efficiency: KernelEfficiency | None = None,
     ):
+        if model.attention != "mla":
+            raise ConfigError(
+                f"{model.name}: the kernel cost model covers MLA attention only "
+                f"({model.attention} is not modelled yet)",
+                field="model",
+            )
         self.model = model
         self.die = die
         self.precision = precision or Precision()

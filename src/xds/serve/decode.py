@@ -59,6 +59,29 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_per_die: int = 0
     """0: derived from HBM left after the weights held by a die."""
 
+    def __post_init__(self) -> None:
+        checks = [
+            ("dies", self.dies >= 1),
+            ("batch_per_die", self.batch_per_die >= 1),
+            ("input_tokens", self.input_tokens >= 1),
+            ("output_tokens", self.output_tokens >= 1),
+            ("shared_expert_dies", 0 <= self.shared_expert_dies < self.dies),
+            ("scheduler_gap_ns", self.scheduler_gap_ns >= 0),
+            ("block_tokens", self.block_tokens >= 1),
+            ("kv_blocks_per_die", self.kv_blocks_per_die >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ConfigError(f"invalid value {getattr(self, name)!r}", field=name)
+        if self.model not in MODELS:
+            raise ConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
+            )
+        if MODELS[self.model].attention != "mla":
+            raise ConfigError(
+                f"{self.model}: the decode cost model covers MLA models only", field="model"
+            )
+
     @property
     def spec(self):
         if self.model not in MODELS:
@@ -174,15 +197,23 @@ class DecodeModel:
     def head_ns(self, tokens: float) -> tuple[int, int]:
         return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
 
-    def expert_load(self, gen: np.random.Generator, tokens_total: int) -> float:
-        """Tokens on the busiest expert die of one MoE layer: routed copies spread over the
-        routed experts (multinomial, uniform gating), the shared expert over its instances."""
+    def layer_expert_ns(self, gen: np.random.Generator, tokens_total: int) -> int:
+        """Expert time of the busiest die in one MoE layer: routed copies spread over the
+        routed experts (multinomial, uniform gating), experts placed contiguously on the
+        routed dies (each expert on a die costs its own weight read), the shared expert
+        split over its instances on the last dies."""
         cfg, m = self.config, self.model
         routed = gen.multinomial(
             tokens_total * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
         )
-        shared = tokens_total / max(1, cfg.shared_expert_dies) if cfg.shared_expert_dies else 0
-        return float(max(routed.max(), shared))
+        routed_dies = cfg.dies - cfg.shared_expert_dies
+        die_of = np.arange(m.routed_experts) * routed_dies // m.routed_experts
+        per_expert = np.array([self.expert_ns(float(t)) for t in routed])
+        die_ns = np.bincount(die_of, weights=per_expert, minlength=routed_dies)
+        busiest = float(die_ns.max())
+        if cfg.shared_expert_dies:
+            busiest = max(busiest, self.expert_ns(tokens_total / cfg.shared_expert_dies))
+        return round(busiest)
 
     def draw_experts(
         self, seqs: np.ndarray, gen: np.random.Generator
@@ -194,14 +225,14 @@ class DecodeModel:
         k = self.config.mtp.k
         moe_layers = m.layers - m.dense_layers
         if self.routed_die_share is not None:  # a fixed placement on a measured load
-            mtp = [self.expert_ns(self.busiest_die(total, moe_layers // 2))]
+            mtp = [self.expert_ns(self.busiest_die(total, moe_layers // 2)) for _ in range(k)]
             main = [
                 self.expert_ns(self.busiest_die(total * (1 + k), layer))
                 for layer in range(moe_layers)
             ]
             return mtp, main
-        mtp = [self.expert_ns(self.expert_load(gen, total))]
-        main = [self.expert_ns(self.expert_load(gen, total * (1 + k))) for _ in range(moe_layers)]
+        mtp = [self.layer_expert_ns(gen, total) for _ in range(k)]
+        main = [self.layer_expert_ns(gen, total * (1 + k)) for _ in range(moe_layers)]
         return mtp, main
 
     def busiest_die(self, tokens: int, layer: int) -> float:
@@ -234,16 +265,19 @@ class DecodeModel:
         eff = self.config.efficiency
         k = self.config.mtp.k
         bd = Breakdown()
-        mtp = self._pass(
-            seqs,
-            context,
-            1.0,
-            1,
-            jitter=np.zeros_like(jitter_ns),
-            bd=bd,
-            experts=mtp_experts,
-            comm=self.comm_mtp,
-        )
+        t = 0
+        for draft in range(k):  # each draft depth is its own sequential MTP forward
+            mtp = self._pass(
+                seqs,
+                context,
+                1.0,
+                1,
+                jitter=np.zeros_like(jitter_ns),
+                bd=bd,
+                experts=[mtp_experts[draft]],
+                comm=self.comm_mtp,
+            )
+            t += mtp.time_ns + eff.graph_launch_ns
         main = self._pass(
             seqs,
             context,
@@ -255,8 +289,8 @@ class DecodeModel:
             dense=m.dense_layers,
             comm=self.comm,
         )
-        t = mtp.time_ns + main.time_ns + 2 * eff.graph_launch_ns
-        bd.launch += 2 * eff.graph_launch_ns
+        t += main.time_ns + eff.graph_launch_ns
+        bd.launch += (k + 1) * eff.graph_launch_ns
         return IterationOutcome(t, bd, main.first_dispatch_ns)
 
     def _pass(
@@ -363,7 +397,7 @@ def measure_comm(
             idx = (
                 np.stack(
                     [
-                        pick.choice(m.routed_experts, m.top_k, replace=False)
+                        pick.choice(m.routed_experts, m.top_k, replace=False, p=popularity)
                         for _ in range(tokens_per_die)
                     ]
                 )
@@ -403,6 +437,8 @@ class DecodeResult(msgspec.Struct):
     mean_tokens_per_step: float
     breakdown: Breakdown
     first_dispatch_max_over_min: float
+    """The largest, over iterations, of max/min over dies of the first dispatch's duration
+    (the paper's "up to 10x")."""
     iteration_ns: list[int]
 
 
@@ -461,6 +497,13 @@ class DecodeInstance:
         admit its share (all prefills done before decode starts, SPEC 12.2), then decode."""
         cfg = self.config
         n = cfg.dies
+        need = self.kv[0].blocks_for(cfg.input_tokens + cfg.output_tokens) * cfg.batch_per_die
+        if need > self.kv[0].capacity:
+            raise ConfigError(
+                f"a DP's {cfg.batch_per_die} sequences of {cfg.input_tokens + cfg.output_tokens}"
+                f" tokens need {need} KV blocks; a die has {self.kv[0].capacity}",
+                field="batch_per_die",
+            )
         if n_requests > n * cfg.batch_per_die:
             raise ConfigError(
                 f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "
@@ -581,7 +624,7 @@ class DecodeInstance:
             mean_iteration_ns=float(np.mean(iteration_ns)) if iteration_ns else 0.0,
             mean_tokens_per_step=steps / max(1, len(iteration_ns)),
             breakdown=bd,
-            first_dispatch_max_over_min=float(np.mean(ratios)) if ratios else 0.0,
+            first_dispatch_max_over_min=float(np.max(ratios)) if ratios else 0.0,
             iteration_ns=iteration_ns,
         )
 
@@ -605,10 +648,9 @@ class DecodeInstance:
         async def die(r: int) -> None:
             assert barrier is not None
             s = int(seqs[r])
-            for tps, dense, jit, experts, comm in (
-                (1.0, 0, 0, mtp_experts, dm.comm_mtp),
-                (1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm),
-            ):
+            passes = [(1.0, 0, 0, [e], dm.comm_mtp) for e in mtp_experts]
+            passes.append((1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm))
+            for tps, dense, jit, experts, comm in passes:
                 attn, other, gate = dm.attention_part(s, tps, int(ctx[r]))
                 dmlp = dm.dense_mlp_ns(float(s) * tps)
                 await sleep_ns(eff.graph_launch_ns)

@@ -63,6 +63,8 @@ class KVBlockManager:
         """Hold blocks for ``tokens`` tokens of a new request (raises if they do not fit)."""
         if request in self._held:
             raise ConfigError(f"request {request!r} already holds KV blocks", field="request")
+        if tokens < 0:
+            raise ConfigError(f"tokens must be >= 0, got {tokens}", field="tokens")
         need = self.blocks_for(tokens)
         if need > self.free:
             raise ConfigError(
@@ -74,6 +76,8 @@ class KVBlockManager:
 
     def extend(self, request: object, new_tokens: int) -> bool:
         """Append ``new_tokens`` tokens; False (nothing changed) if a needed block is not free."""
+        if new_tokens < 0:
+            raise ConfigError(f"new_tokens must be >= 0, got {new_tokens}", field="new_tokens")
         tokens = self._tokens[request] + new_tokens
         need = self.blocks_for(tokens) - self._held[request]
         if need > self.free:

@@ -46,6 +46,7 @@ class DecodeRouter:
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
         self._reservations: dict[object, tuple[int, int]] = {}  # request -> (dp, blocks)
+        self._admitted: set[object] = set()
 
     def reservation_blocks(self, max_output_tokens: int) -> int:
         """ESTIMATE_OUTPUT_KV: blocks for the request's longest output (A25)."""
@@ -74,15 +75,20 @@ class DecodeRouter:
     def admitted(self, request: object) -> None:
         """The DP started serving the request: pending -> active."""
         dp_index, _ = self._reservation(request)
+        if request in self._admitted:
+            raise ConfigError(f"request {request!r} was already admitted", field="request")
+        self._admitted.add(request)
         dp = self.dps[dp_index]
         dp.pending -= 1
         dp.active += 1
 
-    def finished(self, request: object, *, admitted: bool = True) -> None:
-        """The request completed or failed: counts and reservation return to baseline."""
+    def finished(self, request: object) -> None:
+        """The request completed or failed (admitted or still pending): counts and its
+        reservation return to baseline."""
         dp_index, reserve = self._reservations.pop(self._key(request))
         dp = self.dps[dp_index]
-        if admitted:
+        if request in self._admitted:
+            self._admitted.discard(request)
             dp.active -= 1
         else:
             dp.pending -= 1

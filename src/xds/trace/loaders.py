@@ -99,8 +99,12 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
                 obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
             )
             hashes = obj.get("hash_ids", [])
-            if not isinstance(hashes, list):
-                raise TraceError("expected a list", path=str(p), line=line_no, field="hash_ids")
+            if not isinstance(hashes, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in hashes
+            ):
+                raise TraceError(
+                    "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
+                )
             rows.append((ts * 1_000_000, x, y, tuple(int(h) for h in hashes), line_no))
     return _finish(rows, str(p), sort)
 
@@ -117,7 +121,8 @@ def _csv_rows(p: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str
                     line=1,
                     field=col,
                 )
-        for line_no, row in enumerate(reader, start=2):
+        for row in reader:
+            line_no = reader.line_num  # the physical line (blank lines are skipped)
             if None in row or any(v is None for v in row.values()):
                 raise TraceError("wrong number of fields", path=str(p), line=line_no)
             yield line_no, row
@@ -286,7 +291,15 @@ def load_generic(
         )
         hashes: tuple[int, ...] = ()
         if "hashes" in mapping and mapping["hashes"] in row:
-            hashes = tuple(int(h) for h in row[mapping["hashes"]])
+            raw = row[mapping["hashes"]]
+            try:
+                if isinstance(raw, str):  # CSV: space- or semicolon-separated integers
+                    raw = raw.replace(";", " ").split()
+                hashes = tuple(int(h) for h in raw)
+            except (TypeError, ValueError):
+                raise TraceError(
+                    "expected integers", path=str(p), line=line_no, field=mapping["hashes"]
+                ) from None
         rows.append((arrival, x, y, hashes, line_no))
     return _finish(rows, str(p), sort)
 

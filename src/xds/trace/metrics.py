@@ -9,6 +9,7 @@ and TPOT < 35 ms, P126) and queueing / KV-transfer times.
 
 from __future__ import annotations
 
+import csv as csv_module
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -165,7 +166,8 @@ def write(
             "queue_ns",
             "kv_transfer_ns",
         ]
-        with (out / "requests.csv").open("w") as f:
-            f.write(",".join(cols) + "\n")
+        with (out / "requests.csv").open("w", newline="") as f:
+            writer = csv_module.writer(f)
+            writer.writerow(cols)
             for r in sorted(records, key=lambda r: r.request_id):
-                f.write(",".join(str(getattr(r, c)) for c in cols) + "\n")
+                writer.writerow([getattr(r, c) for c in cols])

@@ -88,6 +88,8 @@ def fixed(
 ) -> Workload:
     """``n`` identical requests, all at time 0 or evenly spaced at ``rate_per_s``."""
     _check_counts(n, input_tokens, output_tokens)
+    if rate_per_s is not None and rate_per_s <= 0:
+        raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
     gap = 0 if rate_per_s is None else round(S / rate_per_s)
     return _build(
         [i * gap for i in range(n)],

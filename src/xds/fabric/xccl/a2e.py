@@ -249,9 +249,17 @@ class AEGroup:
             w = np.concatenate([w, np.ones((w.shape[0], 1), np.float32)], axis=1)
         outs = np.zeros((handle.n_tokens, self.width, cfg.hidden), np.float32)
         seen = np.zeros((handle.n_tokens, self.width), bool)
+        if w.shape != (handle.n_tokens, self.width):
+            raise ConfigError(
+                f"weights must have shape ({handle.n_tokens}, {cfg.top_k})", field="weights"
+            )
         for block in got.values():
             vals, side = self._decode(block, cfg.e2a_dtype)
             t, k = side["token"].astype(np.int64), side["k"].astype(np.int64)
+            if seen[t, k].any() or len(set(zip(t.tolist(), k.tolist(), strict=True))) < len(t):
+                from ...errors import ProtocolError
+
+                raise ProtocolError(f"E2A at attention die {handle.att}: a copy arrived twice")
             seen[t, k] = True
             outs[t, k] = vals
         expected = handle.dest_die >= 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import ConfigError
 from ...hw import CloudMatrix384
 from ...units import S
 
@@ -23,7 +24,13 @@ class LoadCollector:
 
     def record(self, dp: int, layer: int, topk_idx: np.ndarray) -> None:
         """The Collect kernel: count one pass's routed (token, expert) pairs."""
-        ids = topk_idx[topk_idx >= 0]
+        ids = np.asarray(topk_idx)[np.asarray(topk_idx) >= 0]
+        if ids.size and ids.max() >= self.experts:
+            raise ConfigError(
+                f"expert id {int(ids.max())} out of range 0..{self.experts - 1}", field="topk_idx"
+            )
+        if not (0 <= dp < self.n_dp and 0 <= layer < self.layers):
+            raise ConfigError(f"dp {dp} / layer {layer} out of range", field="dp")
         self._dp_counts[dp, layer] += np.bincount(ids, minlength=self.experts)
 
     def report_cost_ns(self, pod: CloudMatrix384) -> int:
@@ -31,8 +38,13 @@ class LoadCollector:
         link = pod.config.vpc
         return link.latency_ns + round(self.layers * self.experts * 4 / link.bandwidth * 1e9)
 
+    def window_due(self, now_ns: int, last_report_ns: int) -> bool:
+        """Whether the reporting window that started at ``last_report_ns`` has ended."""
+        return now_ns - last_report_ns >= self.window_ns
+
     def close_window(self) -> np.ndarray:
-        """Every DP reports; the TE-shell sums them (one report per DP per window)."""
+        """Every DP reports; the TE-shell sums them (one report per DP per window; the caller
+        decides when, e.g. with :meth:`window_due`)."""
         total = self._dp_counts.sum(axis=0)
         self.reports.append(total)
         self._dp_counts[:] = 0

@@ -27,9 +27,22 @@ class PolicyScore(msgspec.Struct):
     replicas_used: int
 
 
-def plan_layers(policy: Policy, fit: np.ndarray, layout: Layout, budget: int) -> list[Plan]:
-    """One plan per MoE layer from ``fit[t, l, e]``."""
-    return [policy.plan(fit[:, layer].T, layout, budget) for layer in range(fit.shape[1])]
+def plan_layers(
+    policy: Policy, fit: np.ndarray, layout: Layout, budget: int, shared_dies: int = 0
+) -> list[Plan]:
+    """One plan per MoE layer from ``fit[t, l, e]``. The last ``shared_dies`` dies carry a
+    shared-expert instance: a load equal to the mean routed expert's (every token visits one
+    of them), which placement takes into account."""
+    plans = []
+    for layer in range(fit.shape[1]):
+        counts = fit[:, layer].T
+        lay = layout
+        if shared_dies:
+            base = np.zeros(layout.n_dies)
+            base[layout.n_dies - shared_dies :] = counts.sum() / counts.shape[0]
+            lay = msgspec.structs.replace(layout, base_load=base)
+        plans.append(policy.plan(counts, lay, budget))
+    return plans
 
 
 def die_shares(plans: list[Plan], evaluation: np.ndarray, n_dies: int) -> np.ndarray:
@@ -50,7 +63,7 @@ def score(
     budget: int,
     config: DecodeConfig,
 ) -> tuple[PolicyScore, list[Plan]]:
-    plans = plan_layers(policy, fit, layout, budget)
+    plans = plan_layers(policy, fit, layout, budget, config.shared_expert_dies)
     load = evaluation.sum(axis=0)
     bal = [balancedness(p, load[layer], layout.n_dies) for layer, p in enumerate(plans)]
     model = DecodeModel(config, comm=None)  # type: ignore[arg-type]

@@ -50,6 +50,8 @@ class Layout(msgspec.Struct, frozen=True):
     primary_die: np.ndarray  # [E]: the die holding each logical expert's primary
     n_dies: int
     spare_slots: int
+    base_load: np.ndarray | None = None
+    """Load a die carries besides routed experts (e.g. a shared-expert instance), [n_dies]."""
 
     @classmethod
     def one_expert_per_die(cls, n_experts: int, n_dies: int, spare_slots: int = 1) -> Layout:
@@ -69,12 +71,17 @@ class Policy(Protocol):
 
 def _place(order: list[int], copies: np.ndarray, load: np.ndarray, layout: Layout) -> Plan:
     """Largest first onto the least-loaded die with a free slot (no two replicas of one
-    expert on a die); ties to the lowest die."""
+    expert on a die); ties to the lowest die. A die starts with the summed load of its
+    primary expert plus its base load (A26)."""
     e_count = len(copies)
     replica_dies = [[int(layout.primary_die[e])] for e in range(e_count)]
-    die_load = np.zeros(layout.n_dies)
+    die_load = (
+        np.zeros(layout.n_dies)
+        if layout.base_load is None
+        else np.asarray(layout.base_load, dtype=np.float64).copy()
+    )
     for e in range(e_count):
-        die_load[layout.primary_die[e]] += load[e] / copies[e]
+        die_load[layout.primary_die[e]] += load[e]
     free = np.full(layout.n_dies, layout.spare_slots)
     for e in order:
         ok = free > 0
@@ -119,24 +126,25 @@ class XdsGreedy:
         max_copies = 1 + min(layout.spare_slots * layout.n_dies, layout.n_dies - 1)
         chosen: list[int] = []
         for _ in range(budget):
-            per_replica = counts / copies[:, None]
-            current = per_replica.max(axis=0).sum()
-            candidates = sorted(set(int(i) for i in per_replica.argmax(axis=0)))
-            best, best_score = -1, current
+            per_replica = counts / copies[:, None]  # always from the original counts (A12)
+            hottest = per_replica.max(axis=0)
+            # every expert that is the hottest in some slice (ties included)
+            candidates = sorted({int(e) for e in np.nonzero(per_replica == hottest)[0]})
+            best, best_score = -1, np.inf
             for c in candidates:
                 if copies[c] + 1 > max_copies:
                     continue
                 trial = per_replica.copy()
                 trial[c] = counts[c] / (copies[c] + 1)
                 score = trial.max(axis=0).sum()
-                if score < best_score or (score == best_score and best >= 0 and c < best):
+                if score < best_score:  # ties go to the lower expert id (sorted order)
                     best, best_score = c, score
             if best < 0:
-                break  # no replica lowers the sum of per-slice maxima
+                break  # no feasible candidate
             copies[best] += 1
             chosen.append(best)
         total = counts.sum(axis=1)
-        order = sorted(chosen, key=lambda e: (-total[e] / copies[e], e))
+        order = sorted(chosen, key=lambda e: (-total[e], e))  # by total load (SPEC 7.3)
         return _place(order, copies, total, layout)
 
 
@@ -158,7 +166,7 @@ class DeepSeekEPLB:
                 break
             copies[e] += 1
             chosen.append(e)
-        order = sorted(chosen, key=lambda e: (-w[e] / copies[e], e))
+        order = sorted(chosen, key=lambda e: (-w[e] / copies[e], e))  # per-replica load
         return _place(order, copies, w, layout)
 
 

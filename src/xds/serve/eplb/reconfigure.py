@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import anyio
 import msgspec
 
 from ...errors import ConfigError
@@ -48,6 +49,7 @@ class MappingTable:
         # (layer, die) -> (expert or -1, state) of the die's redundant slot
         self.slots: dict[tuple[int, int], tuple[int, SlotState]] = {}
         self.history: list[Mapping] = [self._current]
+        self._lock = anyio.Lock()  # one reconfiguration at a time
 
     @property
     def current(self) -> Mapping:
@@ -88,7 +90,19 @@ class MappingTable:
                         f"layer {layer} expert {e}: primaries do not move", field="plans"
                     )
                 for d in dies[1:]:
+                    if (layer, d) in target:
+                        raise ConfigError(
+                            f"layer {layer} die {d}: one redundant slot, but experts "
+                            f"{target[(layer, d)]} and {e} both placed there",
+                            field="plans",
+                        )
                     target[(layer, d)] = e
+        async with self._lock:  # one reconfiguration at a time
+            await self._swap(target, prefetch_ns, load_ns)
+
+    async def _swap(
+        self, target: dict[tuple[int, int], int], prefetch_ns: int, load_ns: int
+    ) -> None:
         changed = sorted(
             key
             for key in set(target) | set(self.slots)
