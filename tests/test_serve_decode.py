@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 
@@ -145,3 +146,44 @@ def test_mtp_passes_scale_with_draft_depth():
     _, a = run(one, iterations=5)
     _, b = run(two, iterations=5)
     assert b.breakdown.launch == 3 * a.breakdown.launch // 2  # one graph per MTP forward
+
+
+def test_online_eplb_rebalances_a_skewed_decode_without_stalling_it():
+    from xds.serve.eplb.online import OnlineEPLBConfig
+    from xds.units import MS
+
+    def run_with(policy_name):
+        cfg = DecodeConfig(
+            batch_per_die=4,
+            input_tokens=512,
+            output_tokens=4096,
+            eplb=OnlineEPLBConfig(
+                policy=policy_name, window_ns=300 * MS, prefetch_ns=10 * MS, load_ns=20 * MS
+            ),
+        )
+        comm = CommCosts(8, 80_000, 150_000)
+
+        async def main():
+            inst = DecodeInstance(cfg, comm, comm)
+            checked = []
+
+            async def watchdog():  # forward passes only ever see enabled replicas
+                while inst.eplb.table.current.version < 6:
+                    inst.eplb.table.check_pass(inst.eplb.table.current)
+                    checked.append(inst.eplb.table.current.version)
+                    await xds.sleep_ns(5 * MS)
+
+            async with anyio.create_task_group() as tg:
+                if policy_name != "none":
+                    tg.start_soon(watchdog)
+                res = await inst.serve(cfg.dies * cfg.batch_per_die, max_iterations=40)
+                tg.cancel_scope.cancel()
+            return res, inst.eplb, checked
+
+        return xds.run(main, event_log=False)
+
+    base, _, _ = run_with("none")
+    tuned, eplb, checked = run_with("xds-greedy")
+    assert eplb.reconfigurations >= 2 and len(set(checked)) > 2
+    assert np.mean(tuned.iteration_ns[-10:]) < 0.7 * np.mean(base.iteration_ns[-10:])
+    assert np.mean(tuned.iteration_ns[:3]) == pytest.approx(np.mean(base.iteration_ns[:3]))

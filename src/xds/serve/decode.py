@@ -22,6 +22,8 @@ numbers (routing counts, jitter, MTP acceptance) from the same named streams.
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import msgspec
 import numpy as np
@@ -33,6 +35,7 @@ from ..hw import CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
 from ..units import MS
+from .eplb.online import OnlineEPLB, OnlineEPLBConfig
 from .jitter import JitterConfig, sample
 from .kv import KVBlockManager
 from .mtp import MTPConfig, tokens_per_step
@@ -58,6 +61,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_tokens: int = 128
     kv_blocks_per_die: int = 0
     """0: derived from HBM left after the weights held by a die."""
+    eplb: OnlineEPLBConfig | None = None
+    """Skewed, drifting routing with online expert balancing (None: uniform routing)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -147,6 +152,8 @@ class DecodeModel:
         )
         self.comm = comm
         self.comm_mtp = comm_mtp or comm
+        self.online: OnlineEPLB | None = None
+        """Online EPLB: routing drawn from its popularity, loads under its mapping."""
         self.routed_die_share: np.ndarray | None = None
         """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
         placements on skewed routing); None means uniform routing drawn per pass."""
@@ -224,6 +231,11 @@ class DecodeModel:
         total = int(seqs.sum())
         k = self.config.mtp.k
         moe_layers = m.layers - m.dense_layers
+        if self.online is not None:  # skewed routing under the current EPLB mapping
+            busiest = self.online.busiest_die_tokens(total * (1 + k), m.top_k)
+            main = [self.expert_ns(t) for t in busiest]
+            mtp_tokens = float(np.mean(busiest)) / (1 + k)  # the MTP layer: a typical layer
+            return [self.expert_ns(mtp_tokens)] * k, main
         if self.routed_die_share is not None:  # a fixed placement on a measured load
             mtp = [self.expert_ns(self.busiest_die(total, moe_layers // 2)) for _ in range(k)]
             main = [
@@ -458,6 +470,18 @@ class DecodeInstance:
         self.config = config
         self.tier = tier
         self.model = DecodeModel(config, comm, comm_mtp)
+        self.eplb: OnlineEPLB | None = None
+        if config.eplb is not None:
+            m = config.spec
+            self.eplb = OnlineEPLB(
+                config.eplb,
+                layers=m.layers - m.dense_layers,
+                experts=m.routed_experts,
+                dies=config.dies,
+                shared_dies=config.shared_expert_dies,
+                gen=rng("decode/eplb"),
+            )
+            self.model.online = self.eplb
         n = config.dies
         self.router = DecodeRouter(n, config.batch_per_die, block_tokens=config.block_tokens)
         cap = config.kv_blocks_per_die or self._kv_capacity()
@@ -539,6 +563,7 @@ class DecodeInstance:
             for send, _ in inbox:
                 send.close()
             await admitted.wait()
+            self._tg = tg
             try:
                 return await self._decode([send for send, _ in outbox], max_iterations)
             finally:
@@ -615,6 +640,18 @@ class DecodeInstance:
                 if committed[r].any():
                     outbox[r].send_nowait(committed[r].copy())
             self._retire(live)
+            if self.eplb is not None:
+                plans = self.eplb.window_plans(now_ns())
+                if plans is not None:  # rebalance in the background; passes never wait
+                    self.eplb.reconfigurations += 1
+                    self._tg.start_soon(
+                        functools.partial(
+                            self.eplb.table.reconfigure,
+                            plans,
+                            prefetch_ns=cfg.eplb.prefetch_ns,
+                            load_ns=cfg.eplb.load_ns,
+                        )
+                    )
             await sleep_ns(cfg.scheduler_gap_ns + between)
             iteration_ns.append(now_ns() - t_iter)
             it += 1
