@@ -207,6 +207,67 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     return 0 if ok or not strict else 1
 
 
+@app.command()
+@click.option(
+    "--deployment",
+    default="peak-decode",
+    show_default=True,
+    help="A preset name or a .toml/.json file of DecodeConfig fields.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many iterations (default: run every request to the end).",
+)
+@click.option(
+    "--tier",
+    type=click.Choice(["iteration", "layer"]),
+    default="iteration",
+    show_default=True,
+    help="Fidelity tier.",
+)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_json: bool) -> None:
+    """Run a colocated decode deployment and print its serving numbers."""
+    import msgspec
+
+    from xds.reproduce.peak_decode import measure
+    from xds.serve.presets import decode_config
+
+    cfg = decode_config(deployment)
+    res = measure(cfg, iterations=iterations, seed=seed, tier=tier)
+    if as_json:
+        print(msgspec.json.encode(res).decode())
+        return
+    chips = cfg.dies / 2
+    total = res.tokens / (res.elapsed_ns / 1e9)
+    table = Table(
+        title=f"decode: {deployment} ({cfg.dies} dies, batch {cfg.batch_per_die}, {tier} tier)"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("iterations", f"{res.iterations:,}")
+    table.add_row("mean iteration", f"{res.mean_iteration_ns / 1e6:.2f} ms")
+    table.add_row("tokens per step", f"{res.mean_tokens_per_step:.3f}")
+    table.add_row("TPOT", f"{res.mean_iteration_ns / 1e6 / res.mean_tokens_per_step:.2f} ms")
+    table.add_row("tokens/s (total)", f"{total:,.0f}")
+    table.add_row("tokens/s per chip", f"{total / chips:,.1f}")
+    table.add_row("virtual time", fmt_ns(res.elapsed_ns))
+    console.print(table)
+    bd = res.breakdown
+    kernels = Table(title="per-kernel time per iteration")
+    kernels.add_column("kernel")
+    kernels.add_column("ms", justify="right")
+    kernels.add_column("share", justify="right")
+    total_ns = max(bd.total(), 1)
+    for name in bd.__struct_fields__:
+        value = getattr(bd, name)
+        kernels.add_row(name, f"{value / res.iterations / 1e6:.2f}", f"{value / total_ns:.1%}")
+    console.print(kernels)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = sys.argv[1:] if argv is None else argv

@@ -37,7 +37,7 @@ from .specs import ModelSpec
 Engine = Literal["cube_int8", "cube_bf16", "vector"]
 
 
-class KernelEfficiency(msgspec.Struct, frozen=True, kw_only=True):
+class KernelEfficiency(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     attention_compute: Annotated[float, Meta(gt=0, le=1)] = 0.654
     attention_memory: Annotated[float, Meta(gt=0, le=1)] = 0.841
     gemm_compute: Annotated[float, Meta(gt=0, le=1)] = 0.80
@@ -48,7 +48,7 @@ class KernelEfficiency(msgspec.Struct, frozen=True, kw_only=True):
     eager_op_dispatch_ns: Annotated[int, Meta(ge=0)] = 30_000
 
 
-class Precision(msgspec.Struct, frozen=True, kw_only=True):
+class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which components run in INT8 (SPEC 9.2); each switch changes cost only."""
 
     mla_int8: bool = True

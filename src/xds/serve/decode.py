@@ -42,7 +42,7 @@ from .mtp import MTPConfig, tokens_per_step
 from .routing import DecodeRouter
 
 
-class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A colocated decode deployment and its workload (defaults: SPEC 12.2's peak run)."""
 
     model: str = "deepseek-r1"
@@ -66,18 +66,22 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         checks = [
-            ("dies", self.dies >= 1),
-            ("batch_per_die", self.batch_per_die >= 1),
-            ("input_tokens", self.input_tokens >= 1),
-            ("output_tokens", self.output_tokens >= 1),
-            ("shared_expert_dies", 0 <= self.shared_expert_dies < self.dies),
-            ("scheduler_gap_ns", self.scheduler_gap_ns >= 0),
-            ("block_tokens", self.block_tokens >= 1),
-            ("kv_blocks_per_die", self.kv_blocks_per_die >= 0),
+            ("dies", self.dies >= 1, "must be >= 1"),
+            ("batch_per_die", self.batch_per_die >= 1, "must be >= 1"),
+            ("input_tokens", self.input_tokens >= 1, "must be >= 1"),
+            ("output_tokens", self.output_tokens >= 1, "must be >= 1"),
+            (
+                "shared_expert_dies",
+                0 <= self.shared_expert_dies < self.dies,
+                f"must be >= 0 and below dies ({self.dies})",
+            ),
+            ("scheduler_gap_ns", self.scheduler_gap_ns >= 0, "must be >= 0"),
+            ("block_tokens", self.block_tokens >= 1, "must be >= 1"),
+            ("kv_blocks_per_die", self.kv_blocks_per_die >= 0, "must be >= 0"),
         ]
-        for name, ok in checks:
+        for name, ok, rule in checks:
             if not ok:
-                raise ConfigError(f"invalid value {getattr(self, name)!r}", field=name)
+                raise ConfigError(f"{rule}, got {getattr(self, name)!r}", field=name)
         if self.model not in MODELS:
             raise ConfigError(
                 f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"

@@ -26,7 +26,7 @@ from msgspec import Meta
 from ..units import MS, US
 
 
-class JitterConfig(msgspec.Struct, frozen=True, kw_only=True):
+class JitterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     enabled: bool = False
     manual_gc: bool = True
     core_pinning: bool = True

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 
 
-class MTPConfig(msgspec.Struct, frozen=True, kw_only=True):
+class MTPConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     k: int = 1
     """Draft tokens per step (MTP layers)."""
     acceptance: tuple[float, ...] = (0.9,)

@@ -24,7 +24,7 @@ from .reconfigure import MappingTable
 from .routing_model import SIGMA_20_PERCENT_ABOVE_MEAN
 
 
-class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True):
+class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     policy: str = "xds-greedy"
     """A policy name, or "none" to collect and never rebalance (the baseline)."""
     window_ns: Annotated[int, Meta(gt=0)] = 60 * S

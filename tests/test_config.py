@@ -1,0 +1,55 @@
+"""Configs from TOML/JSON files, presets, and the `xds decode` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xds.cli.main import main
+from xds.config import load_config
+from xds.errors import ConfigError
+from xds.serve.decode import DecodeConfig
+from xds.serve.presets import PRESETS, decode_config
+
+
+def test_toml_and_json_configs(tmp_path):
+    t = tmp_path / "d.toml"
+    t.write_text(
+        "dies = 32\nbatch_per_die = 8\nshared_expert_dies = 0\n[mtp]\nk = 2\n"
+        "acceptance = [0.9, 0.4]\n"
+    )
+    cfg = decode_config(str(t))
+    assert cfg.dies == 32 and cfg.mtp.k == 2
+    j = tmp_path / "d.json"
+    j.write_text(json.dumps({"dies": 16, "shared_expert_dies": 0}))
+    assert load_config(j, DecodeConfig).dies == 16
+    assert decode_config("peak-decode") is PRESETS["peak-decode"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("dies = -3\n", "dies: must be >= 1"),
+        ("diez = 3\n", "diez: Object contains unknown field"),
+        ("dies = 32\nshared_expert_dies = 0\n[mtp]\nk = 'two'\n", "mtp.k: Expected `int`"),
+        ("dies = 32\nshared_expert_dies = 40\n", "shared_expert_dies: must be >= 0 and below"),
+        ("dies = [\n", "cannot parse"),
+    ],
+)
+def test_bad_configs_name_the_file_and_field(tmp_path, text, message):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        decode_config(str(p))
+    assert str(p) in str(info.value) and message in str(info.value)
+
+
+def test_decode_command(tmp_path, capsys):
+    p = tmp_path / "small.toml"
+    p.write_text("dies = 16\nbatch_per_die = 4\noutput_tokens = 32\nshared_expert_dies = 0\n")
+    assert main(["decode", "--deployment", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per chip" in out and "per-kernel" in out
+    assert main(["decode", "--deployment", "nowhere"]) == 2
+    assert "unknown deployment" in capsys.readouterr().err
