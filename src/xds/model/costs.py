@@ -123,10 +123,23 @@ class CostModel:
             self._gemm("q_a_proj", tokens, m.hidden, m.q_lora_rank, int8),
             self._gemm("q_b_proj", tokens, m.q_lora_rank, m.heads * qk, int8),
             self._gemm("kv_a_proj", tokens, m.hidden, m.kv_lora_rank + m.qk_rope_head_dim, int8),
-            # absorbed W_UK: per head, the nope query (128) into the latent (512); summed over
-            # heads this has the FLOPs and weight bytes of one (heads*128 x 512) projection
-            self._gemm("q_absorb", tokens, m.heads * m.qk_nope_head_dim, m.kv_lora_rank, False),
+            self._absorb("q_absorb", tokens, m.qk_nope_head_dim, m.kv_lora_rank),
         ]
+
+    def _absorb(self, name: str, tokens: float, d_in: int, d_out: int) -> Kernel:
+        """A per-head batched projection of the absorbed MLA (W_UK into the latent, or the
+        latent out through W_UV): ``heads`` (d_in x d_out) BF16 matrices, activations per head
+        (tokens x heads x d_in in, tokens x heads x d_out out)."""
+        h = self.model.heads
+        weights = h * d_in * d_out * 2
+        act = tokens * h * (d_in + d_out) * 2
+        return self.kernel(name, 2.0 * tokens * h * d_in * d_out, weights + act, "cube_bf16")
+
+    def mtp_projection(self, tokens: float) -> Kernel:
+        """The MTP module's eh_proj: [embedding; hidden] (2H) -> H, BF16 (DeepSeek-V3's MTP
+        module; its norms and embedding lookup are negligible)."""
+        m = self.model
+        return self._gemm("mtp_eh_proj", tokens, 2 * m.hidden, m.hidden, False)
 
     def mla_attention(self, seqs: int, tokens_per_seq: float, context: int) -> Kernel:
         """Attention over ``context`` cached tokens for ``seqs`` sequences, each with
@@ -145,7 +158,7 @@ class CostModel:
     def mla_output(self, tokens: float) -> list[Kernel]:
         m, int8 = self.model, self.precision.mla_int8
         return [
-            self._gemm("v_absorb", tokens, m.kv_lora_rank, m.heads * m.v_head_dim, False),
+            self._absorb("v_absorb", tokens, m.kv_lora_rank, m.v_head_dim),
             self._gemm("o_proj", tokens, m.heads * m.v_head_dim, m.hidden, int8),
         ]
 

@@ -282,6 +282,7 @@ class DecodeModel:
         k = self.config.mtp.k
         bd = Breakdown()
         t = 0
+        proj = self.cost.mtp_projection(float(seqs.max())).time_ns  # the MTP eh_proj
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
@@ -293,7 +294,8 @@ class DecodeModel:
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
             )
-            t += mtp.time_ns + eff.graph_launch_ns
+            t += mtp.time_ns + eff.graph_launch_ns + proj
+            bd.mla_other += proj
         main = self._pass(
             seqs,
             context,
@@ -685,6 +687,7 @@ class DecodeInstance:
         eff = cfg.efficiency
         n = cfg.dies
         mtp_experts, main_experts = dm.draw_experts(seqs, gen)
+        mtp_proj = dm.cost.mtp_projection(float(seqs.max())).time_ns
         first_dispatch = np.zeros(n, dtype=np.int64)
         t0 = now_ns()
 
@@ -696,7 +699,8 @@ class DecodeInstance:
             for tps, dense, jit, experts, comm in passes:
                 attn, other, gate = dm.attention_part(s, tps, int(ctx[r]))
                 dmlp = dm.dense_mlp_ns(float(s) * tps)
-                await sleep_ns(eff.graph_launch_ns)
+                mtp_pass = tps == 1.0 and not dense
+                await sleep_ns(eff.graph_launch_ns + (mtp_proj if mtp_pass else 0))
                 await sleep_ns(dense * (attn + other + dmlp) + attn + other + gate + jit)
                 arrived = now_ns()
                 for layer, expert_ns in enumerate(experts):
