@@ -25,16 +25,20 @@ def main() -> None:
         res = measure(cfg, iterations=args.iterations, tier=tier)
         rows.append((tier, res.mean_iteration_ns / 1e6, res.tokens, time.perf_counter() - wall))
     for tier, ms, tokens, wall in rows:
-        print(f"{tier:9s} first {args.iterations} iterations: {ms:.3f} ms/iteration, "
-              f"{tokens} tokens, {wall:.1f} s wall")
+        print(
+            f"{tier:9s} first {args.iterations} iterations: {ms:.3f} ms/iteration, "
+            f"{tokens} tokens, {wall:.1f} s wall"
+        )
     (_, a, _, _), (_, b, _, _) = rows
     print(f"difference: {abs(a - b) / a:.4%}")
     if args.full:
         wall = time.perf_counter()
         res = measure(cfg)
-        print(f"full run: {res.iterations} iterations, {res.tokens:,} tokens, "
-              f"{res.mean_iteration_ns / 1e6:.2f} ms/iteration, "
-              f"{time.perf_counter() - wall:.1f} s wall")
+        print(
+            f"full run: {res.iterations} iterations, {res.tokens:,} tokens, "
+            f"{res.mean_iteration_ns / 1e6:.2f} ms/iteration, "
+            f"{time.perf_counter() - wall:.1f} s wall"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ def main() -> None:
     parser.add_argument("--policy", default="xds-greedy")
     args = parser.parse_args()
     for name in ("none", args.policy):
-        cfg = DecodeConfig(eplb=OnlineEPLBConfig(policy=name,
-                                                 window_ns=round(args.window_s * S)))
+        cfg = DecodeConfig(eplb=OnlineEPLBConfig(policy=name, window_ns=round(args.window_s * S)))
         comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp.k))
         comm_mtp = measure_comm(cfg, cfg.batch_per_die)
 
@@ -39,9 +38,11 @@ def main() -> None:
         wall = time.perf_counter()
         res, reconfigs = xds.run(run, event_log=False)
         it = np.array(res.iteration_ns) / 1e6
-        print(f"{name:12s} {res.iterations} iterations, mean {it.mean():.1f} ms, first 20 "
-              f"{it[:20].mean():.1f} ms, last 200 {it[-200:].mean():.1f} ms, "
-              f"{reconfigs} reconfigurations, {time.perf_counter() - wall:.1f} s wall")
+        print(
+            f"{name:12s} {res.iterations} iterations, mean {it.mean():.1f} ms, first 20 "
+            f"{it[:20].mean():.1f} ms, last 200 {it[-200:].mean():.1f} ms, "
+            f"{reconfigs} reconfigurations, {time.perf_counter() - wall:.1f} s wall"
+        )
 
 
 if __name__ == "__main__":

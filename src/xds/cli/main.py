@@ -268,6 +268,117 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     console.print(kernels)
 
 
+@app.command()
+@click.argument("trace", required=False)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mooncake", "azure", "request-csv", "lengths"]),
+    default=None,
+    help="Trace format (default: guessed from the first line).",
+)
+@click.option(
+    "--deployment",
+    default="production-4p1d",
+    show_default=True,
+    help="A PD preset name or a .toml/.json file of PDConfig fields.",
+)
+@click.option("--rate-scale", type=float, default=1.0, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="First N requests only.")
+@click.option(
+    "--synthetic",
+    "synthetic_n",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Without TRACE: requests of the built-in SPEC 12.4 workload.",
+)
+@click.option("--rate", type=float, default=2.0, show_default=True, help="Built-in workload req/s.")
+@click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
+@click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def replay(
+    trace: str | None,
+    fmt: str | None,
+    deployment: str,
+    rate_scale: float,
+    limit: int | None,
+    synthetic_n: int,
+    rate: float,
+    out_dir: str | None,
+    as_csv: bool,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Replay a request trace (or the built-in workload) on a PD deployment."""
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from xds.serve.presets import pd_config
+    from xds.serve.replay import replay as run_replay
+    from xds.trace import load, write
+    from xds.trace.production import production_workload
+
+    if rate_scale <= 0:
+        raise click.UsageError("--rate-scale must be positive")
+    cfg = pd_config(deployment)
+    if trace is None:
+        workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed)
+    else:
+        workload = load(trace, fmt)
+    workload = workload.scaled(rate_scale).limited(limit)
+    with Progress(
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("virtual {task.fields[t]}"),
+        disable=as_json or not sys.stderr.isatty(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("replay", total=len(workload), t="0 s")
+
+        def progress(t_ns: int, done: int, total: int) -> None:
+            bar.update(task, completed=done, t=fmt_ns(t_ns))
+
+        result = run_replay(workload, cfg, seed=seed, progress=progress)
+    if out_dir is not None:
+        write(out_dir, result.records, result.summary, csv=as_csv)
+    s = result.summary
+    if as_json:
+        print(msgspec.json.encode(s).decode())
+        return
+    table = Table(title=f"replay: {workload.source} on {deployment} ({result.chips} chips)")
+    table.add_column("metric")
+    for col in ("mean", "p50", "p90", "p99"):
+        table.add_column(col, justify="right")
+    for name, stat, unit in (
+        ("TTFT", s.ttft_ms, "ms"),
+        ("TPOT", s.tpot_ms, "ms"),
+        ("ITL", s.itl_ms, "ms"),
+        ("E2E", s.e2e_s, "s"),
+        ("queueing", s.queue_ms, "ms"),
+        ("KV transfer", s.kv_transfer_ms, "ms"),
+    ):
+        table.add_row(
+            f"{name} ({unit})", *(f"{getattr(stat, q):,.2f}" for q in ("mean", "p50", "p90", "p99"))
+        )
+    console.print(table)
+    totals = Table(show_header=False)
+    totals.add_row("requests", f"{s.requests:,} ({s.completed:,} completed, {s.failed:,} failed)")
+    for reason, n in s.failures.items():
+        totals.add_row("  failed", f"{n:,}: {escape(reason)}")
+    totals.add_row("output tokens/s per chip", f"{s.output_tokens_per_s_per_chip:,.1f}")
+    totals.add_row(
+        f"SLA goodput (TTFT < {s.sla.ttft_ms:g} ms, TPOT < {s.sla.tpot_ms:g} ms)",
+        f"{s.goodput:.1%}",
+    )
+    totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
+    if out_dir is not None:
+        totals.add_row("written to", escape(out_dir))
+    console.print(totals)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = sys.argv[1:] if argv is None else argv

@@ -446,6 +446,32 @@ def measure_comm(
     return run(main, seed=seed, event_log=False)
 
 
+def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
+    """KV blocks of one decode die: HBM left after the weights it holds (attention and dense
+    layers replicated per DP, its routed experts + one redundant slot per MoE layer in INT8,
+    embeddings and LM head in BF16) and the workspace."""
+    from .kv import kv_capacity_blocks
+
+    m = config.spec
+    attn = m.layers * (
+        m.hidden * m.q_lora_rank
+        + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + m.heads * m.v_head_dim * m.hidden
+    )
+    dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
+    routed_dies = max(1, config.dies - config.shared_expert_dies)
+    experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
+    embed = 2 * m.vocab * m.hidden * 2
+    return kv_capacity_blocks(
+        m,
+        pod.die_spec,
+        weight_bytes=attn + dense + experts + embed,
+        block_tokens=config.block_tokens,
+        int8_nope=config.precision.kv_int8_nope,
+    )
+
+
 class DecodeResult(msgspec.Struct):
     iterations: int
     elapsed_ns: int
@@ -499,27 +525,7 @@ class DecodeInstance:
         """Tokens each sequence's output processor delivered to the frontend."""
 
     def _kv_capacity(self) -> int:
-        from .kv import kv_capacity_blocks
-
-        m = self.config.spec
-        # weights a die holds: attention + dense layers replicated per DP, one routed expert +
-        # one redundant slot (INT8), embeddings/LM head in BF16
-        attn = m.layers * (
-            m.hidden * m.q_lora_rank
-            + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-            + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
-            + m.heads * m.v_head_dim * m.hidden
-        )
-        dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
-        experts = 2 * m.moe_layers * m.expert_params
-        embed = 2 * m.vocab * m.hidden * 2
-        return kv_capacity_blocks(
-            m,
-            self.model.pod.die_spec,
-            weight_bytes=attn + dense + experts + embed,
-            block_tokens=self.config.block_tokens,
-            int8_nope=self.config.precision.kv_int8_nope,
-        )
+        return decode_kv_capacity(self.config, self.model.pod)
 
     # -- the TE-shell, DP masters and output processors --
     async def serve(self, n_requests: int, *, max_iterations: int | None = None) -> DecodeResult:

@@ -1,7 +1,7 @@
 """Named deployments of the paper (ARCHITECTURE.md "Configuration").
 
-``peak-decode`` is SPEC 12.2's colocated DP288/EP288 run; more presets (``production-4p1d``,
-``peak-decode-ma``) arrive with their deployments.
+``peak-decode`` is SPEC 12.2's colocated DP288/EP288 run; ``production-4p1d`` is SPEC 12.4's
+PD-disaggregated deployment (for ``xds replay``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,17 @@ from pathlib import Path
 from ..config import load_config
 from ..errors import ConfigError
 from .decode import DecodeConfig
+from .replay import PDConfig
 
 PRESETS: dict[str, DecodeConfig] = {
     "peak-decode": DecodeConfig(),
 }
+
+PD_PRESETS: dict[str, PDConfig] = {
+    "production-4p1d": PDConfig(),
+}
+"""SPEC 12.4: 16 servers; 4 Prefill TEs of 2 servers (DP8/EP32, TP4); 1 Decode TE of 8 servers
+(DP128/EP128)."""
 
 
 def decode_config(name_or_path: str) -> DecodeConfig:
@@ -26,5 +33,18 @@ def decode_config(name_or_path: str) -> DecodeConfig:
     raise ConfigError(
         f"unknown deployment {name_or_path!r}: a preset "
         f"({', '.join(PRESETS)}) or a .toml/.json file",
+        field="deployment",
+    )
+
+
+def pd_config(name_or_path: str) -> PDConfig:
+    """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields."""
+    if name_or_path in PD_PRESETS:
+        return PD_PRESETS[name_or_path]
+    if Path(name_or_path).suffix in (".toml", ".json"):
+        return load_config(name_or_path, PDConfig)
+    raise ConfigError(
+        f"unknown PD deployment {name_or_path!r}: a preset "
+        f"({', '.join(PD_PRESETS)}) or a .toml/.json file",
         field="deployment",
     )

@@ -1,0 +1,224 @@
+"""A Decode TE under continuous arrivals: the PD deployment's decode side (SPEC 6, 10.2).
+
+Unlike :class:`~xds.serve.decode.DecodeInstance` (a fixed batch admitted up front, SPEC 12.2),
+requests arrive one by one from prefill. Each is routed once by the TE-shell
+(:class:`~xds.serve.routing.DecodeRouter`: batch limit, KV load, backpressure while no DP
+qualifies); its DP master reserves the KV blocks of the whole sequence before it submits the
+RECV (a deferred RECV waits for capacity, P101), and the sequence joins the DP's batch when the
+DP dequeues the transfer's completion. The iteration loop runs while any sequence is live: one
+MTP step per iteration on every DP at once (the iteration tier of
+:class:`~xds.serve.decode.DecodeModel`), with dispatch/combine costs interpolated from
+collective-tier measurements at a few tokens-per-die points, since the batch changes all the
+time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import anyio
+import numpy as np
+
+from ..errors import ConfigError
+from ..runtime import emit, now_ns, rng, sleep_ns
+from ..trace.metrics import RequestRecord
+from .decode import CommCosts, DecodeConfig, DecodeModel, decode_kv_capacity, measure_comm
+from .kv import KVBlockManager
+from .mtp import tokens_per_step
+from .routing import BACKPRESSURE, DecodeRouter
+
+
+def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
+    """Dispatch/combine costs at the tokens-per-die points a decode batch can reach."""
+    top = config.batch_per_die * (1 + config.mtp.k)
+    points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
+    return [measure_comm(config, t, seed=seed) for t in points]
+
+
+def interpolate(grid: list[CommCosts], tokens: float) -> CommCosts:
+    """Linear interpolation of the grid at ``tokens`` per die (clamped at its ends)."""
+    xs = [g.tokens_per_die for g in grid]
+    if tokens <= xs[0]:
+        return grid[0]
+    if tokens >= xs[-1]:
+        return grid[-1]
+    i = bisect.bisect_right(xs, tokens)
+    a, b = grid[i - 1], grid[i]
+    w = (tokens - a.tokens_per_die) / (b.tokens_per_die - a.tokens_per_die)
+    return CommCosts(
+        round(tokens),
+        round(a.dispatch_ns + w * (b.dispatch_ns - a.dispatch_ns)),
+        round(a.combine_ns + w * (b.combine_ns - a.combine_ns)),
+    )
+
+
+class _ReplayDecodeModel(DecodeModel):
+    """Expert-compute draws cached per token bucket: a replay runs tens of thousands of
+    iterations at ever-changing batch sizes; one multinomial draw per (bucket, layer kind)
+    keeps the busiest-die statistics while costing nothing per iteration."""
+
+    bucket = 32
+
+    def __init__(self, *args: object, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._draws: dict[int, tuple[list[int], list[int]]] = {}
+        self._gen = rng("decode-te/routing")
+
+    def draw_experts(
+        self, seqs: np.ndarray, gen: np.random.Generator
+    ) -> tuple[list[int], list[int]]:
+        total = int(seqs.sum())
+        key = -(-total // self.bucket) * self.bucket
+        hit = self._draws.get(key)
+        if hit is None:
+            hit = super().draw_experts(np.array([key], dtype=np.int64) if key else seqs, self._gen)
+            self._draws[key] = hit
+        return hit
+
+
+class DecodeTE:
+    """One Decode TE: TE-shell routing, DP masters, and the iteration loop."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        grid: list[CommCosts],
+        *,
+        index: int = 0,
+        record_token_times: bool = True,
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ):
+        self.config = config
+        self.index = index
+        self.grid = grid
+        self.model = _ReplayDecodeModel(config, grid[0])
+        n, limit = config.dies, config.batch_per_die
+        self.router = DecodeRouter(n, limit, block_tokens=config.block_tokens)
+        cap = config.kv_blocks_per_die or decode_kv_capacity(config, self.model.pod)
+        self.kv = [KVBlockManager(cap, block_tokens=config.block_tokens) for _ in range(n)]
+        self.slot_req = np.full((n, limit), -1, dtype=np.int64)
+        self.remaining = np.zeros((n, limit), dtype=np.int64)
+        self.context = np.zeros((n, limit), dtype=np.int64)
+        self.records: dict[int, RequestRecord] = {}
+        self.done: dict[int, anyio.Event] = {}
+        self.record_token_times = record_token_times
+        self.on_finish = on_finish
+        self._work = anyio.Event()
+        self._capacity = anyio.Event()
+        self.iterations = 0
+        self.busy_ns = 0
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.kv[0].capacity
+
+    # -- TE-shell and DP masters --
+    async def route(self, record: RequestRecord) -> int:
+        """Route the request to a DP group, waiting (backpressure) while none qualifies."""
+        while True:
+            dp = self.router.route(record.request_id, record.output_tokens)
+            if dp is not BACKPRESSURE:
+                assert isinstance(dp, int)
+                self.done[record.request_id] = anyio.Event()
+                return dp
+            await self._wait_capacity()
+
+    async def reserve(self, dp: int, record: RequestRecord) -> None:
+        """The DP master reserves the whole sequence's KV blocks; the RECV is deferred until
+        they fit (P101)."""
+        tokens = record.input_tokens + record.output_tokens
+        while not self.kv[dp].can_admit(tokens):
+            emit("decode-te", "recv-deferred", request=record.request_id, dp=dp)
+            await self._wait_capacity()
+        self.kv[dp].admit(record.request_id, tokens)
+        self.router.snapshot_kv([k.used for k in self.kv])
+
+    def enqueue(self, dp: int, record: RequestRecord) -> None:
+        """The DP dequeued the transfer's completion: the sequence joins the batch."""
+        free = np.nonzero(self.slot_req[dp] < 0)[0]
+        if not free.size:
+            raise AssertionError(f"decode DP {dp} has no free batch slot (router bound broken)")
+        s = int(free[0])
+        self.slot_req[dp, s] = record.request_id
+        self.remaining[dp, s] = record.output_tokens - 1  # prefill emitted the first token
+        self.context[dp, s] = record.input_tokens + 1
+        self.records[record.request_id] = record
+        record.decode_placement = f"D{self.index}/DP{dp}"
+        self.router.admitted(record.request_id)
+        self._work.set()
+
+    def abandon(self, dp: int, record: RequestRecord) -> None:
+        """Undo a route (and a reservation, if made) for a request that failed before decode."""
+        if self.kv[dp].held(record.request_id):
+            self.kv[dp].release(record.request_id)
+        self.router.finished(record.request_id)
+        self.done.pop(record.request_id).set()
+        self._signal_capacity()
+
+    async def _wait_capacity(self) -> None:
+        self._capacity = ev = self._capacity if not self._capacity.is_set() else anyio.Event()
+        await ev.wait()
+
+    def _signal_capacity(self) -> None:
+        self._capacity.set()
+
+    # -- the iteration loop --
+    async def run(self) -> None:
+        cfg = self.config
+        k = cfg.mtp.k
+        gen = rng(f"decode-te/{self.index}/iteration")
+        mtp_gen = rng(f"decode-te/{self.index}/mtp")
+        zero_jitter = np.zeros(cfg.dies, dtype=np.int64)
+        while True:
+            live = self.remaining > 0
+            if not live.any():
+                self._work = anyio.Event()
+                await self._work.wait()
+                continue
+            seqs = live.sum(axis=1)
+            ctx = (self.context * live).sum(axis=1) // np.maximum(seqs, 1)
+            ctx = -(-ctx // 256) * 256  # context in 256-token steps (kernel cost cache)
+            widest = int(seqs.max())
+            self.model.comm = interpolate(self.grid, widest * (1 + k))
+            self.model.comm_mtp = interpolate(self.grid, widest)
+            out = self.model.iteration(seqs, ctx, zero_jitter, gen)
+            step = out.time_ns + cfg.scheduler_gap_ns
+            await sleep_ns(step)
+            self.busy_ns += step
+            self.iterations += 1
+            committed = np.zeros_like(self.remaining)
+            committed[live] = tokens_per_step(cfg.mtp, mtp_gen, int(live.sum()))
+            committed = np.minimum(committed, self.remaining)
+            self.remaining -= committed
+            self.context += committed
+            t = now_ns()
+            if self.record_token_times:
+                for dp, s in zip(*np.nonzero(committed), strict=True):
+                    rec = self.records[int(self.slot_req[dp, s])]
+                    rec.token_ns.extend([t] * int(committed[dp, s]))
+            for dp, s in zip(*np.nonzero(live & (self.remaining == 0)), strict=True):
+                self._finish(int(dp), int(s), t)
+
+    def _finish(self, dp: int, s: int, t: int) -> None:
+        req = int(self.slot_req[dp, s])
+        self.slot_req[dp, s] = -1
+        rec = self.records.pop(req)
+        rec.finish_ns = t
+        self.kv[dp].release(req)
+        self.router.finished(req)
+        self.router.snapshot_kv([k.used for k in self.kv])
+        emit("decode-te", "finished", request=req, dp=dp)
+        self.done.pop(req).set()
+        self._signal_capacity()
+        if self.on_finish is not None:
+            self.on_finish(rec)
+
+    def check(self) -> None:
+        """Blocks conserved on every DP and nothing left live."""
+        for k in self.kv:
+            k.check()
+        if (self.slot_req >= 0).any():
+            raise AssertionError("decode TE still holds sequences")
+        if any(k.used for k in self.kv):
+            raise ConfigError("decode KV blocks still held after the replay", field="kv")

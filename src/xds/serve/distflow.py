@@ -1,0 +1,159 @@
+"""RTC-DistFlow: the Prefill-to-Decode KV transfer service (SPEC 10.2, P098-P103).
+
+After prefill, the Prefill DP master *registers* a transfer: metadata and KV block addresses
+only, no data moves. The Decode DP later submits an async RECV, only once it has reserved
+every KV block the request needs (a deferred RECV backpressures upstream and keeps the KV on
+the prefill side). The transfer then moves the KV from each of the Prefill DP's ``tp`` ranks
+(MLA keeps the latent cache on every TP rank; each rank sends its share of the layers) to the
+single Decode die (TP = 1), and completes only when every rank part has landed (TP
+synchronisation). Both sides learn of completion through their own DP's completion queue; the
+Prefill DP frees its blocks only after dequeuing it.
+
+Costs (iteration tier): each rank part pays the DMA start-up and then streams at the link
+bandwidth through two ports, the sending die's egress and the receiving die's ingress, each a
+FIFO with a busy-until time, so transfers to the same decode die queue behind one another.
+The link is UB inside the pod and RoCE from attached 910B prefill servers (P104).
+
+Every registered transfer ends in exactly one terminal state (completed, failed or
+cancelled); :meth:`DistFlow.check` verifies it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import ConfigError
+from ..hw import EngineSpec, LinkSpec
+from ..runtime import emit, now_ns, sleep_until_ns
+
+
+class TransferState(enum.Enum):
+    REGISTERED = "registered"
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = {TransferState.COMPLETED, TransferState.FAILED, TransferState.CANCELLED}
+
+
+class Transfer(msgspec.Struct):
+    """One registered PD transfer (metadata only until a RECV is submitted)."""
+
+    transfer_id: int
+    request_id: int
+    prefill_te: int
+    prefill_dp: int
+    kv_blocks: int
+    kv_bytes: int
+    state: TransferState = TransferState.REGISTERED
+    registered_ns: int = 0
+    recv_ns: int = -1
+    done_ns: int = -1
+    decode_dp: int = -1
+
+
+class Completion(msgspec.Struct, frozen=True):
+    transfer_id: int
+    request_id: int
+    state: TransferState
+
+
+class DistFlow:
+    """One DistFlow instance per (Prefill TE, Decode TE) pair (fault isolation, P102)."""
+
+    def __init__(
+        self,
+        prefill_te: int,
+        *,
+        tp: int,
+        link: LinkSpec,
+        engines: EngineSpec,
+        prefill_dps: int,
+        decode_dps: int,
+        ingress: dict[int, int] | None = None,
+    ):
+        self.prefill_te = prefill_te
+        self.tp = tp
+        self.link = link
+        self.engines = engines
+        self.transfers: dict[int, Transfer] = {}
+        self._egress: dict[int, int] = defaultdict(int)  # prefill die -> busy until
+        self._ingress: dict[int, int] = ingress if ingress is not None else defaultdict(int)
+        """Decode die -> busy until; shared by the instances of one Decode TE (same ports)."""
+        self.prefill_cq = [_channel() for _ in range(prefill_dps)]
+        """Per Prefill DP: its completion queue (send, receive)."""
+        self.decode_cq = [_channel() for _ in range(decode_dps)]
+        self._next_id = 0
+        self.failed = False
+
+    def register(self, request_id: int, prefill_dp: int, kv_blocks: int, kv_bytes: int) -> Transfer:
+        """The Prefill DP master registers a transfer: metadata only (P098)."""
+        t = Transfer(
+            self._next_id,
+            request_id,
+            self.prefill_te,
+            prefill_dp,
+            kv_blocks,
+            kv_bytes,
+            registered_ns=now_ns(),
+        )
+        self._next_id += 1
+        self.transfers[t.transfer_id] = t
+        emit("distflow", "registered", transfer=t.transfer_id, request=request_id)
+        return t
+
+    async def recv(self, transfer: Transfer, decode_dp: int) -> None:
+        """The Decode DP's async RECV (its KV blocks are already reserved): move every rank
+        part, then post the completion to both sides' queues."""
+        if transfer.state is not TransferState.REGISTERED:
+            raise ConfigError(
+                f"transfer {transfer.transfer_id} is {transfer.state.value}, not registered",
+                field="transfer",
+            )
+        transfer.state = TransferState.IN_FLIGHT
+        transfer.recv_ns = now_ns()
+        transfer.decode_dp = decode_dp
+        emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp)
+        done = transfer.recv_ns
+        part = transfer.kv_bytes / self.tp
+        for rank in range(self.tp):  # TP synchronisation: complete when every part landed
+            src = transfer.prefill_dp * self.tp + rank
+            start = max(transfer.recv_ns + self.engines.dma_startup_ns, self._egress[src])
+            start = max(start, self._ingress.get(decode_dp, 0))
+            end = start + self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
+            self._egress[src] = end
+            self._ingress[decode_dp] = end
+            done = max(done, end)
+        await sleep_until_ns(done)
+        self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    def cancel(self, transfer: Transfer) -> None:
+        """Cancel a registered transfer whose RECV never came (e.g. the request failed)."""
+        if transfer.state is TransferState.REGISTERED:
+            self._finish(transfer, TransferState.CANCELLED)
+
+    def _finish(self, transfer: Transfer, state: TransferState) -> None:
+        transfer.state = state
+        transfer.done_ns = now_ns()
+        done = Completion(transfer.transfer_id, transfer.request_id, state)
+        self.prefill_cq[transfer.prefill_dp][0].send_nowait(done)
+        if transfer.decode_dp >= 0:
+            self.decode_cq[transfer.decode_dp][0].send_nowait(done)
+        emit("distflow", state.value, transfer=transfer.transfer_id)
+
+    def check(self) -> None:
+        """Every registered transfer ended in exactly one terminal state."""
+        open_ = [t.transfer_id for t in self.transfers.values() if t.state not in TERMINAL]
+        if open_:
+            raise AssertionError(f"DistFlow {self.prefill_te}: transfers not ended: {open_[:10]}")
+
+
+def _channel() -> tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]:
+    return anyio.create_memory_object_stream[Completion](max_buffer_size=float("inf"))

@@ -1,0 +1,330 @@
+"""Prefill TEs: eager-mode cost, prefix cache, the single-level cooperative scheduler (SPEC 6.4).
+
+A Prefill TE spans ``dies_per_te`` dies: attention runs with TP = ``attention_tp`` inside each
+DP group (so ``dies_per_te / attention_tp`` DP groups) and the MoE layers run EP over all the
+TE's dies (SPEC 12.4: DP8/EP32 on 32 dies). All requests sent to a TE sit in one pool; at each
+step the leader (DP-0) looks at every DP group's state and assigns batches with a cost model
+that counts prefix-cache hits (P058): a request goes to the DP group that already caches the
+longest prefix of it, ties to the group with the least work this step. DP groups run one step
+in lockstep (their MoE layers exchange tokens), so a step lasts as long as its slowest group.
+
+**Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
+when both it and its dispatch are ready (:meth:`CostModel.eager_time_ns`). Per layer, the
+attention side of a DP group runs on ``tp`` dies, so its kernels take 1/tp of the single-die
+time (prefill GEMMs are compute-bound); MLA attention is causal over cached + new tokens.
+MoE: routed copies spread evenly over the EP dies (each holding ``experts / dies`` experts),
+the shared expert on each die's share of its group's tokens; dispatch (INT8) and combine (BF16)
+move each die's copies at the UB bandwidth derated by the all-to-all congestion factor of
+:mod:`xds.hw`. Prefill also runs the MTP layer (P097). The step ends with the LM head on one
+token per request, which emits the first output token.
+
+**Prefix cache.** Per DP group, an LRU of prompt block hashes (Mooncake's ``hash_ids``, one per
+``prefix_block_tokens`` tokens); a request reuses the longest cached run of its leading blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import anyio
+import msgspec
+from msgspec import Meta
+
+from ..errors import ConfigError
+from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
+from ..model import CostModel, KernelEfficiency, ModelSpec, Precision
+from ..runtime import emit, now_ns, sleep_ns
+from .kv import KVBlockManager
+
+
+class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The Prefill TEs of a PD deployment (defaults: SPEC 12.4's 4 TEs of DP8/EP32)."""
+
+    tes: Annotated[int, Meta(ge=1)] = 4
+    dies_per_te: Annotated[int, Meta(ge=1)] = 32
+    attention_tp: Annotated[int, Meta(ge=1)] = 4
+    max_tokens_per_dp: Annotated[int, Meta(ge=1)] = 16_384
+    """[emulator choice] new tokens one DP group takes in one step; a longer request runs alone."""
+    prefix_block_tokens: Annotated[int, Meta(ge=1)] = 512
+    """Tokens per prefix hash (Mooncake's ``hash_ids`` cover 512 tokens each)."""
+    prefix_cache_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.5
+    """[emulator choice] share of a DP group's KV blocks kept as prefix cache."""
+    long_input_threshold: Annotated[int, Meta(ge=1)] = 32_768
+    """Inputs longer than this go to the long-input pool (P119, P126)."""
+    long_pool_tes: Annotated[int, Meta(ge=0)] = 1
+    """The last ``long_pool_tes`` TEs serve only long inputs (0: no separate pool)."""
+    hardware: Literal["910c", "910b"] = "910c"
+    """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
+    block_tokens: Annotated[int, Meta(ge=1)] = 128
+    precision: Precision = Precision()
+    efficiency: KernelEfficiency = KernelEfficiency()
+
+    def __post_init__(self) -> None:
+        if self.dies_per_te % self.attention_tp:
+            raise ConfigError(
+                f"dies_per_te ({self.dies_per_te}) must be a multiple of attention_tp "
+                f"({self.attention_tp})",
+                field="prefill.dies_per_te",
+            )
+        if self.long_pool_tes >= self.tes and self.long_pool_tes:
+            raise ConfigError(
+                f"long_pool_tes ({self.long_pool_tes}) must leave at least one of the "
+                f"{self.tes} TEs for ordinary inputs",
+                field="prefill.long_pool_tes",
+            )
+
+    @property
+    def dps_per_te(self) -> int:
+        return self.dies_per_te // self.attention_tp
+
+
+class PrefixCache:
+    """LRU of prompt block hashes of one DP group."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity = max(0, capacity_blocks)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def hit_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` already cached."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Cache (or refresh) the prompt's blocks, evicting the least recently used."""
+        if not self.capacity:
+            return
+        for h in hashes:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+            else:
+                self._lru[h] = None
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+
+class PrefillCost:
+    """Step time of one Prefill TE (all its DP groups in lockstep)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: PrefillConfig,
+        die: DieSpec,
+        engines: EngineSpec,
+        link: LinkSpec,
+    ):
+        self.model = model
+        self.config = config
+        self.cost = CostModel(model, die, precision=config.precision, efficiency=config.efficiency)
+        self.engines = engines
+        self.link = link
+        ep = config.dies_per_te
+        self.a2a_share = collective_efficiency(engines, ep - 1)
+
+    def _scaled(self, times: list[int], tp: int) -> list[int]:
+        return [-(-t // tp) for t in times]
+
+    def layer_times(self, groups: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[int], ...]:
+        """(dense layer, MoE layer, MTP layer, head) kernel times of the slowest DP group, for
+        ``groups`` = per DP group the (new tokens, cached tokens) of each of its requests."""
+        c, m, cfg = self.cost, self.model, self.config
+        tp = cfg.attention_tp
+        totals = [sum(n for n, _ in g) for g in groups]
+        heaviest = max(range(len(groups)), key=lambda i: (self._attn_flops(groups[i]), totals[i]))
+        tokens = float(totals[heaviest])
+        reqs = len(groups[heaviest])
+        attn_side = [k.time_ns for k in c.mla_prolog(tokens)]
+        attn_flops = self._attn_flops(groups[heaviest])
+        kv_bytes = sum(n + x for n, x in groups[heaviest]) * m.kv_bytes_per_token_layer(
+            int8_nope=cfg.precision.kv_int8_nope
+        )
+        attn = c.kernel("mla_prefill_attention", attn_flops, kv_bytes, "cube_bf16", attention=True)
+        attn_side.append(attn.time_ns)
+        attn_side += [k.time_ns for k in c.mla_output(tokens)]
+        attn_side = self._scaled(attn_side, tp)
+        dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
+        # MoE over the TE's EP dies: routed copies of every group spread over all dies
+        ep = cfg.dies_per_te
+        per_die = sum(totals) * m.top_k / ep
+        experts_here = max(1, m.routed_experts // ep)
+        routed = experts_here * c.expert(per_die / experts_here).time_ns
+        shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
+        copies = tokens / tp * m.top_k
+        bw = self.link.bandwidth * self.a2a_share
+        dispatch = self.engines.dma_startup_ns + round(copies * m.hidden / bw * 1e9)
+        combine = self.engines.dma_startup_ns + round(copies * m.hidden * 2 / bw * 1e9)
+        gate = -(-c.gating(tokens).time_ns // tp)
+        moe = [*attn_side, gate, dispatch, routed, shared, combine]
+        mtp = [-(-c.mtp_projection(tokens).time_ns // tp), *moe]
+        head = [c.lm_head(float(reqs)).time_ns, c.sampling(float(reqs)).time_ns]
+        return dense, moe, mtp, head
+
+    def _attn_flops(self, group: Sequence[tuple[int, int]]) -> float:
+        """Causal MLA attention FLOPs per die of a group: each new token attends to the cached
+        prefix and, on average, half of the new tokens (non-absorbed form, heads split by TP)."""
+        m = self.model
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        heads = m.heads / self.config.attention_tp
+        return sum(2.0 * n * (x + n / 2) * heads * (qk + m.v_head_dim) for n, x in group)
+
+    def step_ns(self, groups: Sequence[Sequence[tuple[int, int]]]) -> int:
+        """Eager-mode time of one step over all layers, the MTP layer and the head."""
+        if not any(groups):
+            return 0
+        dense, moe, mtp, head = self.layer_times([g for g in groups if g] or [[]])
+        m = self.model
+        ops = dense * m.dense_layers + moe * (m.layers - m.dense_layers) + mtp + head
+        dispatch_ns = self.cost.eff.eager_op_dispatch_ns
+        device_free = dispatched = 0
+        for t in ops:  # operator i starts at max(device free, its host dispatch done)
+            dispatched += dispatch_ns
+            device_free = max(device_free, dispatched) + t
+        return device_free
+
+
+def prefill_hardware(
+    config: PrefillConfig, pod: PodConfig | None = None
+) -> tuple[DieSpec, LinkSpec]:
+    """The prefill die and the link its KV leaves by: UB inside the pod, RoCE from attached
+    910B servers (P104)."""
+    pod = pod or PodConfig()
+    if config.hardware == "910b":
+        return pod.b_die, pod.roce
+    return pod.die, pod.ub
+
+
+class PrefillJob(msgspec.Struct):
+    """A request in a Prefill TE's pool and, once run, where and when."""
+
+    request_id: int
+    input_tokens: int
+    prefix_hashes: tuple[int, ...]
+    submitted_ns: int
+    dp: int = -1
+    cached_tokens: int = 0
+    start_ns: int = -1
+    first_token_ns: int = -1
+
+
+class PrefillTE:
+    """One Prefill TE: the shared request pool and the leader's cooperative scheduler."""
+
+    def __init__(
+        self,
+        index: int,
+        config: PrefillConfig,
+        cost: PrefillCost,
+        *,
+        kv_blocks_per_dp: int,
+    ):
+        self.index = index
+        self.config = config
+        self.cost = cost
+        cache_blocks = int(kv_blocks_per_dp * config.prefix_cache_fraction)
+        kv_blocks = kv_blocks_per_dp - cache_blocks
+        per_hash = max(1, config.prefix_block_tokens // config.block_tokens)
+        dps = config.dps_per_te
+        self.kv = [KVBlockManager(kv_blocks, block_tokens=config.block_tokens) for _ in range(dps)]
+        self.cache = [PrefixCache(cache_blocks // per_hash) for _ in range(dps)]
+        self.pool: list[tuple[PrefillJob, anyio.Event]] = []
+        self.queued_tokens = 0
+        """New (uncached) tokens waiting or running: the load the Job Executor sees."""
+        self._wake = anyio.Event()
+        self.steps = 0
+        self.busy_ns = 0
+
+    def max_input_tokens(self) -> int:
+        return self.kv[0].capacity * self.config.block_tokens
+
+    def cached_tokens(self, hashes: tuple[int, ...]) -> int:
+        """Longest cached prefix of a prompt on any of this TE's DP groups (tokens)."""
+        if not hashes:
+            return 0
+        return max(c.hit_blocks(hashes) for c in self.cache) * self.config.prefix_block_tokens
+
+    async def prefill(self, job: PrefillJob) -> PrefillJob:
+        """Put ``job`` in the pool and wait until its prefill (first token) is done."""
+        done = anyio.Event()
+        self.pool.append((job, done))
+        self.queued_tokens += job.input_tokens
+        self._wake.set()
+        await done.wait()
+        return job
+
+    def release(self, dp: int, request_id: int) -> None:
+        """The DP dequeued the transfer's completion: free the request's KV blocks."""
+        self.kv[dp].release(request_id)
+        self._wake.set()
+
+    def _assign(self) -> list[list[PrefillJob]]:
+        """The leader's view of every DP group (KV free, tokens this step, cached prefixes)
+        turned into this step's batches; unplaceable jobs stay in the pool, in order."""
+        cfg = self.config
+        groups: list[list[PrefillJob]] = [[] for _ in self.kv]
+        load = [0] * len(self.kv)
+        keep: list[tuple[PrefillJob, anyio.Event]] = []
+        placed: list[tuple[PrefillJob, anyio.Event]] = []
+        for job, ev in self.pool:
+            best, best_key = -1, None
+            for dp, kv in enumerate(self.kv):
+                if not kv.can_admit(job.input_tokens):
+                    continue
+                hit = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
+                new = max(1, job.input_tokens - min(hit, job.input_tokens - 1))
+                if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
+                    continue
+                key = (load[dp] + new, -hit, dp)  # least work after this job, cache hits first
+                if best_key is None or key < best_key:
+                    best, best_key = dp, key
+            if best < 0:
+                keep.append((job, ev))
+                continue
+            hit = -best_key[1]  # type: ignore[index]
+            job.dp = best
+            job.cached_tokens = min(hit, job.input_tokens - 1)
+            self.kv[best].admit(job.request_id, job.input_tokens)
+            load[best] += job.input_tokens - job.cached_tokens
+            groups[best].append(job)
+            placed.append((job, ev))
+        self.pool = keep
+        self._placed = placed
+        return groups
+
+    async def run(self) -> None:
+        """The leader's loop: runs only while requests are pending (P058)."""
+        while True:
+            groups = self._assign() if self.pool else []
+            if not any(groups):
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            start = now_ns()
+            for job, _ in self._placed:
+                job.start_ns = start
+            step = self.cost.step_ns(
+                [[(j.input_tokens - j.cached_tokens, j.cached_tokens) for j in g] for g in groups]
+            )
+            await sleep_ns(step)
+            self.steps += 1
+            self.busy_ns += step
+            t = now_ns()
+            for job, ev in self._placed:
+                job.first_token_ns = t
+                self.cache[job.dp].insert(job.prefix_hashes)
+                self.queued_tokens -= job.input_tokens
+                emit("prefill", "done", te=self.index, dp=job.dp, request=job.request_id)
+                ev.set()
+
+    def check(self) -> None:
+        for kv in self.kv:
+            kv.check()

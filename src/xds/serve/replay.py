@@ -1,0 +1,303 @@
+"""Trace replay on a PD-disaggregated deployment (SPEC 10.2, 12.4).
+
+Every request of the workload becomes one task that walks the paper's PD path
+(HANDLE_PD_REQUEST, SPEC 10.2):
+
+1. at its arrival, the Job Executor picks a Prefill TE by cache state, load and input length
+   (long inputs go to the long-input pool);
+2. the TE's cooperative scheduler runs its prefill (the first token comes out here);
+3. the Prefill DP master registers a DistFlow transfer (metadata only);
+4. the Decode TE routes the request to a DP group (backpressure while none qualifies), whose
+   master reserves the KV blocks (a deferred RECV while they do not fit) and submits the RECV;
+5. DistFlow moves the KV; each side's poller dequeues the completion: the Prefill DP frees its
+   blocks, the Decode DP puts the sequence in its batch;
+6. the sequence decodes until its output length; the record is complete.
+
+A request the deployment cannot serve (longer than the context window, larger than a DP's KV)
+ends *failed* with the reason; every request ends exactly once, completed or failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+import anyio
+import msgspec
+from msgspec import Meta
+
+from ..errors import ConfigError
+from ..hw import PodConfig
+from ..runtime import run, sleep_until_ns
+from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
+from ..trace.workload import Request, Workload
+from .decode import CommCosts, DecodeConfig
+from .decode_te import DecodeTE, comm_grid
+from .distflow import DistFlow
+from .jitter import JitterConfig
+from .kv import kv_capacity_blocks
+from .prefill import PrefillConfig, PrefillCost, PrefillJob, PrefillTE, prefill_hardware
+
+Progress = Callable[[int, int, int], None]
+"""Called with (virtual time ns, requests ended, requests in the workload)."""
+
+
+class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A PD-disaggregated deployment (defaults: SPEC 12.4's 4P1D on 16 servers)."""
+
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig(
+        dies=128,
+        batch_per_die=32,
+        shared_expert_dies=16,
+        input_tokens=13_000,
+        output_tokens=2_100,
+        jitter=JitterConfig(enabled=False),
+    )
+    """Decode TE (DP128/EP128, TP1). ``batch_per_die`` is the TE-shell's batch limit
+    ([emulator choice] 32; SPEC 12.4 does not give it); ``input_tokens``/``output_tokens``
+    are unused in a replay (lengths come from the workload)."""
+    decode_tes: Annotated[int, Meta(ge=1)] = 1
+    max_context_tokens: Annotated[int, Meta(ge=1)] = 131_072
+    """DeepSeek-R1's 128K context (SPEC 12.4): longer requests fail with this reason."""
+    sla: SLA = SLA()
+    record_token_times: bool | None = None
+    """Per-token times (for inter-token latency); None: only for workloads up to 5,000
+    requests (they cost memory on long traces)."""
+
+    @property
+    def chips(self) -> int:
+        """Chips of the deployment (two dies per 910C chip; 910B chips have one die)."""
+        p = self.prefill
+        per_chip = 2 if p.hardware == "910c" else 1
+        prefill = p.tes * p.dies_per_te // per_chip
+        return prefill + self.decode_tes * self.decode.dies // 2
+
+
+class ReplayResult(msgspec.Struct):
+    records: list[RequestRecord]
+    summary: Summary
+    chips: int
+    prefill_steps: int
+    decode_iterations: int
+    end_ns: int
+
+
+class Replay:
+    """The deployment as tasks: Prefill TEs, DistFlow instances, Decode TEs, request tasks."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: PDConfig,
+        grid: list[CommCosts],
+        *,
+        progress: Progress | None = None,
+    ):
+        if not len(workload):
+            raise ConfigError("the workload has no requests", field="workload")
+        self.workload = workload
+        self.config = config
+        self.progress = progress
+        cfg = config
+        model = cfg.decode.spec
+        pod = PodConfig()
+        die, link = prefill_hardware(cfg.prefill, pod)
+        self.prefill_cost = PrefillCost(model, cfg.prefill, die, pod.engines, link)
+        kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
+        self.prefill = [
+            PrefillTE(i, cfg.prefill, self.prefill_cost, kv_blocks_per_dp=kv_dp)
+            for i in range(cfg.prefill.tes)
+        ]
+        record = cfg.record_token_times
+        if record is None:
+            record = len(workload) <= 5_000
+        self.decode = [
+            DecodeTE(cfg.decode, grid, index=d, record_token_times=record, on_finish=self._ended)
+            for d in range(cfg.decode_tes)
+        ]
+        ingress: list[dict[int, int]] = [{} for _ in self.decode]
+        self.distflow = {
+            (p, d): DistFlow(
+                p,
+                tp=cfg.prefill.attention_tp,
+                link=link,
+                engines=pod.engines,
+                prefill_dps=cfg.prefill.dps_per_te,
+                decode_dps=cfg.decode.dies,
+                ingress=ingress[d],
+            )
+            for p in range(cfg.prefill.tes)
+            for d in range(cfg.decode_tes)
+        }
+        self.kv_bytes_per_token = model.kv_bytes_per_token(
+            int8_nope=cfg.decode.precision.kv_int8_nope
+        )
+        self.records: dict[int, RequestRecord] = {}
+        self.ended = 0
+
+    # -- the Job Executor --
+    def select_prefill(self, req: Request) -> PrefillTE:
+        """By request length (long-input pool), cache state and load (P096)."""
+        p = self.config.prefill
+        n_long = p.long_pool_tes
+        long = n_long and req.input_tokens > p.long_input_threshold
+        pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
+
+        def cost(te: PrefillTE) -> tuple[int, int]:
+            cached = min(te.cached_tokens(req.prefix_hashes), req.input_tokens - 1)
+            return te.queued_tokens + req.input_tokens - cached, te.index
+
+        return min(pool, key=cost)
+
+    def select_decode(self) -> DecodeTE:
+        """By real-time load (P099): the TE with the fewest sequences routed to it."""
+        return min(
+            self.decode, key=lambda d: (sum(x.active + x.pending for x in d.router.dps), d.index)
+        )
+
+    # -- one request --
+    def _failure(self, req: Request) -> str:
+        total = req.input_tokens + req.output_tokens
+        if total > self.config.max_context_tokens:
+            limit = self.config.max_context_tokens
+            return f"context {total} tokens exceeds max_context_tokens {limit}"
+        if req.input_tokens > self.prefill[0].max_input_tokens():
+            return f"input {req.input_tokens} tokens exceeds a prefill DP's KV"
+        dkv = self.decode[0].kv[0]
+        if dkv.blocks_for(total) > dkv.capacity:
+            return f"sequence of {total} tokens exceeds a decode DP's KV"
+        return ""
+
+    def _ended(self, record: RequestRecord) -> None:
+        self.ended += 1
+        if self.progress is not None:
+            self.progress(record.finish_ns, self.ended, len(self.workload))
+
+    async def _serve(self, req: Request) -> None:
+        rec = RequestRecord(req.request_id, req.arrival_ns, req.input_tokens, req.output_tokens)
+        self.records[req.request_id] = rec
+        await sleep_until_ns(req.arrival_ns)
+        reason = self._failure(req)
+        if reason:
+            rec.outcome, rec.reason = "failed", reason
+            rec.finish_ns = req.arrival_ns
+            self._ended(rec)
+            return
+        te = self.select_prefill(req)
+        job = await te.prefill(
+            PrefillJob(req.request_id, req.input_tokens, req.prefix_hashes, req.arrival_ns)
+        )
+        rec.first_token_ns = job.first_token_ns
+        rec.queue_ns = job.start_ns - req.arrival_ns
+        rec.prefill_placement = f"P{te.index}/DP{job.dp}"
+        if req.output_tokens == 1:  # prefill's token was the whole output
+            te.release(job.dp, req.request_id)
+            rec.finish_ns = job.first_token_ns
+            self._ended(rec)
+            return
+        dte = self.select_decode()
+        flow = self.distflow[(te.index, dte.index)]
+        blocks = te.kv[job.dp].held(req.request_id)
+        transfer = flow.register(
+            req.request_id, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token
+        )
+        dp = await dte.route(rec)
+        await dte.reserve(dp, rec)
+        await flow.recv(transfer, dp)
+        rec.kv_transfer_ns = transfer.done_ns - transfer.recv_ns
+        await dte.done[req.request_id].wait()
+
+    async def _prefill_poller(self, flow: DistFlow, dp: int) -> None:
+        te = self.prefill[flow.prefill_te]
+        async with flow.prefill_cq[dp][1] as cq:
+            async for done in cq:
+                te.release(dp, done.request_id)
+
+    async def _decode_poller(self, flow: DistFlow, dte: DecodeTE, dp: int) -> None:
+        async with flow.decode_cq[dp][1] as cq:
+            async for done in cq:
+                dte.enqueue(dp, self.records[done.request_id])
+
+    async def run(self) -> list[RequestRecord]:
+        async with anyio.create_task_group() as system:
+            for te in self.prefill:
+                system.start_soon(te.run, name=f"prefill-te-{te.index}")
+            for dte in self.decode:
+                system.start_soon(dte.run, name=f"decode-te-{dte.index}")
+            for (p, d), flow in self.distflow.items():
+                for dp in range(self.config.prefill.dps_per_te):
+                    system.start_soon(self._prefill_poller, flow, dp, name=f"cq-P{p}-DP{dp}")
+                for dp in range(self.config.decode.dies):
+                    system.start_soon(
+                        self._decode_poller, flow, self.decode[d], dp, name=f"cq-D{d}-DP{dp}"
+                    )
+            async with anyio.create_task_group() as requests:
+                for req in self.workload.requests:
+                    await sleep_until_ns(req.arrival_ns)
+                    requests.start_soon(self._serve, req, name=f"request-{req.request_id}")
+            system.cancel_scope.cancel()
+        for te in self.prefill:
+            te.check()
+        for dte in self.decode:
+            dte.check()
+        for flow in self.distflow.values():
+            flow.check()
+        records = [self.records[r.request_id] for r in self.workload.requests]
+        return records
+
+
+def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
+    """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
+    layers and embeddings split by TP; its share of the routed experts and the shared expert,
+    INT8) and the workspace. MLA's latent cache is replicated on the TP ranks."""
+    m = d.spec
+    attn = m.layers * (
+        m.hidden * m.q_lora_rank
+        + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + m.heads * m.v_head_dim * m.hidden
+    )
+    dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
+    experts = (max(1, m.routed_experts // p.dies_per_te) + m.shared_experts) * m.moe_layers
+    embed = 2 * m.vocab * m.hidden * 2
+    weights = (attn + dense + embed) // p.attention_tp + experts * m.expert_params
+    return kv_capacity_blocks(
+        m,
+        die,
+        weight_bytes=weights,
+        block_tokens=p.block_tokens,
+        int8_nope=p.precision.kv_int8_nope,
+    )
+
+
+def replay(
+    workload: Workload,
+    config: PDConfig | None = None,
+    *,
+    seed: int = 0,
+    progress: Progress | None = None,
+    backend: str = "asyncio",
+) -> ReplayResult:
+    """Replay ``workload`` on the deployment in virtual time; every request ends once."""
+    cfg = config or PDConfig()
+    if not len(workload):
+        raise ConfigError("the workload has no requests", field="workload")
+    holder: dict[str, Replay] = {}
+    grid = comm_grid(cfg.decode, seed=seed)  # collective-tier runs of their own
+
+    async def main() -> list[RequestRecord]:
+        holder["r"] = r = Replay(workload, cfg, grid, progress=progress)
+        return await r.run()
+
+    records = run(main, seed=seed, backend=backend, event_log=False)
+    check_complete(records, len(workload))
+    r = holder["r"]
+    return ReplayResult(
+        records=records,
+        summary=summarize(records, chips=cfg.chips, sla=cfg.sla),
+        chips=cfg.chips,
+        prefill_steps=sum(te.steps for te in r.prefill),
+        decode_iterations=sum(d.iterations for d in r.decode),
+        end_ns=max((x.finish_ns for x in records), default=0),
+    )

@@ -1,0 +1,215 @@
+"""PD-disaggregated replay: prefill scheduler, DistFlow, decode TE, records and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.runtime import run
+from xds.serve.decode import DecodeConfig
+from xds.serve.decode_te import comm_grid, interpolate
+from xds.serve.distflow import TransferState
+from xds.serve.jitter import JitterConfig
+from xds.serve.prefill import PrefillConfig, PrefillCost, PrefixCache, prefill_hardware
+from xds.serve.presets import pd_config
+from xds.serve.replay import PDConfig, Replay, replay
+from xds.trace import Request, Workload, load_mooncake
+from xds.trace.production import production_workload
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+SMALL = PDConfig(
+    prefill=PrefillConfig(tes=2, long_pool_tes=0),
+    decode=DecodeConfig(
+        dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+    ),
+)
+
+
+def _workload(*reqs: tuple[int, int, int]) -> Workload:
+    return Workload(tuple(Request(i, a, x, y) for i, (a, x, y) in enumerate(reqs)))
+
+
+def test_every_request_ends_exactly_once_with_consistent_times():
+    wl = production_workload(30, rate_per_s=5.0, seed=3).limited(30)
+    res = replay(wl, SMALL)
+    assert [r.request_id for r in res.records] == list(range(30))
+    assert res.summary.completed == 30 and res.summary.failed == 0
+    for rec in res.records:
+        assert rec.arrival_ns <= rec.first_token_ns < rec.finish_ns
+        assert rec.kv_transfer_ns > 0 and rec.queue_ns >= 0
+        assert rec.prefill_placement.startswith("P") and rec.decode_placement.startswith("D0/DP")
+        assert len(rec.token_ns) == rec.output_tokens - 1  # every token after the first
+
+
+def test_same_seed_same_records_bit_for_bit():
+    wl = production_workload(12, rate_per_s=4.0, seed=1)
+    a = msgspec.json.encode(replay(wl, SMALL).records)
+    b = msgspec.json.encode(replay(wl, SMALL).records)
+    assert a == b
+
+
+def test_unservable_requests_fail_with_a_reason_and_one_token_outputs_finish_at_prefill():
+    wl = _workload((0, 1000, 200), (0, 130_000, 2000), (1_000, 500, 1))
+    res = replay(wl, SMALL)
+    ok, too_long, one = res.records
+    assert ok.outcome == "completed"
+    assert too_long.outcome == "failed" and "max_context_tokens" in too_long.reason
+    assert one.outcome == "completed" and one.finish_ns == one.first_token_ns
+    assert res.summary.failures == {too_long.reason: 1}
+
+
+def test_backpressure_defers_recv_and_kv_is_freed_only_after_completion():
+    """Decode DPs with room for one sequence at a time: RECVs wait for capacity, every
+    transfer completes, prefill frees its blocks only after the completion."""
+    cfg = msgspec.structs.replace(
+        SMALL,
+        decode=msgspec.structs.replace(SMALL.decode, batch_per_die=1, kv_blocks_per_die=20),
+    )
+    wl = _workload(*[(i * 1000, 2000, 50) for i in range(40)])
+    released: list[tuple[int, int, int]] = []  # (time, request, transfer done time)
+    grid = comm_grid(cfg.decode)
+
+    async def main():
+        from xds.runtime import now_ns
+
+        r = Replay(wl, cfg, grid)
+        for te in r.prefill:
+            orig = te.release
+
+            def spy(dp, req, orig=orig, te=te):
+                flow = r.distflow[(te.index, 0)]
+                done = [t for t in flow.transfers.values() if t.request_id == req]
+                released.append((now_ns(), req, done[0].done_ns if done else -1))
+                orig(dp, req)
+
+            te.release = spy
+        records = await r.run()
+        return r, records
+
+    r, records = run(main)
+    assert all(rec.outcome == "completed" for rec in records)
+    transfers = [t for f in r.distflow.values() for t in f.transfers.values()]
+    assert len(transfers) == 40
+    for t in transfers:
+        assert t.state is TransferState.COMPLETED
+        assert t.registered_ns <= t.recv_ns <= t.done_ns
+    for when, _req, done in released:
+        assert done >= 0 and when >= done
+    # one sequence per DP: some RECV had to wait until a decode slot freed
+    waits = sorted(t.recv_ns - t.registered_ns for t in transfers)
+    assert waits[-1] > 0
+    for dte in r.decode:
+        dte.check()
+
+
+def test_prefix_cache_hits_shorten_prefill_and_steer_the_job_executor():
+    hashes = tuple(range(20))
+    reqs = (
+        Request(0, 0, 10_240, 20, hashes),
+        Request(1, 5_000_000_000, 10_240, 20, hashes),
+        Request(2, 10_000_000_000, 10_240, 20, tuple(range(100, 120))),
+    )
+    res = replay(Workload(reqs), SMALL)
+    first, again, cold = res.records
+    assert again.prefill_placement == first.prefill_placement  # same TE and DP: its cache
+    assert again.ttft_ns < cold.ttft_ns / 3
+
+
+def test_prefix_cache_is_lru_and_counts_leading_blocks():
+    c = PrefixCache(3)
+    c.insert([1, 2, 3])
+    assert c.hit_blocks([1, 2, 9]) == 2 and c.hit_blocks([9, 1]) == 0
+    c.insert([1, 4])  # 1 refreshed; 2 is now the oldest and goes
+    assert c.hit_blocks([2]) == 0 and c.hit_blocks([1]) == 1 and len(c) == 3
+
+
+def test_prefill_step_cost_grows_with_tokens_and_shrinks_with_cached_prefix():
+    cfg = PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, PodConfig().engines, link)
+    short, long = cost.step_ns([[(1000, 0)]]), cost.step_ns([[(8000, 0)]])
+    cached = cost.step_ns([[(1000, 7000)]])
+    assert short < cached < long
+    assert cost.step_ns([[(4000, 0)]] * 8) > cost.step_ns([[(4000, 0)]])  # MoE over all groups
+
+
+def test_910b_prefill_moves_kv_over_roce_more_slowly():
+    wl = _workload((0, 8000, 20))
+    ub = replay(wl, SMALL).records[0].kv_transfer_ns
+    roce_cfg = msgspec.structs.replace(
+        SMALL, prefill=msgspec.structs.replace(SMALL.prefill, hardware="910b")
+    )
+    roce = replay(wl, roce_cfg).records[0].kv_transfer_ns
+    assert roce > 4 * ub
+
+
+def test_comm_interpolation_is_monotone_and_clamped():
+    grid = comm_grid(SMALL.decode)
+    assert grid[0].tokens_per_die == 1 and grid[-1].tokens_per_die == 8
+    values = [interpolate(grid, t).dispatch_ns for t in (0, 1, 3, 5, 8, 50)]
+    assert values == sorted(values) and values[0] == values[1] and values[-1] == values[-2]
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="attention_tp"):
+        PrefillConfig(dies_per_te=30)
+    with pytest.raises(ConfigError, match="long_pool_tes"):
+        PrefillConfig(tes=2, long_pool_tes=2)
+    with pytest.raises(ConfigError, match="production-4p1d"):
+        pd_config("nope")
+    bad = tmp_path / "d.toml"
+    bad.write_text("[prefill]\ntes = 0\n")
+    with pytest.raises(ConfigError, match="tes"):
+        pd_config(str(bad))
+
+
+def test_production_preset_is_the_paper_deployment():
+    cfg = pd_config("production-4p1d")
+    assert cfg.chips == 128  # 16 servers x 8 chips
+    assert cfg.prefill.tes == 4 and cfg.prefill.dps_per_te == 8 and cfg.prefill.dies_per_te == 32
+    assert cfg.decode.dies == 128
+
+
+def test_production_workload_matches_the_published_means():
+    w = production_workload(20_000, rate_per_s=1.0, seed=0)
+    inputs = np.array([r.input_tokens for r in w.requests])
+    outputs = np.array([r.output_tokens for r in w.requests])
+    assert abs(inputs.mean() / 13_000 - 1) < 0.03 and inputs.max() <= 65_536
+    assert abs(outputs.mean() / 2_100 - 1) < 0.05
+
+
+def test_cli_replay_writes_one_line_per_request(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["replay", "--synthetic", "6", "--rate", "3", "--out", str(out), "--csv", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 6
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and json.loads(lines[0])["request_id"] == 0
+    assert json.loads((out / "summary.json").read_text())["completed"] == summary["completed"]
+    assert (out / "requests.csv").read_text().count("\n") == 7
+
+
+def test_cli_replay_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["replay", "--synthetic", "3", "--rate-scale", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("xds: error:") == 2
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
+def test_mooncake_prefix_hashes_reach_the_cache():
+    wl = load_mooncake(DATA / "mooncake" / "conversation_trace.jsonl").limited(40)
+    res = replay(wl, SMALL)
+    assert res.summary.completed + res.summary.failed == 40
+    assert res.summary.completed >= 38
