@@ -53,7 +53,29 @@ def test_unknown_target_is_a_clear_error(capsys):
 
 
 def test_all_targets_are_registered():
-    assert target_names() == ["p2p", "dispatch-combine", "a2e-e2a", "peak-decode", "eplb"]
+    assert target_names() == [
+        "p2p",
+        "dispatch-combine",
+        "a2e-e2a",
+        "peak-decode",
+        "eplb",
+        "production",
+    ]
+
+
+def test_production_rate_search_stops_at_the_first_rate_missing_the_sla():
+    from test_replay import SMALL
+
+    from xds.reproduce.production import TPOT_SLA_MS, TTFT_SLA_MS, measure
+
+    rate, seen = measure(window_s=10.0, bisections=1, config=SMALL)
+
+    def meets(r):
+        return seen[r][0] <= TPOT_SLA_MS and seen[r][1] <= TTFT_SLA_MS
+
+    assert rate in seen and meets(rate)
+    assert all(meets(r) for r in seen if r <= rate)
+    assert any(not meets(r) for r in seen if r > rate)  # the search bracketed the limit
 
 
 def test_dispatch_combine_sweep_on_a_small_group():

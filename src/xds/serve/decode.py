@@ -325,17 +325,22 @@ class DecodeModel:
         dense: int = 0,
     ) -> IterationOutcome:
         d, c = comm.dispatch_ns, comm.combine_ns
-        parts = [
-            self.attention_part(int(s), tokens_per_seq, int(x))
-            for s, x in zip(seqs, context, strict=True)
-        ]
-        attn = np.array([p[0] for p in parts], dtype=np.int64)
-        other = np.array([p[1] for p in parts], dtype=np.int64)
-        gate = np.array([p[2] for p in parts], dtype=np.int64)
-        per_layer = attn + other + gate
-        dense_mlp = np.array(
-            [self.dense_mlp_ns(float(s) * tokens_per_seq) for s in seqs], dtype=np.int64
+        # kernel times per distinct (batch, context): DPs mostly share a few shapes
+        keys, which = np.unique(
+            seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
         )
+        parts = np.array(
+            [
+                (
+                    *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF),
+                    self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
+                )
+                for k in keys.tolist()
+            ],
+            dtype=np.int64,
+        )[which]
+        attn, other, gate, dense_mlp = parts[:, 0], parts[:, 1], parts[:, 2], parts[:, 3]
+        per_layer = attn + other + gate
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
         arrive = dense * (attn + other + dense_mlp) + per_layer + jitter
         barrier = int(arrive.max())
@@ -349,16 +354,17 @@ class DecodeModel:
         bd.dense_mlp += int(dense * dense_mlp[slowest])
         next_attn = int(per_layer.max())
         i_max = int(np.argmax(per_layer))
-        for layer, expert_ns in enumerate(experts):
-            t += d + expert_ns + c
-            bd.dispatch += d
-            bd.experts += expert_ns
-            bd.combine += c
-            if layer + 1 < len(experts):
-                t += next_attn
-                bd.attention += int(attn[i_max])
-                bd.mla_other += int(other[i_max])
-                bd.gating += int(gate[i_max])
+        # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
+        n_moe = len(experts)
+        between = max(0, n_moe - 1)
+        expert_total = sum(experts)
+        t += n_moe * (d + c) + expert_total + between * next_attn
+        bd.dispatch += n_moe * d
+        bd.experts += expert_total
+        bd.combine += n_moe * c
+        bd.attention += between * int(attn[i_max])
+        bd.mla_other += between * int(other[i_max])
+        bd.gating += between * int(gate[i_max])
         head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
         t += head + samp
         bd.lm_head += head

@@ -278,13 +278,18 @@ def replay(
     seed: int = 0,
     progress: Progress | None = None,
     backend: str = "asyncio",
+    grid: list[CommCosts] | None = None,
 ) -> ReplayResult:
-    """Replay ``workload`` on the deployment in virtual time; every request ends once."""
+    """Replay ``workload`` on the deployment in virtual time; every request ends once.
+
+    ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
+    configuration (:func:`~xds.serve.decode_te.comm_grid`)."""
     cfg = config or PDConfig()
     if not len(workload):
         raise ConfigError("the workload has no requests", field="workload")
     holder: dict[str, Replay] = {}
-    grid = comm_grid(cfg.decode, seed=seed)  # collective-tier runs of their own
+    if grid is None:  # dispatch/combine costs: collective-tier runs of their own
+        grid = comm_grid(cfg.decode, seed=seed)
 
     async def main() -> list[RequestRecord]:
         holder["r"] = r = Replay(workload, cfg, grid, progress=progress)

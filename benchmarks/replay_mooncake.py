@@ -1,0 +1,54 @@
+"""Wall time of replaying a real trace on ``production-4p1d`` (issue 7's performance figure).
+
+    python benchmarks/replay_mooncake.py [--limit N] [--trace PATH]
+
+Prints the summary rows and the wall time; the budget is 30 s for the whole Mooncake
+conversation trace (12,031 requests over 59 minutes). Needs ``../shared/data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from xds.serve.presets import pd_config
+from xds.serve.replay import replay
+from xds.trace import load
+
+DEFAULT = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "data"
+    / "traces"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default=str(DEFAULT))
+    ap.add_argument("--format", default=None)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--rate-scale", type=float, default=1.0)
+    args = ap.parse_args()
+    wl = load(args.trace, args.format).scaled(args.rate_scale).limited(args.limit)
+    start = time.perf_counter()
+    res = replay(wl, pd_config("production-4p1d"))
+    wall = time.perf_counter() - start
+    s = res.summary
+    print(f"trace            {wl.source} ({len(wl):,} requests)")
+    print(f"completed/failed {s.completed:,} / {s.failed:,} {s.failures}")
+    t = s.ttft_ms
+    print(f"TTFT ms          mean {t.mean:,.1f}  p50 {t.p50:,.1f}  p99 {t.p99:,.1f}")
+    t = s.tpot_ms
+    print(f"TPOT ms          mean {t.mean:,.2f}  p50 {t.p50:,.2f}  p99 {t.p99:,.2f}")
+    print(f"tokens/s/chip    {s.output_tokens_per_s_per_chip:,.1f}")
+    print(f"goodput          {s.goodput:.1%}")
+    print(f"virtual duration {s.duration_s:,.1f} s; decode iterations {res.decode_iterations:,}")
+    print(f"wall             {wall:.1f} s ({s.duration_s / wall:,.0f}x real time)")
+
+
+if __name__ == "__main__":
+    main()
