@@ -213,3 +213,21 @@ def test_mooncake_prefix_hashes_reach_the_cache():
     res = replay(wl, SMALL)
     assert res.summary.completed + res.summary.failed == 40
     assert res.summary.completed >= 38
+
+
+def test_closed_form_kv_transfers_agree_with_xccl_point_to_point():
+    """The long-replay tier's closed form against real XCCL send/receive on the UB fabric
+    (four TP rank parts into one decode die). KV of a
+    few thousand tokens (~100 MB); below ~10 MB per rank part XCCL's fixed protocol costs
+    (~20 us) show and the tiers drift apart by ~10 %."""
+    wl = _workload(*[(i * 50_000_000, 2500 + 500 * i, 12) for i in range(3)])
+    closed = replay(wl, SMALL).records
+    xccl = replay(wl, msgspec.structs.replace(SMALL, kv_transfer="xccl")).records
+    for a, b in zip(closed, xccl, strict=True):
+        assert a.decode_placement == b.decode_placement
+        assert abs(b.kv_transfer_ns / a.kv_transfer_ns - 1) < 0.05
+
+
+def test_xccl_tier_needs_the_ub_fabric():
+    with pytest.raises(ConfigError, match="kv_transfer"):
+        PDConfig(kv_transfer="xccl", prefill=PrefillConfig(hardware="910b"))

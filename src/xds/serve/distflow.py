@@ -9,10 +9,17 @@ single Decode die (TP = 1), and completes only when every rank part has landed (
 synchronisation). Both sides learn of completion through their own DP's completion queue; the
 Prefill DP frees its blocks only after dequeuing it.
 
-Costs (iteration tier): each rank part pays the DMA start-up and then streams at the link
-bandwidth through two ports, the sending die's egress and the receiving die's ingress, each a
-FIFO with a busy-until time, so transfers to the same decode die queue behind one another.
-The link is UB inside the pod and RoCE from attached 910B prefill servers (P104).
+Two tiers move the bytes:
+
+* ``closed-form`` (default, for long replays): each rank part pays the DMA start-up and then
+  streams at the link bandwidth through two ports, the sending die's egress and the receiving
+  die's ingress, each a FIFO with a busy-until time, so transfers to the same decode die queue
+  behind one another. The link is UB inside the pod and RoCE from attached 910B prefill
+  servers (P104).
+* ``xccl``: every rank part is a real XCCL point-to-point send/receive (size mode) on a
+  :class:`~xds.fabric.UBFabric` holding the deployment's dies, with the 8-step protocol, ring
+  credits and port contention of :mod:`xds.fabric.xccl`. It costs a few events per 32 KiB
+  chunk, so it suits short replays; a test checks the two tiers agree.
 
 Every registered transfer ends in exactly one terminal state (completed, failed or
 cancelled); :meth:`DistFlow.check` verifies it.
@@ -21,13 +28,16 @@ cancelled); :meth:`DistFlow.check` verifies it.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ConfigError
+from ..fabric.xccl import XCCL, AppBuffer
 from ..hw import EngineSpec, LinkSpec
 from ..runtime import emit, now_ns, sleep_until_ns
 
@@ -78,6 +88,10 @@ class DistFlow:
         prefill_dps: int,
         decode_dps: int,
         ingress: dict[int, int] | None = None,
+        xccl: XCCL | None = None,
+        prefill_die: Callable[[int, int], int] | None = None,
+        decode_die: Callable[[int], int] | None = None,
+        aivs: int = 48,
     ):
         self.prefill_te = prefill_te
         self.tp = tp
@@ -92,6 +106,13 @@ class DistFlow:
         self.decode_cq = [_channel() for _ in range(decode_dps)]
         self._next_id = 0
         self.failed = False
+        self.xccl = xccl
+        """The XCCL of the ``xccl`` tier (None: closed form)."""
+        self._prefill_die = prefill_die or (lambda dp, rank: dp * tp + rank)
+        self._decode_die = decode_die or (lambda dp: dp)
+        self.aivs = aivs
+        self._pair_locks: dict[tuple[int, int], anyio.Lock] = {}
+        """One message at a time per die pair, so each RECV matches its own SEND."""
 
     def register(self, request_id: int, prefill_dp: int, kv_blocks: int, kv_bytes: int) -> Transfer:
         """The Prefill DP master registers a transfer: metadata only (P098)."""
@@ -121,6 +142,10 @@ class DistFlow:
         transfer.recv_ns = now_ns()
         transfer.decode_dp = decode_dp
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp)
+        if self.xccl is not None:
+            await self._xccl_parts(transfer, decode_dp)
+            self._finish(transfer, TransferState.COMPLETED)
+            return
         done = transfer.recv_ns
         part = transfer.kv_bytes / self.tp
         for rank in range(self.tp):  # TP synchronisation: complete when every part landed
@@ -133,6 +158,26 @@ class DistFlow:
             done = max(done, end)
         await sleep_until_ns(done)
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    async def _xccl_parts(self, transfer: Transfer, decode_dp: int) -> None:
+        """Every TP rank's part as an XCCL send/receive pair; returns when all have landed."""
+        assert self.xccl is not None
+        x, dst = self.xccl, self._decode_die(decode_dp)
+        sizes = [transfer.kv_bytes // self.tp] * self.tp
+        sizes[-1] += transfer.kv_bytes - sum(sizes)
+
+        async def part(rank: int) -> None:
+            src = self._prefill_die(transfer.prefill_dp, rank)
+            buf = AppBuffer(0, sizes[rank])
+            event = transfer.transfer_id + 1
+            lock = self._pair_locks.setdefault((src, dst), anyio.Lock())
+            async with lock, anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=self.aivs))
+                tg.start_soon(functools.partial(x.receive, dst, src, buf, event, n_aiv=self.aivs))
+
+        async with anyio.create_task_group() as tg:  # TP synchronisation
+            for rank in range(self.tp):
+                tg.start_soon(part, rank)
 
     def cancel(self, transfer: Transfer) -> None:
         """Cancel a registered transfer whose RECV never came (e.g. the request failed)."""

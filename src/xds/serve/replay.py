@@ -20,14 +20,16 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
 from msgspec import Meta
 
 from ..errors import ConfigError
-from ..hw import PodConfig
+from ..fabric import UBFabric
+from ..fabric.xccl import XCCL
+from ..hw import CloudMatrix384, PodConfig
 from ..runtime import run, sleep_until_ns
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
@@ -61,9 +63,22 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_context_tokens: Annotated[int, Meta(ge=1)] = 131_072
     """DeepSeek-R1's 128K context (SPEC 12.4): longer requests fail with this reason."""
     sla: SLA = SLA()
+    kv_transfer: Literal["closed-form", "xccl"] = "closed-form"
+    """How DistFlow moves KV: a closed form on the link (long replays) or real XCCL
+    point-to-point transfers on the UB fabric (short replays; 910C prefill only)."""
+    kv_aivs: Annotated[int, Meta(ge=1, le=48)] = 48
+    """AIVs per XCCL transfer in the ``xccl`` tier."""
     record_token_times: bool | None = None
     """Per-token times (for inter-token latency); None: only for workloads up to 5,000
     requests (they cost memory on long traces)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer == "xccl" and self.prefill.hardware != "910c":
+            raise ConfigError(
+                "the xccl KV tier runs on the UB fabric: it needs 910c prefill (910B KV moves "
+                "over RoCE; use kv_transfer = 'closed-form')",
+                field="kv_transfer",
+            )
 
     @property
     def chips(self) -> int:
@@ -116,20 +131,9 @@ class Replay:
             DecodeTE(cfg.decode, grid, index=d, record_token_times=record, on_finish=self._ended)
             for d in range(cfg.decode_tes)
         ]
-        ingress: list[dict[int, int]] = [{} for _ in self.decode]
-        self.distflow = {
-            (p, d): DistFlow(
-                p,
-                tp=cfg.prefill.attention_tp,
-                link=link,
-                engines=pod.engines,
-                prefill_dps=cfg.prefill.dps_per_te,
-                decode_dps=cfg.decode.dies,
-                ingress=ingress[d],
-            )
-            for p in range(cfg.prefill.tes)
-            for d in range(cfg.decode_tes)
-        }
+        self._link, self._engines = link, pod.engines
+        self.distflow: dict[tuple[int, int], DistFlow] = {}
+        self.xccl: XCCL | None = None
         self.kv_bytes_per_token = model.kv_bytes_per_token(
             int8_nope=cfg.decode.precision.kv_int8_nope
         )
@@ -219,7 +223,43 @@ class Replay:
             async for done in cq:
                 dte.enqueue(dp, self.records[done.request_id])
 
+    def _build_distflow(self, xccl: XCCL | None) -> None:
+        """One DistFlow instance per (Prefill TE, Decode TE) pair; die numbering: the Prefill
+        TEs' dies first, then the Decode TEs'."""
+        cfg = self.config
+        p, tp = cfg.prefill, cfg.prefill.attention_tp
+        decode_base = p.tes * p.dies_per_te
+        ingress: list[dict[int, int]] = [{} for _ in self.decode]
+        for te in range(p.tes):
+            for d in range(cfg.decode_tes):
+                self.distflow[(te, d)] = DistFlow(
+                    te,
+                    tp=tp,
+                    link=self._link,
+                    engines=self._engines,
+                    prefill_dps=p.dps_per_te,
+                    decode_dps=cfg.decode.dies,
+                    ingress=ingress[d],
+                    xccl=xccl,
+                    prefill_die=lambda dp, rank, te=te: te * p.dies_per_te + dp * tp + rank,
+                    decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
+                    aivs=cfg.kv_aivs,
+                )
+
     async def run(self) -> list[RequestRecord]:
+        if self.config.kv_transfer == "xccl":
+            cfg = self.config
+            dies = cfg.prefill.tes * cfg.prefill.dies_per_te + cfg.decode_tes * cfg.decode.dies
+            pod = CloudMatrix384(servers=-(-dies // 16))
+            fabric = UBFabric(pod, payload_mode="size", app_bytes=1 << 40)
+            async with XCCL(fabric) as xccl:
+                self.xccl = xccl
+                self._build_distflow(xccl)
+                return await self._run()
+        self._build_distflow(None)
+        return await self._run()
+
+    async def _run(self) -> list[RequestRecord]:
         async with anyio.create_task_group() as system:
             for te in self.prefill:
                 system.start_soon(te.run, name=f"prefill-te-{te.index}")
