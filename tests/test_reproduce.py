@@ -65,7 +65,6 @@ def test_all_targets_are_registered():
 
 def test_production_rate_search_stops_at_the_first_rate_missing_the_sla():
     from test_replay import SMALL
-
     from xds.reproduce.production import TPOT_SLA_MS, TTFT_SLA_MS, measure
 
     rate, seen = measure(window_s=10.0, bisections=1, config=SMALL)
