@@ -1,6 +1,8 @@
 """Wall time of replaying a real trace on ``production-4p1d`` (issue 7's performance figure).
 
-    python benchmarks/replay_mooncake.py [--limit N] [--trace PATH]
+    python benchmarks/replay_mooncake.py [--limit N] [--trace PATH] [--format F]
+
+Any trace ``xds.trace.load`` reads works (e.g. the Azure 2023 CSVs).
 
 Prints the summary rows and the wall time; the budget is 30 s for the whole Mooncake
 conversation trace (12,031 requests over 59 minutes). Needs ``../shared/data``.

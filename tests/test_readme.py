@@ -29,7 +29,7 @@ def test_readme_opens_with_two_setup_commands():
     assert first_block is not None
     commands = [line for line in first_block.group(1).splitlines() if line.strip()]
     assert commands == [
-        "python3 -m pip install . && python3 -m xds reproduce all",
+        "python3 -m pip install . && python3 -m xds replay",
         "python3 -m pip install -e '.[test]' && python3 -m pytest -q",
     ]
     ci = (README.parent / ".ci" / "run").read_text()

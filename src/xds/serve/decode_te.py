@@ -23,7 +23,14 @@ import numpy as np
 from ..errors import ConfigError
 from ..runtime import emit, now_ns, rng, sleep_ns
 from ..trace.metrics import RequestRecord
-from .decode import CommCosts, DecodeConfig, DecodeModel, decode_kv_capacity, measure_comm
+from .decode import (
+    CommCosts,
+    DecodeConfig,
+    DecodeModel,
+    IterationOutcome,
+    decode_kv_capacity,
+    measure_comm,
+)
 from .kv import KVBlockManager
 from .mtp import tokens_per_step
 from .routing import BACKPRESSURE, DecodeRouter
@@ -64,6 +71,24 @@ class _ReplayDecodeModel(DecodeModel):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._draws: dict[int, tuple[list[int], list[int]]] = {}
         self._gen = rng("decode-te/routing")
+        self._last_key: tuple[object, ...] | None = None
+        self._last: IterationOutcome | None = None
+
+    def iteration(
+        self,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        jitter_ns: np.ndarray,
+        gen: np.random.Generator,
+    ) -> IterationOutcome:
+        """As :meth:`DecodeModel.iteration`, reusing the previous outcome when nothing that
+        sets it changed (context moves in 256-token steps, so most iterations repeat the
+        last one's shape; the draws are cached, so the result is a pure function of the key)."""
+        key = (seqs.tobytes(), context.tobytes(), jitter_ns.tobytes(), self.comm, self.comm_mtp)
+        if key != self._last_key:
+            self._last_key = key
+            self._last = super().iteration(seqs, context, jitter_ns, gen)
+        return self._last
 
     def draw_experts(
         self, seqs: np.ndarray, gen: np.random.Generator
