@@ -8,6 +8,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xds.cli.main import main
 from xds.errors import ConfigError
@@ -231,3 +233,88 @@ def test_closed_form_kv_transfers_agree_with_xccl_point_to_point():
 def test_xccl_tier_needs_the_ub_fabric():
     with pytest.raises(ConfigError, match="kv_transfer"):
         PDConfig(kv_transfer="xccl", prefill=PrefillConfig(hardware="910b"))
+
+
+def test_a_failed_distflow_instance_fails_only_its_own_pair():
+    wl = _workload(*[(i * 100_000_000, 1500, 20) for i in range(12)])
+    grid = comm_grid(SMALL.decode)
+
+    async def main():
+        r = Replay(wl, SMALL, grid)
+        r.inject_distflow_failure(0, prefill_te=0)
+        return r, await r.run()
+
+    r, records = run(main)
+    failed = [x for x in records if x.outcome == "failed"]
+    done = [x for x in records if x.outcome == "completed"]
+    assert failed and done
+    assert all(x.prefill_placement.startswith("P0/") for x in failed)
+    assert all(x.prefill_placement.startswith("P1/") for x in done)
+    assert all("DistFlow P0-D0" in x.reason for x in failed)
+    states = {t.state for t in r.distflow[(0, 0)].transfers.values()}
+    assert states == {TransferState.FAILED}
+    for dte in r.decode:
+        dte.check()  # failed requests gave their reserved blocks back
+    with pytest.raises(ConfigError, match="P5-D0"):
+        r.inject_distflow_failure(0, prefill_te=5)
+
+
+_GRID: list = []
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.integers(0, 300_000_000),  # gap to the previous arrival
+            st.integers(1, 9_000),  # input tokens
+            st.integers(1, 40),  # output tokens
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    batch=st.integers(1, 3),
+    kv_blocks=st.integers(20, 120),
+)
+def test_pd_invariants_hold_for_any_small_workload(reqs, batch, kv_blocks):
+    """Every request ends once; decode never admits beyond its KV (admission raises if it
+    would); prefill frees blocks only after the transfer's completion; blocks are conserved
+    and every transfer ends in a terminal state (checked by the replay itself)."""
+    cfg = msgspec.structs.replace(
+        SMALL,
+        decode=msgspec.structs.replace(
+            SMALL.decode, batch_per_die=batch, kv_blocks_per_die=kv_blocks
+        ),
+    )
+    if not _GRID:
+        _GRID.extend(comm_grid(msgspec.structs.replace(cfg.decode, batch_per_die=3)))
+    t, rows = 0, []
+    for gap, x, y in reqs:
+        t += gap
+        rows.append((t, x, y))
+    wl = _workload(*rows)
+    freed_early: list[int] = []
+
+    async def main():
+        r = Replay(wl, cfg, _GRID)
+        for te in r.prefill:
+            orig = te.release
+
+            def spy(dp, req, orig=orig, te=te):
+                for t_ in r.distflow[(te.index, 0)].transfers.values():
+                    if t_.request_id == req and t_.state.value not in ("completed", "failed"):
+                        freed_early.append(req)
+                orig(dp, req)
+
+            te.release = spy
+        return await r.run()
+
+    records = run(main)
+    assert [x.request_id for x in records] == list(range(len(rows)))
+    assert not freed_early
+    too_big = kv_blocks * 128
+    for rec in records:
+        if rec.input_tokens + rec.output_tokens > too_big:
+            assert rec.outcome == "failed" and "decode DP's KV" in rec.reason
+        else:
+            assert rec.outcome == "completed" and rec.finish_ns >= rec.first_token_ns

@@ -144,7 +144,7 @@ class DistFlow:
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp)
         if self.xccl is not None:
             await self._xccl_parts(transfer, decode_dp)
-            self._finish(transfer, TransferState.COMPLETED)
+            self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
         done = transfer.recv_ns
         part = transfer.kv_bytes / self.tp

@@ -30,12 +30,12 @@ from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
-from ..runtime import run, sleep_until_ns
+from ..runtime import emit, now_ns, run, sleep_until_ns
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, comm_grid
-from .distflow import DistFlow
+from .distflow import DistFlow, TransferState
 from .jitter import JitterConfig
 from .kv import kv_capacity_blocks
 from .prefill import PrefillConfig, PrefillCost, PrefillJob, PrefillTE, prefill_hardware
@@ -134,6 +134,9 @@ class Replay:
         self._link, self._engines = link, pod.engines
         self.distflow: dict[tuple[int, int], DistFlow] = {}
         self.xccl: XCCL | None = None
+        self._faults: list[tuple[int, int, int]] = []
+        self._picked = [0] * cfg.prefill.tes  # when each Prefill TE was last picked
+        self._picks = 0
         self.kv_bytes_per_token = model.kv_bytes_per_token(
             int8_nope=cfg.decode.precision.kv_int8_nope
         )
@@ -142,7 +145,9 @@ class Replay:
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
-        """By request length (long-input pool), cache state and load (P096)."""
+        """By request length (long-input pool), cache state and load (P096): the TE where the
+        request's uncached tokens join the least queued work; ties go to the TE picked least
+        recently, so an idle deployment spreads requests instead of piling them on TE 0."""
         p = self.config.prefill
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
@@ -150,9 +155,12 @@ class Replay:
 
         def cost(te: PrefillTE) -> tuple[int, int]:
             cached = min(te.cached_tokens(req.prefix_hashes), req.input_tokens - 1)
-            return te.queued_tokens + req.input_tokens - cached, te.index
+            return te.queued_tokens + req.input_tokens - cached, self._picked[te.index]
 
-        return min(pool, key=cost)
+        te = min(pool, key=cost)
+        self._picks += 1
+        self._picked[te.index] = self._picks
+        return te
 
     def select_decode(self) -> DecodeTE:
         """By real-time load (P099): the TE with the fewest sequences routed to it."""
@@ -221,7 +229,33 @@ class Replay:
     async def _decode_poller(self, flow: DistFlow, dte: DecodeTE, dp: int) -> None:
         async with flow.decode_cq[dp][1] as cq:
             async for done in cq:
-                dte.enqueue(dp, self.records[done.request_id])
+                rec = self.records[done.request_id]
+                if done.state is TransferState.COMPLETED:
+                    dte.enqueue(dp, rec)
+                else:  # the pair's DistFlow failed: the request fails, its blocks return
+                    rec.outcome = "failed"
+                    rec.reason = (
+                        f"KV transfer {done.state.value} (DistFlow P{flow.prefill_te}-D{dte.index})"
+                    )
+                    rec.finish_ns = now_ns()
+                    dte.abandon(dp, rec)
+                    self._ended(rec)
+
+    def inject_distflow_failure(self, at_ns: int, prefill_te: int, decode_te: int = 0) -> None:
+        """Fault injection: from virtual time ``at_ns`` the DistFlow instance of (Prefill TE,
+        Decode TE) fails every transfer it completes; other pairs are unaffected (isolation,
+        P102). Call before :meth:`run`."""
+        cfg = self.config
+        if not (0 <= prefill_te < cfg.prefill.tes and 0 <= decode_te < cfg.decode_tes):
+            raise ConfigError(f"no DistFlow instance P{prefill_te}-D{decode_te}", field="pair")
+        if at_ns < 0:
+            raise ConfigError(f"at_ns must be >= 0, got {at_ns}", field="at_ns")
+        self._faults.append((at_ns, prefill_te, decode_te))
+
+    async def _fault(self, at_ns: int, pair: tuple[int, int]) -> None:
+        await sleep_until_ns(at_ns)
+        self.distflow[pair].failed = True
+        emit("distflow", "instance-failed", prefill_te=pair[0], decode_te=pair[1])
 
     def _build_distflow(self, xccl: XCCL | None) -> None:
         """One DistFlow instance per (Prefill TE, Decode TE) pair; die numbering: the Prefill
@@ -265,6 +299,8 @@ class Replay:
                 system.start_soon(te.run, name=f"prefill-te-{te.index}")
             for dte in self.decode:
                 system.start_soon(dte.run, name=f"decode-te-{dte.index}")
+            for at_ns, p, d in self._faults:
+                system.start_soon(self._fault, at_ns, (p, d))
             for (p, d), flow in self.distflow.items():
                 for dp in range(self.config.prefill.dps_per_te):
                     system.start_soon(self._prefill_poller, flow, dp, name=f"cq-P{p}-DP{dp}")
