@@ -72,6 +72,29 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden * self.moe_intermediate
 
+    @property
+    def attention_params(self) -> int:
+        """MLA projection parameters of all layers (Wq_a, Wq_b, Wkv_a, Wo; the absorbed
+        W_UK/W_UV are small and left out)."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        per_layer = (
+            self.hidden * self.q_lora_rank
+            + self.q_lora_rank * self.heads * qk
+            + self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.heads * self.v_head_dim * self.hidden
+        )
+        return self.layers * per_layer
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """Parameters of the dense (non-MoE) MLP layers."""
+        return self.dense_layers * 3 * self.hidden * self.dense_intermediate
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding and LM head."""
+        return 2 * self.vocab * self.hidden
+
 
 DEEPSEEK_V3 = ModelSpec(
     name="DeepSeek-V3/R1",

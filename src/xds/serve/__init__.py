@@ -2,7 +2,11 @@
 
 See SPEC.md sections 6-11 and ARCHITECTURE.md "Layers".
 
-Components so far: :mod:`~xds.serve.routing` (the TE-shell's decode DP routing),
+Components: :mod:`~xds.serve.routing` (the TE-shell's decode DP routing),
 :mod:`~xds.serve.kv` (KV block accounting), :mod:`~xds.serve.mtp` (multi-token prediction
-commit and acceptance) and :mod:`~xds.serve.jitter` (host jitter sources and mitigations).
+commit and acceptance), :mod:`~xds.serve.jitter` (host jitter sources and mitigations),
+:mod:`~xds.serve.decode` (colocated decode, SPEC 12.2), :mod:`~xds.serve.eplb` (expert load
+balancing), :mod:`~xds.serve.prefill` (Prefill TEs and their cooperative scheduler),
+:mod:`~xds.serve.distflow` (PD KV transfers), :mod:`~xds.serve.decode_te` (a Decode TE under
+continuous arrivals) and :mod:`~xds.serve.replay` (trace replay on a PD deployment).
 """

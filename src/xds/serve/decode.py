@@ -459,20 +459,13 @@ def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
     from .kv import kv_capacity_blocks
 
     m = config.spec
-    attn = m.layers * (
-        m.hidden * m.q_lora_rank
-        + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + m.heads * m.v_head_dim * m.hidden
-    )
-    dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
     routed_dies = max(1, config.dies - config.shared_expert_dies)
     experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
-    embed = 2 * m.vocab * m.hidden * 2
+    weights = m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
     return kv_capacity_blocks(
         m,
         pod.die_spec,
-        weight_bytes=attn + dense + experts + embed,
+        weight_bytes=weights,
         block_tokens=config.block_tokens,
         int8_nope=config.precision.kv_int8_nope,
     )

@@ -238,7 +238,7 @@ class PrefillTE:
         self.cache = [PrefixCache(cache_blocks // per_hash) for _ in range(dps)]
         self.pool: list[tuple[PrefillJob, anyio.Event]] = []
         self.queued_tokens = 0
-        """New (uncached) tokens waiting or running: the load the Job Executor sees."""
+        """Prompt tokens waiting or running: the load the Job Executor sees."""
         self._wake = anyio.Event()
         self.steps = 0
         self.busy_ns = 0
@@ -266,9 +266,10 @@ class PrefillTE:
         self.kv[dp].release(request_id)
         self._wake.set()
 
-    def _assign(self) -> list[list[PrefillJob]]:
+    def _assign(self) -> tuple[list[list[PrefillJob]], list[tuple[PrefillJob, anyio.Event]]]:
         """The leader's view of every DP group (KV free, tokens this step, cached prefixes)
-        turned into this step's batches; unplaceable jobs stay in the pool, in order."""
+        turned into this step's batches (per DP group) and the jobs placed; unplaceable jobs
+        stay in the pool, in order."""
         cfg = self.config
         groups: list[list[PrefillJob]] = [[] for _ in self.kv]
         load = [0] * len(self.kv)
@@ -297,19 +298,18 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
-        self._placed = placed
-        return groups
+        return groups, placed
 
     async def run(self) -> None:
         """The leader's loop: runs only while requests are pending (P058)."""
         while True:
-            groups = self._assign() if self.pool else []
-            if not any(groups):
+            groups, placed = self._assign() if self.pool else ([], [])
+            if not placed:
                 self._wake = anyio.Event()
                 await self._wake.wait()
                 continue
             start = now_ns()
-            for job, _ in self._placed:
+            for job, _ in placed:
                 job.start_ns = start
             step = self.cost.step_ns(
                 [[(j.input_tokens - j.cached_tokens, j.cached_tokens) for j in g] for g in groups]
@@ -318,7 +318,7 @@ class PrefillTE:
             self.steps += 1
             self.busy_ns += step
             t = now_ns()
-            for job, ev in self._placed:
+            for job, ev in placed:
                 job.first_token_ns = t
                 self.cache[job.dp].insert(job.prefix_hashes)
                 self.queued_tokens -= job.input_tokens

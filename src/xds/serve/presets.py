@@ -7,11 +7,14 @@ PD-disaggregated deployment (for ``xds replay``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 from ..config import load_config
 from ..errors import ConfigError
 from .decode import DecodeConfig
 from .replay import PDConfig
+
+T = TypeVar("T")
 
 PRESETS: dict[str, DecodeConfig] = {
     "peak-decode": DecodeConfig(),
@@ -24,27 +27,22 @@ PD_PRESETS: dict[str, PDConfig] = {
 (DP128/EP128)."""
 
 
-def decode_config(name_or_path: str) -> DecodeConfig:
-    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
+def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
+    if name_or_path in presets:
+        return presets[name_or_path]
     if Path(name_or_path).suffix in (".toml", ".json"):
-        return load_config(name_or_path, DecodeConfig)
+        return load_config(name_or_path, kind)
     raise ConfigError(
-        f"unknown deployment {name_or_path!r}: a preset "
-        f"({', '.join(PRESETS)}) or a .toml/.json file",
+        f"unknown {what} {name_or_path!r}: a preset ({', '.join(presets)}) or a .toml/.json file",
         field="deployment",
     )
+
+
+def decode_config(name_or_path: str) -> DecodeConfig:
+    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields."""
+    return _lookup(name_or_path, PRESETS, DecodeConfig, "deployment")
 
 
 def pd_config(name_or_path: str) -> PDConfig:
     """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields."""
-    if name_or_path in PD_PRESETS:
-        return PD_PRESETS[name_or_path]
-    if Path(name_or_path).suffix in (".toml", ".json"):
-        return load_config(name_or_path, PDConfig)
-    raise ConfigError(
-        f"unknown PD deployment {name_or_path!r}: a preset "
-        f"({', '.join(PD_PRESETS)}) or a .toml/.json file",
-        field="deployment",
-    )
+    return _lookup(name_or_path, PD_PRESETS, PDConfig, "PD deployment")

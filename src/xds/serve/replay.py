@@ -328,16 +328,9 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
     INT8) and the workspace. MLA's latent cache is replicated on the TP ranks."""
     m = d.spec
-    attn = m.layers * (
-        m.hidden * m.q_lora_rank
-        + m.q_lora_rank * m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + m.heads * m.v_head_dim * m.hidden
-    )
-    dense = m.dense_layers * 3 * m.hidden * m.dense_intermediate
     experts = (max(1, m.routed_experts // p.dies_per_te) + m.shared_experts) * m.moe_layers
-    embed = 2 * m.vocab * m.hidden * 2
-    weights = (attn + dense + embed) // p.attention_tp + experts * m.expert_params
+    replicated = m.attention_params + m.dense_mlp_params + 2 * m.embedding_params
+    weights = replicated // p.attention_tp + experts * m.expert_params
     return kv_capacity_blocks(
         m,
         die,

@@ -1,6 +1,7 @@
 """Workloads and results: trace loaders, generators, per-request records and summaries.
 
-The replay driver for PD-disaggregated deployments (issue 7) builds on these.
+The replay driver for PD-disaggregated deployments is :mod:`xds.serve.replay`; the synthetic
+SPEC 12.4 workload is :mod:`xds.trace.production`.
 """
 
 from .loaders import (
