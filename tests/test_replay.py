@@ -318,3 +318,16 @@ def test_pd_invariants_hold_for_any_small_workload(reqs, batch, kv_blocks):
             assert rec.outcome == "failed" and "decode DP's KV" in rec.reason
         else:
             assert rec.outcome == "completed" and rec.finish_ns >= rec.first_token_ns
+
+
+def test_cli_replay_lengths_csv_with_an_arrival_process(tmp_path, capsys):
+    trace = tmp_path / "lengths.csv"
+    trace.write_text("prompt_tokens,completion_tokens\n120,30\n0,5\n800,12\n64,1\n")
+    argv = ["replay", str(trace), "--format", "lengths", "--rate", "4", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["requests"] == 3 and summary["completed"] == 3  # the 0-length row dropped
+    assert "dropped 1 rows" in captured.err and "line 3" in captured.err
+    assert main(["replay", str(trace), "--format", "lengths", "--columns", "a"]) == 2
+    assert "--columns" in capsys.readouterr().err

@@ -293,7 +293,26 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     show_default=True,
     help="Without TRACE: requests of the built-in SPEC 12.4 workload.",
 )
-@click.option("--rate", type=float, default=2.0, show_default=True, help="Built-in workload req/s.")
+@click.option(
+    "--rate",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
+)
+@click.option(
+    "--columns",
+    default="prompt_tokens,completion_tokens",
+    show_default=True,
+    help="--format lengths: the input and output length columns.",
+)
+@click.option(
+    "--cv",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
+)
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
@@ -306,6 +325,8 @@ def replay(
     limit: int | None,
     synthetic_n: int,
     rate: float,
+    columns: str,
+    cv: float,
     out_dir: str | None,
     as_csv: bool,
     seed: int,
@@ -313,18 +334,40 @@ def replay(
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
+    import numpy as np
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xds.serve.presets import pd_config
     from xds.serve.replay import replay as run_replay
-    from xds.trace import load, write
+    from xds.trace import load, load_lengths, write
     from xds.trace.production import production_workload
 
     if rate_scale <= 0:
         raise click.UsageError("--rate-scale must be positive")
     cfg = pd_config(deployment)
+    if rate <= 0 or cv <= 0:
+        raise click.UsageError("--rate and --cv must be positive")
     if trace is None:
         workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed)
+    elif fmt == "lengths":
+        cols = [c.strip() for c in columns.split(",")]
+        if len(cols) != 2 or not all(cols):
+            raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
+        workload = load_lengths(
+            trace,
+            input_column=cols[0],
+            output_column=cols[1],
+            rng=np.random.default_rng(seed),
+            rate_per_s=rate,
+            cv=cv,
+            invalid="drop",
+        )
+        if workload.dropped:
+            click.echo(
+                f"xds: dropped {len(workload.dropped):,} rows with unusable lengths "
+                f"(first: line {workload.dropped[0][0]}, {workload.dropped[0][1]})",
+                err=True,
+            )
     else:
         workload = load(trace, fmt)
     workload = workload.scaled(rate_scale).limited(limit)
