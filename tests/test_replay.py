@@ -57,6 +57,13 @@ def test_same_seed_same_records_bit_for_bit():
     assert a == b
 
 
+def test_replay_is_identical_on_asyncio_and_trio():
+    wl = production_workload(10, rate_per_s=4.0, seed=2)
+    a = replay(wl, SMALL).records
+    b = replay(wl, SMALL, backend="trio").records
+    assert msgspec.json.encode(a) == msgspec.json.encode(b)
+
+
 def test_unservable_requests_fail_with_a_reason_and_one_token_outputs_finish_at_prefill():
     wl = _workload((0, 1000, 200), (0, 130_000, 2000), (1_000, 500, 1))
     res = replay(wl, SMALL)
