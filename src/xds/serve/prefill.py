@@ -242,6 +242,9 @@ class PrefillTE:
         self._wake = anyio.Event()
         self.steps = 0
         self.busy_ns = 0
+        self.step_end_ns = 0
+        """When the running step ends (in the past while idle)."""
+        self._step_cache: dict[int, int] = {}
 
     def max_input_tokens(self) -> int:
         return self.kv[0].capacity * self.config.block_tokens
@@ -251,6 +254,23 @@ class PrefillTE:
         if not hashes:
             return 0
         return max(c.hit_blocks(hashes) for c in self.cache) * self.config.prefix_block_tokens
+
+    def predicted_first_token_ns(self, new_tokens: int, now: int) -> int:
+        """The Job Executor's estimate of when a job with ``new_tokens`` uncached tokens would
+        get its first token here: the running step's end, then as many steps as the pool's
+        backlog fills, each as long as a step holding the longest pending prompt (lockstep
+        groups wait for their longest input, P096)."""
+        longest, backlog = new_tokens, new_tokens
+        for job, _ in self.pool:
+            longest = max(longest, job.input_tokens)
+            backlog += job.input_tokens
+        capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
+        steps = -(-backlog // capacity)
+        key = -(-longest // 256) * 256  # step cost in 256-token steps (cached)
+        step = self._step_cache.get(key)
+        if step is None:
+            step = self._step_cache[key] = self.cost.step_ns([[(key, 0)]])
+        return max(now, self.step_end_ns) + steps * step
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
         """Put ``job`` in the pool and wait until its prefill (first token) is done."""
@@ -314,6 +334,7 @@ class PrefillTE:
             step = self.cost.step_ns(
                 [[(j.input_tokens - j.cached_tokens, j.cached_tokens) for j in g] for g in groups]
             )
+            self.step_end_ns = start + step
             await sleep_ns(step)
             self.steps += 1
             self.busy_ns += step

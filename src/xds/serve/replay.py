@@ -145,17 +145,21 @@ class Replay:
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
-        """By request length (long-input pool), cache state and load (P096): the TE where the
-        request's uncached tokens join the least queued work; ties go to the TE picked least
-        recently, so an idle deployment spreads requests instead of piling them on TE 0."""
+        """By request length, cache state and load (P096): long inputs go to the long-input
+        pool; within the pool, the TE that promises the earliest first token for the
+        request's uncached tokens (:meth:`PrefillTE.predicted_first_token_ns`: a TE busy with
+        a long prompt loses short ones). Ties go to the TE picked least recently, so an idle
+        deployment spreads requests instead of piling them on TE 0."""
         p = self.config.prefill
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
         pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
+        now = now_ns()
 
         def cost(te: PrefillTE) -> tuple[int, int]:
             cached = min(te.cached_tokens(req.prefix_hashes), req.input_tokens - 1)
-            return te.queued_tokens + req.input_tokens - cached, self._picked[te.index]
+            ready = te.predicted_first_token_ns(req.input_tokens - cached, now)
+            return ready, self._picked[te.index]
 
         te = min(pool, key=cost)
         self._picks += 1
