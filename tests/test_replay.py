@@ -58,6 +58,10 @@ def test_same_seed_same_records_bit_for_bit():
 
 
 def test_replay_is_identical_on_asyncio_and_trio():
+    """Without same-instant contention between requests the backends agree bit for bit. (Where
+    several requests contend at one instant - e.g. jobs leaving one prefill step together -
+    each backend is reproducible on its own, but the order in which the tasks resume, and so
+    the transfer order, is the backend's.)"""
     wl = production_workload(10, rate_per_s=4.0, seed=2)
     a = replay(wl, SMALL).records
     b = replay(wl, SMALL, backend="trio").records
@@ -338,3 +342,66 @@ def test_cli_replay_lengths_csv_with_an_arrival_process(tmp_path, capsys):
     assert "dropped 1 rows" in captured.err and "line 3" in captured.err
     assert main(["replay", str(trace), "--format", "lengths", "--columns", "a"]) == 2
     assert "--columns" in capsys.readouterr().err
+
+
+def test_requests_arriving_together_share_one_prefill_step():
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    res = replay(_workload(*[(5_000_000_000, 1000, 4)] * 8), one_te)
+    assert res.prefill_steps == 1
+    assert {r.queue_ns for r in res.records} == {one_te.prefill.all_gather_ns}
+    assert len({r.prefill_placement for r in res.records}) == 8  # one per DP group
+
+
+def test_a_lockstep_step_lasts_as_long_as_its_slowest_group():
+    cfg = PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, PodConfig().engines, link)
+    cached_heavy, token_heavy = [(2_000, 100_000)], [(16_000, 0)]
+    both = cost.step_ns([cached_heavy, token_heavy])
+    assert both >= max(cost.step_ns([cached_heavy]), cost.step_ns([token_heavy]))
+
+
+def test_transfers_from_one_prefill_die_to_two_decode_tes_share_its_egress():
+    from xds.hw import PodConfig
+    from xds.serve.distflow import DistFlow
+
+    pod = PodConfig()
+    egress: dict[int, int] = {}
+
+    async def main():
+        import anyio
+
+        flows = [
+            DistFlow(
+                0,
+                tp=1,
+                link=pod.ub,
+                engines=pod.engines,
+                prefill_dps=1,
+                decode_dps=1,
+                ingress={},
+                egress=egress,
+            )
+            for _ in range(2)
+        ]
+        transfers = [f.register(i, 0, 8, 1 << 30) for i, f in enumerate(flows)]
+        async with anyio.create_task_group() as tg:
+            for f, t in zip(flows, transfers, strict=True):
+                tg.start_soon(f.recv, t, 0)
+        return [t.done_ns for t in transfers]
+
+    first, second = sorted(run(main))
+    assert second - first >= (1 << 30) / pod.ub.bandwidth * 1e9 * 0.99  # queued, not parallel
+
+
+def test_replay_rejects_malformed_workloads_with_the_request_named():
+    bad_ids = Workload((Request(0, 0, 10, 5), Request(7, 1, 10, 5)), source="t.jsonl")
+    with pytest.raises(ConfigError, match=r"t\.jsonl: request 1 has request_id 7"):
+        replay(bad_ids, SMALL)
+    with pytest.raises(ConfigError, match="token lengths"):
+        replay(_workload((0, 10, 0)), SMALL)
+    with pytest.raises(ConfigError, match="arrives before"):
+        replay(_workload((5, 10, 2), (1, 10, 2)), SMALL)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections import defaultdict
 from collections.abc import Callable
 
 import anyio
@@ -88,6 +87,7 @@ class DistFlow:
         prefill_dps: int,
         decode_dps: int,
         ingress: dict[int, int] | None = None,
+        egress: dict[int, int] | None = None,
         xccl: XCCL | None = None,
         prefill_die: Callable[[int, int], int] | None = None,
         decode_die: Callable[[int], int] | None = None,
@@ -98,8 +98,9 @@ class DistFlow:
         self.link = link
         self.engines = engines
         self.transfers: dict[int, Transfer] = {}
-        self._egress: dict[int, int] = defaultdict(int)  # prefill die -> busy until
-        self._ingress: dict[int, int] = ingress if ingress is not None else defaultdict(int)
+        self._egress: dict[int, int] = egress if egress is not None else {}
+        """Prefill die (index within the TE) -> busy until; shared by the TE's instances."""
+        self._ingress: dict[int, int] = ingress if ingress is not None else {}
         """Decode die -> busy until; shared by the instances of one Decode TE (same ports)."""
         self.prefill_cq = [_channel() for _ in range(prefill_dps)]
         """Per Prefill DP: its completion queue (send, receive)."""
@@ -150,7 +151,7 @@ class DistFlow:
         part = transfer.kv_bytes / self.tp
         for rank in range(self.tp):  # TP synchronisation: complete when every part landed
             src = transfer.prefill_dp * self.tp + rank
-            start = max(transfer.recv_ns + self.engines.dma_startup_ns, self._egress[src])
+            start = max(transfer.recv_ns + self.engines.dma_startup_ns, self._egress.get(src, 0))
             start = max(start, self._ingress.get(decode_dp, 0))
             end = start + self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
             self._egress[src] = end

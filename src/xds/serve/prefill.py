@@ -4,9 +4,10 @@ A Prefill TE spans ``dies_per_te`` dies: attention runs with TP = ``attention_tp
 DP group (so ``dies_per_te / attention_tp`` DP groups) and the MoE layers run EP over all the
 TE's dies (SPEC 12.4: DP8/EP32 on 32 dies). All requests sent to a TE sit in one pool; at each
 step the leader (DP-0) looks at every DP group's state and assigns batches with a cost model
-that counts prefix-cache hits (P058): a request goes to the DP group that already caches the
-longest prefix of it, ties to the group with the least work this step. DP groups run one step
-in lockstep (their MoE layers exchange tokens), so a step lasts as long as its slowest group.
+that counts prefix-cache hits (P058): a request goes to the DP group where it leaves the least
+work this step, counting only its uncached tokens (so a cached prefix pulls it to the group
+that holds it); ties go to the longer cached prefix. DP groups run one step in lockstep (their
+MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
 when both it and its dispatch are ready (:meth:`CostModel.eager_time_ns`). Per layer, the
@@ -57,6 +58,10 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """The last ``long_pool_tes`` TEs serve only long inputs (0: no separate pool)."""
     hardware: Literal["910c", "910b"] = "910c"
     """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
+    all_gather_ns: Annotated[int, Meta(ge=0)] = 5_000
+    """The leader's all-gather of every DP group's state before it assigns a step (P058).
+    [emulator choice] ~log2(8) UB round trips; it also lets every request that arrives at
+    one instant join the same step."""
     block_tokens: Annotated[int, Meta(ge=1)] = 128
     precision: Precision = Precision()
     efficiency: KernelEfficiency = KernelEfficiency()
@@ -135,38 +140,53 @@ class PrefillCost:
         return [-(-t // tp) for t in times]
 
     def layer_times(self, groups: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[int], ...]:
-        """(dense layer, MoE layer, MTP layer, head) kernel times of the slowest DP group, for
-        ``groups`` = per DP group the (new tokens, cached tokens) of each of its requests."""
+        """(dense layer, MoE layer, MTP layer, head) kernel times of one lockstep step, for
+        ``groups`` = per DP group the (new tokens, cached tokens) of each of its requests.
+        The groups meet at every MoE layer, so each kernel takes as long as it does on the
+        slowest group; the routed experts serve every group's tokens at once."""
+        m, cfg = self.model, self.config
+        busy = [g for g in groups if g]
+        all_tokens = sum(n for g in busy for n, _ in g)
+        per_die = all_tokens * m.top_k / cfg.dies_per_te
+        experts_here = max(1, m.routed_experts // cfg.dies_per_te)
+        routed = experts_here * self.cost.expert(per_die / experts_here).time_ns
+        per_group = [self._group_times(g, routed) for g in busy]
+        return tuple(
+            [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
+        )
+
+    def _group_times(
+        self, group: Sequence[tuple[int, int]], routed_ns: int
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """One DP group's kernel times (attention side on ``tp`` dies)."""
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
-        totals = [sum(n for n, _ in g) for g in groups]
-        heaviest = max(range(len(groups)), key=lambda i: (self._attn_flops(groups[i]), totals[i]))
-        tokens = float(totals[heaviest])
-        reqs = len(groups[heaviest])
-        attn_side = [k.time_ns for k in c.mla_prolog(tokens)]
-        attn_flops = self._attn_flops(groups[heaviest])
-        kv_bytes = sum(n + x for n, x in groups[heaviest]) * m.kv_bytes_per_token_layer(
+        tokens = float(sum(n for n, _ in group))
+        kv_bytes = sum(n + x for n, x in group) * m.kv_bytes_per_token_layer(
             int8_nope=cfg.precision.kv_int8_nope
         )
-        attn = c.kernel("mla_prefill_attention", attn_flops, kv_bytes, "cube_bf16", attention=True)
-        attn_side.append(attn.time_ns)
-        attn_side += [k.time_ns for k in c.mla_output(tokens)]
-        attn_side = self._scaled(attn_side, tp)
+        attn = c.kernel(
+            "mla_prefill_attention", self._attn_flops(group), kv_bytes, "cube_bf16", attention=True
+        )
+        attn_side = self._scaled(
+            [
+                *(k.time_ns for k in c.mla_prolog(tokens)),
+                attn.time_ns,
+                *(k.time_ns for k in c.mla_output(tokens)),
+            ],
+            tp,
+        )
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
-        # MoE over the TE's EP dies: routed copies of every group spread over all dies
-        ep = cfg.dies_per_te
-        per_die = sum(totals) * m.top_k / ep
-        experts_here = max(1, m.routed_experts // ep)
-        routed = experts_here * c.expert(per_die / experts_here).time_ns
         shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
-        copies = tokens / tp * m.top_k
+        copies = tokens / tp * m.top_k  # each TP rank dispatches its share of the tokens
         bw = self.link.bandwidth * self.a2a_share
         dispatch = self.engines.dma_startup_ns + round(copies * m.hidden / bw * 1e9)
         combine = self.engines.dma_startup_ns + round(copies * m.hidden * 2 / bw * 1e9)
         gate = -(-c.gating(tokens).time_ns // tp)
-        moe = [*attn_side, gate, dispatch, routed, shared, combine]
+        moe = [*attn_side, gate, dispatch, routed_ns, shared, combine]
         mtp = [-(-c.mtp_projection(tokens).time_ns // tp), *moe]
-        head = [c.lm_head(float(reqs)).time_ns, c.sampling(float(reqs)).time_ns]
+        reqs = float(len(group))
+        head = [c.lm_head(reqs).time_ns, c.sampling(reqs).time_ns]
         return dense, moe, mtp, head
 
     def _attn_flops(self, group: Sequence[tuple[int, int]]) -> float:
@@ -181,7 +201,7 @@ class PrefillCost:
         """Eager-mode time of one step over all layers, the MTP layer and the head."""
         if not any(groups):
             return 0
-        dense, moe, mtp, head = self.layer_times([g for g in groups if g] or [[]])
+        dense, moe, mtp, head = self.layer_times(groups)
         m = self.model
         ops = dense * m.dense_layers + moe * (m.layers - m.dense_layers) + mtp + head
         dispatch_ns = self.cost.eff.eager_op_dispatch_ns
@@ -304,7 +324,7 @@ class PrefillTE:
                 new = max(1, job.input_tokens - min(hit, job.input_tokens - 1))
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
                     continue
-                key = (load[dp] + new, -hit, dp)  # least work after this job, cache hits first
+                key = (load[dp] + new, -hit, dp)  # least work after this job; ties: cache hits
                 if best_key is None or key < best_key:
                     best, best_key = dp, key
             if best < 0:
@@ -323,6 +343,8 @@ class PrefillTE:
     async def run(self) -> None:
         """The leader's loop: runs only while requests are pending (P058)."""
         while True:
+            if self.pool:
+                await sleep_ns(self.config.all_gather_ns)  # the leader gathers DP state
             groups, placed = self._assign() if self.pool else ([], [])
             if not placed:
                 self._wake = anyio.Event()

@@ -109,8 +109,7 @@ class Replay:
         *,
         progress: Progress | None = None,
     ):
-        if not len(workload):
-            raise ConfigError("the workload has no requests", field="workload")
+        _check_workload(workload)
         self.workload = workload
         self.config = config
         self.progress = progress
@@ -267,7 +266,8 @@ class Replay:
         cfg = self.config
         p, tp = cfg.prefill, cfg.prefill.attention_tp
         decode_base = p.tes * p.dies_per_te
-        ingress: list[dict[int, int]] = [{} for _ in self.decode]
+        ingress: list[dict[int, int]] = [{} for _ in self.decode]  # per decode die
+        egress: list[dict[int, int]] = [{} for _ in range(p.tes)]  # per prefill die
         for te in range(p.tes):
             for d in range(cfg.decode_tes):
                 self.distflow[(te, d)] = DistFlow(
@@ -278,6 +278,7 @@ class Replay:
                     prefill_dps=p.dps_per_te,
                     decode_dps=cfg.decode.dies,
                     ingress=ingress[d],
+                    egress=egress[te],
                     xccl=xccl,
                     prefill_die=lambda dp, rank, te=te: te * p.dies_per_te + dp * tp + rank,
                     decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
@@ -327,6 +328,27 @@ class Replay:
         return records
 
 
+def _check_workload(workload: Workload) -> None:
+    """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals."""
+    if not len(workload):
+        raise ConfigError("the workload has no requests", field="workload")
+    last = 0
+    for i, r in enumerate(workload.requests):
+        where = f"{workload.source}: request {i}" + (
+            f" (line {r.source_line})" if r.source_line else ""
+        )
+        if r.request_id != i:
+            raise ConfigError(
+                f"{where} has request_id {r.request_id}; ids must be 0..n-1 in order",
+                field="request_id",
+            )
+        if r.input_tokens < 1 or r.output_tokens < 1:
+            raise ConfigError(f"{where}: token lengths must be >= 1", field="output_tokens")
+        if r.arrival_ns < last:
+            raise ConfigError(f"{where} arrives before the request ahead of it", field="arrival")
+        last = r.arrival_ns
+
+
 def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
@@ -358,8 +380,7 @@ def replay(
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
     configuration (:func:`~xds.serve.decode_te.comm_grid`)."""
     cfg = config or PDConfig()
-    if not len(workload):
-        raise ConfigError("the workload has no requests", field="workload")
+    _check_workload(workload)
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
