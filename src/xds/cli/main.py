@@ -283,7 +283,13 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     show_default=True,
     help="A PD preset name or a .toml/.json file of PDConfig fields.",
 )
-@click.option("--rate-scale", type=float, default=1.0, show_default=True)
+@click.option(
+    "--rate-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Arrivals this many times as dense (2 halves every gap).",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="First N requests only.")
 @click.option(
     "--synthetic",
@@ -295,7 +301,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
 )
 @click.option(
     "--rate",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=2.0,
     show_default=True,
     help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
@@ -308,7 +314,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
 )
 @click.option(
     "--cv",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
@@ -342,11 +348,7 @@ def replay(
     from xds.trace import load, load_lengths, write
     from xds.trace.production import production_workload
 
-    if rate_scale <= 0:
-        raise click.UsageError("--rate-scale must be positive")
     cfg = pd_config(deployment)
-    if rate <= 0 or cv <= 0:
-        raise click.UsageError("--rate and --cv must be positive")
     if trace is None:
         workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed)
     elif fmt == "lengths":

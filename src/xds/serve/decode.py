@@ -37,7 +37,7 @@ from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
 from .jitter import JitterConfig, sample
-from .kv import KVBlockManager
+from .kv import KVBlockManager, kv_capacity_blocks
 from .mtp import MTPConfig, tokens_per_step
 from .routing import DecodeRouter
 
@@ -456,8 +456,6 @@ def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
     """KV blocks of one decode die: HBM left after the weights it holds (attention and dense
     layers replicated per DP, its routed experts + one redundant slot per MoE layer in INT8,
     embeddings and LM head in BF16) and the workspace."""
-    from .kv import kv_capacity_blocks
-
     m = config.spec
     routed_dies = max(1, config.dies - config.shared_expert_dies)
     experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import anyio
 import numpy as np
 
-from ..errors import ConfigError
 from ..runtime import emit, now_ns, rng, sleep_ns
 from ..trace.metrics import RequestRecord
 from .decode import (
@@ -67,8 +66,8 @@ class _ReplayDecodeModel(DecodeModel):
 
     bucket = 32
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: DecodeConfig, comm: CommCosts):
+        super().__init__(config, comm)
         self._draws: dict[int, tuple[list[int], list[int]]] = {}
         self._gen = rng("decode-te/routing")
         self._last_key: tuple[object, ...] | None = None
@@ -246,4 +245,4 @@ class DecodeTE:
         if (self.slot_req >= 0).any():
             raise AssertionError("decode TE still holds sequences")
         if any(k.used for k in self.kv):
-            raise ConfigError("decode KV blocks still held after the replay", field="kv")
+            raise AssertionError("decode KV blocks still held after the replay")
