@@ -405,3 +405,73 @@ def test_replay_rejects_malformed_workloads_with_the_request_named():
         replay(_workload((0, 10, 0)), SMALL)
     with pytest.raises(ConfigError, match="arrives before"):
         replay(_workload((5, 10, 2), (1, 10, 2)), SMALL)
+
+
+def _prefill_cost(cfg: PrefillConfig | None = None) -> PrefillCost:
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    cfg = cfg or PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    return PrefillCost(MODELS["deepseek-r1"], cfg, die, PodConfig().engines, link)
+
+
+def test_tp_attention_is_the_per_die_share_of_the_heads_counted_once():
+    from xds.model import MODELS
+
+    m = MODELS["deepseek-r1"]
+    n = 16_384
+    for tp in (4, 8):
+        cost = _prefill_cost(PrefillConfig(attention_tp=tp))
+        flops = 2.0 * n * (n / 2) * (m.heads / tp) * (m.qk_nope_head_dim + 64 + m.v_head_dim)
+        expected = cost.cost.kernel(
+            "a", flops, n * m.kv_bytes_per_token_layer(int8_nope=True), "cube_bf16", attention=True
+        ).time_ns
+        _, moe, _, _ = cost.layer_times([[(n, 0)]])
+        assert expected in moe  # the attention slot: 1/tp of the heads, not 1/tp^2
+    # twice the TP ranks, half the attention time per die
+    a4 = _prefill_cost(PrefillConfig(attention_tp=4)).layer_times([[(n, 0)]])[1]
+    a8 = _prefill_cost(PrefillConfig(attention_tp=8)).layer_times([[(n, 0)]])[1]
+    assert max(a8) == pytest.approx(max(a4) / 2, rel=0.01)
+
+
+def test_sequence_parallel_step_splits_a_long_request_over_every_group():
+    cost = _prefill_cost()
+    n = 48_000
+    alone, sp = cost.step_ns([[(n, 0)]]), cost.step_ns(cost.sp_step(n, 0))
+    groups = cost.config.dps_per_te
+    assert alone / groups < sp < alone / 5  # near-linear: the ring hides behind attention
+    # a share does 1/groups of the causal work, more than a request of n/groups tokens alone
+    assert sp > cost.step_ns([[(n // groups, 0)]])
+
+
+def test_a_long_request_runs_sequence_parallel_alone_and_frees_every_share():
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    wl = _workload((0, 40_000, 3), (0, 1_000, 3), (0, 1_000, 3))
+    grid = comm_grid(one_te.decode)
+
+    async def main():
+        r = Replay(wl, one_te, grid)
+        return r, await r.run()
+
+    r, records = run(main)
+    long, short = records[0], records[1]
+    assert long.prefill_placement == "P0/SP8"
+    assert all(x.prefill_placement.startswith("P0/DP") for x in records[1:])
+    # the SP job has its step alone: the short ones start after its first token
+    assert short.first_token_ns > long.first_token_ns
+    assert short.queue_ns >= long.first_token_ns - long.arrival_ns
+    assert all(rec.outcome == "completed" for rec in records)
+    te = r.prefill[0]
+    assert all(kv.free == kv.capacity for kv in te.kv) and not te._sp_jobs
+
+
+def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
+    off = msgspec.structs.replace(
+        SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1, sp_threshold=0)
+    )
+    on = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    wl = _workload((0, 40_000, 3))
+    slow, fast = replay(wl, off).records[0], replay(wl, on).records[0]
+    assert slow.prefill_placement == "P0/DP0" and fast.prefill_placement == "P0/SP8"
+    assert slow.ttft_ns > 5 * fast.ttft_ns

@@ -19,6 +19,14 @@ move each die's copies at the UB bandwidth derated by the all-to-all congestion 
 :mod:`xds.hw`. Prefill also runs the MTP layer (P097). The step ends with the LM head on one
 token per request, which emits the first output token.
 
+**Sequence parallelism** (P029, P094). A request with more than ``sp_threshold`` uncached
+tokens runs over all the TE's DP groups at once, alone in its step (P058: one set of SP ranks
+should not serve short and long sequences together): each group projects and routes 1/sp of
+its tokens and does 1/sp of its causal attention (a load-balanced split), while the latent KV
+of the shares circulates in a ring over UB, overlapped with the attention compute. Each group
+holds an equal share of its KV; the KV leaves for Decode through the leader group's ranks
+(the decode die's single ingress link bounds that transfer either way).
+
 **Prefix cache.** Per DP group, an LRU of prompt block hashes (Mooncake's ``hash_ids``, one per
 ``prefix_block_tokens`` tokens); a request reuses the longest cached run of its leading blocks.
 """
@@ -54,8 +62,15 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """[emulator choice] share of a DP group's KV blocks kept as prefix cache."""
     long_input_threshold: Annotated[int, Meta(ge=1)] = 32_768
     """Inputs longer than this go to the long-input pool (P119, P126)."""
-    long_pool_tes: Annotated[int, Meta(ge=0)] = 1
-    """The last ``long_pool_tes`` TEs serve only long inputs (0: no separate pool)."""
+    long_pool_tes: Annotated[int, Meta(ge=0)] = 0
+    """The last ``long_pool_tes`` TEs serve only inputs over ``long_input_threshold``
+    (P119, P126: dedicated resources for extreme requests). 0, the default: SPEC 12.4's four
+    TEs all serve its 0-64K mix, the extreme requests P126 isolates being beyond it."""
+    sp_threshold: Annotated[int, Meta(ge=0)] = 16_384
+    """Requests with more uncached tokens than this run **sequence-parallel** over all the
+    TE's DP groups, alone in their step (P029, P094; P058: one set of SP ranks should not mix
+    short and long sequences). [emulator choice] the default equals ``max_tokens_per_dp``: a
+    request too big for one group's step is spread over all of them. 0 turns SP off."""
     hardware: Literal["910c", "910b"] = "910c"
     """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
     all_gather_ns: Annotated[int, Meta(ge=0)] = 5_000
@@ -117,6 +132,19 @@ class PrefixCache:
             self._lru.popitem(last=False)
 
 
+Piece = tuple[int, int] | tuple[int, int, int]
+"""Work a DP group holds in a step: (new tokens, cached tokens[, SP degree])."""
+
+
+def _sp(piece: Piece) -> int:
+    return piece[2] if len(piece) == 3 else 1  # type: ignore[misc]
+
+
+def _tokens(piece: Piece) -> float:
+    """New tokens this group projects and sends through the MoE layers."""
+    return piece[0] / _sp(piece)
+
+
 class PrefillCost:
     """Step time of one Prefill TE (all its DP groups in lockstep)."""
 
@@ -139,14 +167,16 @@ class PrefillCost:
     def _scaled(self, times: list[int], tp: int) -> list[int]:
         return [-(-t // tp) for t in times]
 
-    def layer_times(self, groups: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[int], ...]:
+    def layer_times(self, groups: Sequence[Sequence[Piece]]) -> tuple[list[int], ...]:
         """(dense layer, MoE layer, MTP layer, head) kernel times of one lockstep step, for
-        ``groups`` = per DP group the (new tokens, cached tokens) of each of its requests.
+        ``groups`` = per DP group the pieces of work it holds: (new tokens, cached tokens) of
+        each of its requests, or (new, cached, sp) for a request split sequence-parallel over
+        ``sp`` groups (each group then holds a 1/sp share, see :meth:`sp_step`).
         The groups meet at every MoE layer, so each kernel takes as long as it does on the
         slowest group; the routed experts serve every group's tokens at once."""
         m, cfg = self.model, self.config
         busy = [g for g in groups if g]
-        all_tokens = sum(n for g in busy for n, _ in g)
+        all_tokens = sum(_tokens(p) for g in busy for p in g)
         per_die = all_tokens * m.top_k / cfg.dies_per_te
         experts_here = max(1, m.routed_experts // cfg.dies_per_te)
         routed = experts_here * self.cost.expert(per_die / experts_here).time_ns
@@ -156,26 +186,35 @@ class PrefillCost:
         )
 
     def _group_times(
-        self, group: Sequence[tuple[int, int]], routed_ns: int
+        self, group: Sequence[Piece], routed_ns: int
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """One DP group's kernel times (attention side on ``tp`` dies)."""
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
-        tokens = float(sum(n for n, _ in group))
-        kv_bytes = sum(n + x for n, x in group) * m.kv_bytes_per_token_layer(
-            int8_nope=cfg.precision.kv_int8_nope
-        )
+        tokens = float(sum(_tokens(p) for p in group))
+        kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
+        # every piece reads its whole context's latent cache (an SP share sees it pass by)
+        kv_bytes = sum(p[0] + p[1] for p in group) * kv_token
         attn = c.kernel(
             "mla_prefill_attention", self._attn_flops(group), kv_bytes, "cube_bf16", attention=True
         )
-        attn_side = self._scaled(
-            [
-                *(k.time_ns for k in c.mla_prolog(tokens)),
-                attn.time_ns,
-                *(k.time_ns for k in c.mla_output(tokens)),
-            ],
-            tp,
+        # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
+        # the attention compute, at the UB rate of one link
+        ring = max(
+            (
+                round((p[2] - 1) * (p[0] + p[1]) / p[2] * kv_token / self.link.bandwidth * 1e9)
+                for p in group
+                if len(p) == 3
+            ),
+            default=0,
         )
+        # projections split over the TP ranks; the attention kernel is already per die (its
+        # FLOPs count this rank's heads; every rank reads the whole latent cache)
+        attn_side = [
+            *self._scaled([k.time_ns for k in c.mla_prolog(tokens)], tp),
+            max(attn.time_ns, ring),
+            *self._scaled([k.time_ns for k in c.mla_output(tokens)], tp),
+        ]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
         shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
         copies = tokens / tp * m.top_k  # each TP rank dispatches its share of the tokens
@@ -189,15 +228,23 @@ class PrefillCost:
         head = [c.lm_head(reqs).time_ns, c.sampling(reqs).time_ns]
         return dense, moe, mtp, head
 
-    def _attn_flops(self, group: Sequence[tuple[int, int]]) -> float:
+    def _attn_flops(self, group: Sequence[Piece]) -> float:
         """Causal MLA attention FLOPs per die of a group: each new token attends to the cached
-        prefix and, on average, half of the new tokens (non-absorbed form, heads split by TP)."""
+        prefix and, on average, half of the new tokens (non-absorbed form, heads split by TP).
+        An SP share does 1/sp of its request's work (load-balanced causal split)."""
         m = self.model
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         heads = m.heads / self.config.attention_tp
-        return sum(2.0 * n * (x + n / 2) * heads * (qk + m.v_head_dim) for n, x in group)
+        return sum(
+            2.0 * p[0] * (p[1] + p[0] / 2) * heads * (qk + m.v_head_dim) / _sp(p) for p in group
+        )
 
-    def step_ns(self, groups: Sequence[Sequence[tuple[int, int]]]) -> int:
+    def sp_step(self, new: int, cached: int) -> list[list[Piece]]:
+        """The step of one request run sequence-parallel over every DP group of the TE."""
+        d = self.config.dps_per_te
+        return [[(new, cached, d)] for _ in range(d)]
+
+    def step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         """Eager-mode time of one step over all layers, the MTP layer and the head."""
         if not any(groups):
             return 0
@@ -231,6 +278,9 @@ class PrefillJob(msgspec.Struct):
     prefix_hashes: tuple[int, ...]
     submitted_ns: int
     dp: int = -1
+    """The DP group that ran it (the leader's group, 0, for a sequence-parallel job)."""
+    sp: int = 1
+    """DP groups the job ran on: 1, or all of the TE's when sequence-parallel."""
     cached_tokens: int = 0
     start_ns: int = -1
     first_token_ns: int = -1
@@ -264,7 +314,9 @@ class PrefillTE:
         self.busy_ns = 0
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
-        self._step_cache: dict[int, int] = {}
+        self._step_cache: dict[tuple[int, bool], int] = {}
+        self._sp_jobs: set[int] = set()
+        """Sequence-parallel requests whose KV shares are still held."""
 
     def max_input_tokens(self) -> int:
         return self.kv[0].capacity * self.config.block_tokens
@@ -280,17 +332,29 @@ class PrefillTE:
         get its first token here: the running step's end, then as many steps as the pool's
         backlog fills, each as long as a step holding the longest pending prompt (lockstep
         groups wait for their longest input, P096)."""
-        longest, backlog = new_tokens, new_tokens
-        for job, _ in self.pool:
-            longest = max(longest, job.input_tokens)
-            backlog += job.input_tokens
+        longest = backlog = sp_ns = 0
+        for tokens in (new_tokens, *(job.input_tokens for job, _ in self.pool)):
+            if self._is_sp(tokens):  # a step of its own
+                sp_ns += self._predicted_step(tokens, sp=True)
+            else:
+                longest = max(longest, tokens)
+                backlog += tokens
         capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
         steps = -(-backlog // capacity)
-        key = -(-longest // 256) * 256  # step cost in 256-token steps (cached)
+        wait = steps * self._predicted_step(longest, sp=False) if backlog else 0
+        return max(now, self.step_end_ns) + wait + sp_ns
+
+    def _is_sp(self, new_tokens: int) -> bool:
+        threshold = self.config.sp_threshold
+        return bool(threshold) and new_tokens > threshold and self.config.dps_per_te > 1
+
+    def _predicted_step(self, tokens: int, *, sp: bool) -> int:
+        key = (-(-tokens // 256) * 256, sp)  # step cost in 256-token steps (cached)
         step = self._step_cache.get(key)
         if step is None:
-            step = self._step_cache[key] = self.cost.step_ns([[(key, 0)]])
-        return max(now, self.step_end_ns) + steps * step
+            groups = self.cost.sp_step(key[0], 0) if sp else [[(key[0], 0)]]
+            step = self._step_cache[key] = self.cost.step_ns(groups)
+        return step
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
         """Put ``job`` in the pool and wait until its prefill (first token) is done."""
@@ -302,8 +366,14 @@ class PrefillTE:
         return job
 
     def release(self, dp: int, request_id: int) -> None:
-        """The DP dequeued the transfer's completion: free the request's KV blocks."""
-        self.kv[dp].release(request_id)
+        """The DP dequeued the transfer's completion: free the request's KV blocks (on every
+        DP group for a sequence-parallel request)."""
+        if request_id in self._sp_jobs:
+            self._sp_jobs.discard(request_id)
+            for kv in self.kv:
+                kv.release(request_id)
+        else:
+            self.kv[dp].release(request_id)
         self._wake.set()
 
     def _assign(self) -> tuple[list[list[PrefillJob]], list[tuple[PrefillJob, anyio.Event]]]:
@@ -315,7 +385,18 @@ class PrefillTE:
         load = [0] * len(self.kv)
         keep: list[tuple[PrefillJob, anyio.Event]] = []
         placed: list[tuple[PrefillJob, anyio.Event]] = []
+        sp_step = False
         for job, ev in self.pool:
+            if sp_step:  # a sequence-parallel job has the whole step
+                keep.append((job, ev))
+                continue
+            if self._place_sp(job, groups, placed):
+                placed.append((job, ev))
+                sp_step = True
+                continue
+            if self._is_sp(job.input_tokens - self._best_hit(job)):
+                keep.append((job, ev))  # waits for a step it can have alone
+                continue
             best, best_key = -1, None
             for dp, kv in enumerate(self.kv):
                 if not kv.can_admit(job.input_tokens):
@@ -340,6 +421,35 @@ class PrefillTE:
         self.pool = keep
         return groups, placed
 
+    def _best_hit(self, job: PrefillJob) -> int:
+        """Tokens of the job's longest cached prefix on any DP group (at most input - 1)."""
+        hit = max(c.hit_blocks(job.prefix_hashes) for c in self.cache)
+        return min(hit * self.config.prefix_block_tokens, job.input_tokens - 1)
+
+    def _place_sp(
+        self,
+        job: PrefillJob,
+        groups: list[list[PrefillJob]],
+        placed: list[tuple[PrefillJob, anyio.Event]],
+    ) -> bool:
+        """Place ``job`` sequence-parallel on every DP group if its uncached tokens call for
+        it and the step is still empty; each group holds an equal share of its KV. The
+        longest cached prefix on any group counts (the SP ranks read it over UB)."""
+        d = len(self.kv)
+        hit = self._best_hit(job)
+        if placed or not self._is_sp(job.input_tokens - hit):
+            return False
+        share = -(-job.input_tokens // d)
+        if not all(kv.can_admit(share) for kv in self.kv):
+            return False
+        for kv in self.kv:
+            kv.admit(job.request_id, share)
+        job.dp, job.sp, job.cached_tokens = 0, d, hit
+        self._sp_jobs.add(job.request_id)
+        for g in groups:
+            g.append(job)
+        return True
+
     async def run(self) -> None:
         """The leader's loop: runs only while requests are pending (P058)."""
         while True:
@@ -354,7 +464,15 @@ class PrefillTE:
             for job, _ in placed:
                 job.start_ns = start
             step = self.cost.step_ns(
-                [[(j.input_tokens - j.cached_tokens, j.cached_tokens) for j in g] for g in groups]
+                [
+                    [
+                        (j.input_tokens - j.cached_tokens, j.cached_tokens, j.sp)
+                        if j.sp > 1
+                        else (j.input_tokens - j.cached_tokens, j.cached_tokens)
+                        for j in g
+                    ]
+                    for g in groups
+                ]
             )
             self.step_end_ns = start + step
             await sleep_ns(step)

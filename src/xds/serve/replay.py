@@ -205,7 +205,9 @@ class Replay:
         )
         rec.first_token_ns = job.first_token_ns
         rec.queue_ns = job.start_ns - req.arrival_ns
-        rec.prefill_placement = f"P{te.index}/DP{job.dp}"
+        rec.prefill_placement = (
+            f"P{te.index}/SP{job.sp}" if job.sp > 1 else f"P{te.index}/DP{job.dp}"
+        )
         if req.output_tokens == 1:  # prefill's token was the whole output
             te.release(job.dp, req.request_id)
             rec.finish_ns = job.first_token_ns
