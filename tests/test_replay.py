@@ -475,3 +475,54 @@ def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
     slow, fast = replay(wl, off).records[0], replay(wl, on).records[0]
     assert slow.prefill_placement == "P0/DP0" and fast.prefill_placement == "P0/SP8"
     assert slow.ttft_ns > 5 * fast.ttft_ns
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.integers(0, 200_000_000),  # gap to the previous arrival
+            st.one_of(st.integers(1, 4_000), st.integers(18_000, 40_000)),  # short or SP
+            st.integers(1, 6),
+            st.sampled_from([(), (1, 2), (1, 2, 3)]),  # shared prefixes (<= 1.5K tokens)
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+)
+def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs):
+    """Long (SP) and short prompts in one TE: every request completes, an SP step holds only
+    its job, and every group's KV returns to empty."""
+    cfg = msgspec.structs.replace(
+        SMALL,
+        prefill=msgspec.structs.replace(SMALL.prefill, tes=1),
+        decode=msgspec.structs.replace(SMALL.decode, kv_blocks_per_die=400),
+    )
+    if not _SP_GRID:
+        _SP_GRID.extend(comm_grid(cfg.decode))
+    t, rows = 0, []
+    for i, (gap, x, y, hashes) in enumerate(reqs):
+        t += gap
+        rows.append(Request(i, t, x, y, prefix_hashes=hashes))
+    wl = Workload(tuple(rows))
+
+    async def main():
+        r = Replay(wl, cfg, _SP_GRID)
+        return r, await r.run()
+
+    r, records = run(main)
+    assert all(rec.outcome == "completed" for rec in records)
+    sp = [rec for rec in records if rec.prefill_placement.endswith("/SP8")]
+    assert {rec.request_id for rec in sp} == {
+        row.request_id for row in rows if row.input_tokens > 16_384
+    }
+    for s in sp:  # nothing else started in an SP job's step
+        for rec in records:
+            if rec is not s:
+                start = rec.arrival_ns + rec.queue_ns
+                assert not (s.arrival_ns + s.queue_ns == start)
+    te = r.prefill[0]
+    assert all(kv.free == kv.capacity for kv in te.kv) and not te._sp_jobs
+
+
+_SP_GRID: list = []
