@@ -520,7 +520,7 @@ def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs):
         for rec in records:
             if rec is not s:
                 start = rec.arrival_ns + rec.queue_ns
-                assert not (s.arrival_ns + s.queue_ns == start)
+                assert s.arrival_ns + s.queue_ns != start
     te = r.prefill[0]
     assert all(kv.free == kv.capacity for kv in te.kv) and not te._sp_jobs
 
