@@ -463,7 +463,7 @@ def test_a_long_request_runs_sequence_parallel_alone_and_frees_every_share():
     assert short.queue_ns >= long.first_token_ns - long.arrival_ns
     assert all(rec.outcome == "completed" for rec in records)
     te = r.prefill[0]
-    assert all(kv.free == kv.capacity for kv in te.kv) and not te._sp_jobs
+    assert all(kv.free == kv.capacity and kv.check() is None for kv in te.kv)
 
 
 def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
@@ -522,7 +522,7 @@ def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs):
                 start = rec.arrival_ns + rec.queue_ns
                 assert s.arrival_ns + s.queue_ns != start
     te = r.prefill[0]
-    assert all(kv.free == kv.capacity for kv in te.kv) and not te._sp_jobs
+    assert all(kv.free == kv.capacity and kv.check() is None for kv in te.kv)
 
 
 _SP_GRID: list = []

@@ -97,6 +97,10 @@ class KVBlockManager:
     def held(self, request: object) -> int:
         return self._held.get(request, 0)
 
+    def holds(self, request: object) -> bool:
+        """Whether the request was admitted and not yet released (even with 0 blocks)."""
+        return request in self._held
+
     def check(self) -> None:
         """Conservation: free + held == capacity."""
         held = sum(self._held.values())

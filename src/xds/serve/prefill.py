@@ -202,9 +202,8 @@ class PrefillCost:
         # the attention compute, at the UB rate of one link
         ring = max(
             (
-                round((p[2] - 1) * (p[0] + p[1]) / p[2] * kv_token / self.link.bandwidth * 1e9)
+                round((_sp(p) - 1) * (p[0] + p[1]) / _sp(p) * kv_token / self.link.bandwidth * 1e9)
                 for p in group
-                if len(p) == 3
             ),
             default=0,
         )
@@ -315,8 +314,6 @@ class PrefillTE:
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
         self._step_cache: dict[tuple[int, bool], int] = {}
-        self._sp_jobs: set[int] = set()
-        """Sequence-parallel requests whose KV shares are still held."""
 
     def max_input_tokens(self) -> int:
         return self.kv[0].capacity * self.config.block_tokens
@@ -366,14 +363,12 @@ class PrefillTE:
         return job
 
     def release(self, dp: int, request_id: int) -> None:
-        """The DP dequeued the transfer's completion: free the request's KV blocks (on every
-        DP group for a sequence-parallel request)."""
-        if request_id in self._sp_jobs:
-            self._sp_jobs.discard(request_id)
-            for kv in self.kv:
+        """The DP dequeued the transfer's completion: free the request's KV blocks (its share
+        on every DP group for a sequence-parallel request)."""
+        self.kv[dp].release(request_id)
+        for kv in self.kv:
+            if kv.holds(request_id):
                 kv.release(request_id)
-        else:
-            self.kv[dp].release(request_id)
         self._wake.set()
 
     def _assign(self) -> tuple[list[list[PrefillJob]], list[tuple[PrefillJob, anyio.Event]]]:
@@ -390,12 +385,13 @@ class PrefillTE:
             if sp_step:  # a sequence-parallel job has the whole step
                 keep.append((job, ev))
                 continue
-            if self._place_sp(job, groups, placed):
-                placed.append((job, ev))
-                sp_step = True
-                continue
-            if self._is_sp(job.input_tokens - self._best_hit(job)):
-                keep.append((job, ev))  # waits for a step it can have alone
+            hit = self._best_hit(job)
+            if self._is_sp(job.input_tokens - hit):
+                if not placed and self._place_sp(job, hit, groups):
+                    placed.append((job, ev))
+                    sp_step = True
+                else:
+                    keep.append((job, ev))  # waits for a step it can have alone
                 continue
             best, best_key = -1, None
             for dp, kv in enumerate(self.kv):
@@ -426,26 +422,17 @@ class PrefillTE:
         hit = max(c.hit_blocks(job.prefix_hashes) for c in self.cache)
         return min(hit * self.config.prefix_block_tokens, job.input_tokens - 1)
 
-    def _place_sp(
-        self,
-        job: PrefillJob,
-        groups: list[list[PrefillJob]],
-        placed: list[tuple[PrefillJob, anyio.Event]],
-    ) -> bool:
-        """Place ``job`` sequence-parallel on every DP group if its uncached tokens call for
-        it and the step is still empty; each group holds an equal share of its KV. The
-        longest cached prefix on any group counts (the SP ranks read it over UB)."""
+    def _place_sp(self, job: PrefillJob, hit: int, groups: list[list[PrefillJob]]) -> bool:
+        """Place ``job`` sequence-parallel on every DP group of an empty step if each can hold
+        an equal share of its KV. ``hit``, the longest cached prefix on any group, counts (the
+        SP ranks read it over UB)."""
         d = len(self.kv)
-        hit = self._best_hit(job)
-        if placed or not self._is_sp(job.input_tokens - hit):
-            return False
         share = -(-job.input_tokens // d)
         if not all(kv.can_admit(share) for kv in self.kv):
             return False
         for kv in self.kv:
             kv.admit(job.request_id, share)
         job.dp, job.sp, job.cached_tokens = 0, d, hit
-        self._sp_jobs.add(job.request_id)
         for g in groups:
             g.append(job)
         return True
@@ -465,12 +452,7 @@ class PrefillTE:
                 job.start_ns = start
             step = self.cost.step_ns(
                 [
-                    [
-                        (j.input_tokens - j.cached_tokens, j.cached_tokens, j.sp)
-                        if j.sp > 1
-                        else (j.input_tokens - j.cached_tokens, j.cached_tokens)
-                        for j in g
-                    ]
+                    [(j.input_tokens - j.cached_tokens, j.cached_tokens, j.sp) for j in g]
                     for g in groups
                 ]
             )
