@@ -48,6 +48,7 @@ def main() -> None:
     print(f"TPOT ms          mean {t.mean:,.2f}  p50 {t.p50:,.2f}  p99 {t.p99:,.2f}")
     print(f"tokens/s/chip    {s.output_tokens_per_s_per_chip:,.1f}")
     print(f"goodput          {s.goodput:.1%}")
+    print(f"prefix hits      {s.prefix_hit_ratio:.1%} of prompt tokens")
     print(f"virtual duration {s.duration_s:,.1f} s; decode iterations {res.decode_iterations:,}")
     print(f"wall             {wall:.1f} s ({s.duration_s / wall:,.0f}x real time)")
 

@@ -22,7 +22,7 @@ from xds.serve.prefill import PrefillConfig, PrefillCost, PrefixCache, prefill_h
 from xds.serve.presets import pd_config
 from xds.serve.replay import PDConfig, Replay, replay
 from xds.trace import Request, Workload, load_mooncake
-from xds.trace.production import production_workload
+from xds.trace.production import NO_CONVERSATIONS, production_workload
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
@@ -62,7 +62,7 @@ def test_replay_is_identical_on_asyncio_and_trio():
     several requests contend at one instant - e.g. jobs leaving one prefill step together -
     each backend is reproducible on its own, but the order in which the tasks resume, and so
     the transfer order, is the backend's.)"""
-    wl = production_workload(10, rate_per_s=4.0, seed=2)
+    wl = production_workload(10, rate_per_s=4.0, seed=2, conversations=NO_CONVERSATIONS)
     a = replay(wl, SMALL).records
     b = replay(wl, SMALL, backend="trio").records
     assert msgspec.json.encode(a) == msgspec.json.encode(b)

@@ -87,3 +87,13 @@ def test_dispatch_combine_sweep_on_a_small_group():
     assert crossover({1: (10, 5), 8: (8, 8), 16: (6, 10)}) == 8.0
     assert crossover({1: (5, 10), 8: (6, 10)}) == 0.0
     assert crossover({1: (15, 10), 8: (16, 10)}) == 8.0
+
+
+def test_e2a_is_slower_than_a2e_at_the_p047_configuration():
+    """SPEC 5.6: E2A > A2E. Both kernels launch and pack on the sending side; E2A then also
+    dequantises and weights every copy at the attention die."""
+    from xds.reproduce.a2e_e2a import measure as measure_ae
+
+    lat = measure_ae()
+    assert lat["e2a_us"] > lat["a2e_us"] > 100.0
+    assert lat["attention_meta_writes"] == 1

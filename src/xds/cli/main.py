@@ -307,6 +307,11 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
 )
 @click.option(
+    "--unique-prompts",
+    is_flag=True,
+    help="Built-in workload: no multi-turn conversations (no prompt shares a prefix).",
+)
+@click.option(
     "--columns",
     default="prompt_tokens,completion_tokens",
     show_default=True,
@@ -331,6 +336,7 @@ def replay(
     limit: int | None,
     synthetic_n: int,
     rate: float,
+    unique_prompts: bool,
     columns: str,
     cv: float,
     out_dir: str | None,
@@ -346,11 +352,18 @@ def replay(
     from xds.serve.presets import pd_config
     from xds.serve.replay import replay as run_replay
     from xds.trace import load, load_lengths, write
-    from xds.trace.production import production_workload
+    from xds.trace.production import (
+        MOONCAKE_CONVERSATIONS,
+        NO_CONVERSATIONS,
+        production_workload,
+    )
 
     cfg = pd_config(deployment)
     if trace is None:
-        workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed)
+        conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
+        workload = production_workload(
+            synthetic_n, rate_per_s=rate, seed=seed, conversations=conv
+        )
     elif fmt == "lengths":
         cols = [c.strip() for c in columns.split(",")]
         if len(cols) != 2 or not all(cols):
@@ -418,6 +431,7 @@ def replay(
         f"SLA goodput (TTFT < {s.sla.ttft_ms:g} ms, TPOT < {s.sla.tpot_ms:g} ms)",
         f"{s.goodput:.1%}",
     )
+    totals.add_row("prefix-cache hits (share of prompt tokens)", f"{s.prefix_hit_ratio:.1%}")
     totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))

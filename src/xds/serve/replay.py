@@ -205,6 +205,7 @@ class Replay:
         )
         rec.first_token_ns = job.first_token_ns
         rec.queue_ns = job.start_ns - req.arrival_ns
+        rec.cached_tokens = job.cached_tokens
         rec.prefill_placement = (
             f"P{te.index}/SP{job.sp}" if job.sp > 1 else f"P{te.index}/DP{job.dp}"
         )

@@ -37,6 +37,8 @@ class RequestRecord(msgspec.Struct):
     decode_placement: str = ""
     queue_ns: int = 0
     kv_transfer_ns: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefill prefix cache (not recomputed)."""
 
     @property
     def ttft_ns(self) -> int:
@@ -88,6 +90,8 @@ class Summary(msgspec.Struct):
     output_tokens_per_s: float
     output_tokens_per_s_per_chip: float
     goodput: float
+    prefix_hit_ratio: float
+    """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
     sla: SLA
     duration_s: float
 
@@ -126,6 +130,8 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         output_tokens_per_s=tokens / duration,
         output_tokens_per_s_per_chip=tokens / duration / chips,
         goodput=good / len(records) if records else 0.0,
+        prefix_hit_ratio=sum(r.cached_tokens for r in done)
+        / max(1, sum(r.input_tokens for r in done)),
         sla=sla,
         duration_s=duration,
     )

@@ -342,7 +342,13 @@ class AEGroup:
             if outputs is None:
                 raise ConfigError("bytes payload mode needs expert outputs", field="outputs")
             vals = np.asarray(outputs, np.float32)[rows_i, cols]
-        await sleep_ns(self._quant_ns(len(side), cfg.e2a_dtype))
+        # the E2A kernel, like A2E's on the attention side: launch, load the outputs and write
+        # them (quantised) into the managed area grouped by destination
+        await sleep_ns(self.fabric.engines.kernel_launch_ns)
+        t = self.fabric.mte_transfer(
+            me, me, len(side) * self.back_bytes, start_ns=now_ns(), aivs=cfg.n_aiv
+        )
+        await sleep_until_ns(t.end_ns + self._quant_ns(len(side), cfg.e2a_dtype))
         by_att: dict[int, Block] = {}
         for a in np.unique(side["att"]):
             sel = side["att"] == a

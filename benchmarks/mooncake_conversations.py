@@ -1,0 +1,90 @@
+"""Multi-turn statistics of Mooncake's Kimi conversation trace: the source of the defaults of
+:class:`xds.trace.production.Conversations`.
+
+    python benchmarks/mooncake_conversations.py [--trace PATH] [--min-blocks N]
+
+For every request it finds the longest run of leading ``hash_ids`` that an earlier request
+also had (an infinite prefix cache). A request whose shared run is longer than
+``--min-blocks`` blocks (default 2, i.e. more than a system prompt) counts as a **follow-up**
+of the latest earlier request with that run. Printed: the follow-up share, the gap between a
+follow-up and that request (log-normal fit: median, sigma from p10/p90), the new tokens a
+follow-up adds (median, mean, log-normal sigma from mean/median) and the infinite-cache prefix
+reuse. Then the same reuse for xds's generated production workload, for comparison (it is not
+fitted to it). Needs ``../shared/data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+
+from xds.trace import load_mooncake
+from xds.trace.production import prefix_reuse, production_workload
+from xds.trace.workload import Workload
+
+DEFAULT = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "data"
+    / "traces"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
+Z90 = 1.2816  # standard normal quantile of 0.9
+
+
+def follow_ups(w: Workload, min_blocks: int, block_tokens: int = 512) -> dict[str, np.ndarray]:
+    trie: dict[tuple[int, int], int] = {}
+    last_seen: dict[int, int] = {}  # trie node -> arrival of the latest request through it
+    gaps, new, shared_frac = [], [], []
+    for r in w.requests:
+        node, k = 0, 0
+        for h in r.prefix_hashes:
+            child = trie.get((node, h))
+            if child is None:
+                break
+            node, k = child, k + 1
+        if k > min_blocks:
+            shared = min(k * block_tokens, r.input_tokens)
+            gaps.append((r.arrival_ns - last_seen[node]) / 1e9)
+            new.append(r.input_tokens - shared)
+            shared_frac.append(shared / r.input_tokens)
+        node = 0
+        for h in r.prefix_hashes:
+            node = trie.setdefault((node, h), len(trie) + 1)
+            last_seen[node] = r.arrival_ns
+    return {"gap_s": np.array(gaps), "new": np.array(new), "shared": np.array(shared_frac)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default=str(DEFAULT))
+    ap.add_argument("--min-blocks", type=int, default=2)
+    args = ap.parse_args()
+    w = load_mooncake(args.trace)
+    f = follow_ups(w, args.min_blocks)
+    p10, p50, p90 = np.percentile(f["gap_s"], [10, 50, 90])
+    new_pos = np.maximum(f["new"], 1)
+    new_median, new_mean = float(np.median(new_pos)), float(new_pos.mean())
+    print(f"trace: {args.trace} ({len(w):,} requests)")
+    share = len(f["gap_s"]) / len(w)
+    print(f"follow-up share (shared run > {args.min_blocks} blocks): {share:.3f}")
+    print(
+        f"turn gap: p10 {p10:.0f} s, p50 {p50:.0f} s, p90 {p90:.0f} s; "
+        f"log-normal sigma {(math.log(p90) - math.log(p10)) / (2 * Z90):.3f}"
+    )
+    print(
+        f"new tokens per follow-up: p50 {new_median:.0f}, mean {new_mean:.0f}; "
+        f"log-normal sigma {math.sqrt(2 * math.log(new_mean / new_median)):.2f}"
+    )
+    print(f"shared share of a follow-up's prompt: mean {f['shared'].mean():.3f}")
+    print(f"infinite-cache prefix reuse (tokens): {prefix_reuse(w):.3f}")
+    gen = production_workload(20_000, rate_per_s=10.0, seed=0)
+    print(f"xds production workload (20,000 at 10/s), same measure: {prefix_reuse(gen):.3f}")
+
+
+if __name__ == "__main__":
+    main()

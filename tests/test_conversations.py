@@ -1,0 +1,147 @@
+"""Multi-turn production workload (prefix structure) and prefix-cache accounting in a replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xds.errors import ConfigError
+from xds.serve.decode import DecodeConfig
+from xds.serve.jitter import JitterConfig
+from xds.serve.prefill import PrefillConfig
+from xds.serve.replay import PDConfig, replay
+from xds.trace import Request, Workload
+from xds.trace.production import (
+    BLOCK_TOKENS,
+    INPUT_MAX,
+    NO_CONVERSATIONS,
+    Conversations,
+    prefix_reuse,
+    production_workload,
+)
+from xds.units import S
+
+SMALL = PDConfig(
+    prefill=PrefillConfig(tes=2, long_pool_tes=0),
+    decode=DecodeConfig(
+        dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+    ),
+)
+
+
+def _parents(w: Workload) -> dict[int, int]:
+    """Request -> the latest earlier request sharing its longest run of leading blocks."""
+    last_use: dict[tuple[int, ...], int] = {}
+    out = {}
+    for r in w.requests:
+        for k in range(len(r.prefix_hashes), 0, -1):
+            j = last_use.get(tuple(r.prefix_hashes[:k]))
+            if j is not None:
+                out[r.request_id] = j
+                break
+        for k in range(1, len(r.prefix_hashes) + 1):
+            last_use[tuple(r.prefix_hashes[:k])] = r.request_id
+    return out
+
+
+def test_follow_ups_extend_an_earlier_prompt_by_its_full_blocks():
+    w = production_workload(3_000, rate_per_s=5.0, seed=4)  # a 600 s window
+    by_id = {r.request_id: r for r in w.requests}
+    parents = _parents(w)
+    assert 0.1 < len(parents) / len(w) < 0.341  # follow-ups whose parent is in the window
+    for child, parent in parents.items():
+        c, p = by_id[child], by_id[parent]
+        full = p.input_tokens // BLOCK_TOKENS
+        assert p.arrival_ns <= c.arrival_ns
+        assert c.prefix_hashes[:full] == p.prefix_hashes[:full]
+        assert c.input_tokens > p.input_tokens  # the earlier prompt plus new tokens
+        # nothing beyond the parent's full blocks is shared with anyone
+        assert full == len(c.prefix_hashes) or c.prefix_hashes[full] not in p.prefix_hashes
+    for r in w.requests:
+        assert len(r.prefix_hashes) == -(-r.input_tokens // BLOCK_TOKENS)
+        assert 1 <= r.input_tokens <= INPUT_MAX
+    # each turn is continued at most once (a conversation is a chain)
+    assert len(set(parents.values())) == len(parents)
+
+
+def test_turn_gaps_follow_the_configured_distribution():
+    conv = Conversations(gap_median_s=30.0, gap_sigma=0.0)  # every gap exactly 30 s
+    w = production_workload(2_000, rate_per_s=10.0, seed=1, conversations=conv)
+    by_id = {r.request_id: r for r in w.requests}
+    gaps = [(by_id[c].arrival_ns - by_id[p].arrival_ns) / S for c, p in _parents(w).items()]
+    # the nearest free earlier turn at or before 30 s back (a few arrivals at 10/s)
+    assert gaps and min(gaps) >= 30.0 and np.median(gaps) < 31.0
+
+
+def test_steady_state_reuse_is_near_the_mooncake_trace_without_being_fitted():
+    w = production_workload(20_000, rate_per_s=10.0, seed=0)
+    inputs = np.array([r.input_tokens for r in w.requests])
+    assert abs(inputs.mean() / 13_000 - 1) < 0.03
+    assert 0.2 < prefix_reuse(w) < 0.4  # Mooncake conversation trace: 0.374
+
+
+def test_no_conversations_means_unique_prompts():
+    w = production_workload(500, rate_per_s=10.0, seed=0, conversations=NO_CONVERSATIONS)
+    assert prefix_reuse(w) == 0.0
+    assert w.requests[0].arrival_ns == 0
+
+
+def test_prefix_reuse_counts_leading_blocks_seen_before():
+    w = Workload(
+        (
+            Request(0, 0, 1024, 1, (1, 2)),
+            Request(1, 1, 1500, 1, (1, 2, 3)),  # 1024 of 1500 reusable
+            Request(2, 2, 600, 1, (9, 2)),  # the 2 is not leading: nothing
+            Request(3, 3, 300, 1, (1,)),  # whole prompt (300 < one block)
+        )
+    )
+    assert prefix_reuse(w) == pytest.approx((1024 + 300) / (1024 + 1500 + 600 + 300))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("follow_up", 1.0), ("gap_median_s", 0.0), ("new_sigma", -1.0), ("history_s", -1.0)],
+)
+def test_bad_conversation_shapes_name_the_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        Conversations(**{field: value})
+    assert err.value.field == field
+
+
+def test_replay_records_prefix_cache_hits_of_a_follow_up():
+    first = Request(0, 0, 4096, 4, tuple(range(8)))
+    # arrives with the first: nothing is cached yet
+    racing = Request(1, 0, 4096 + 50, 4, (*range(8), 200))
+    # arrives long after the first prompt was prefilled: its 8 blocks are cached
+    follow = Request(2, 2 * S, 4096 + 700, 4, (*range(8), 100, 101))
+    res = replay(Workload((first, racing, follow)), SMALL)
+    rec = {r.request_id: r for r in res.records}
+    assert rec[0].cached_tokens == 0 and rec[1].cached_tokens == 0
+    assert rec[2].cached_tokens == 8 * BLOCK_TOKENS
+    total = sum(r.input_tokens for r in (first, follow, racing))
+    assert res.summary.prefix_hit_ratio == pytest.approx(8 * BLOCK_TOKENS / total)
+    # the hit shortens the follow-up's prefill against an uncached prompt of its length
+    cold = replay(Workload((Request(0, 0, 4096 + 700, 4, (*range(500, 508), 100, 101)),)), SMALL)
+    assert rec[2].ttft_ns < cold.records[0].ttft_ns
+
+
+def test_cli_built_in_workload_with_and_without_conversations(tmp_path, capsys):
+    import json
+
+    from xds.cli.main import main
+
+    def records(flag: list[str]) -> list[dict]:
+        out = tmp_path / ("u" if flag else "c")
+        argv = ["replay", "--synthetic", "40", "--rate", "0.2", "--out", str(out), "--json"]
+        assert main(argv + flag) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["requests"] == 40 and 0.0 <= summary["prefix_hit_ratio"] < 1.0
+        recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+        assert all(r["cached_tokens"] <= r["input_tokens"] for r in recs)
+        return recs
+
+    unique = records(["--unique-prompts"])
+    assert all(r["cached_tokens"] == 0 for r in unique)
+    conv = records([])
+    # at 0.2 req/s the 200 s window holds follow-ups of turns it also holds
+    assert sum(r["cached_tokens"] for r in conv) > 0
