@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from xds.cli.main import main
 from xds.config import load_config
 from xds.errors import ConfigError
+from xds.hw import ASCEND_910C_DIE
+from xds.model.costs import KernelEfficiency
 from xds.serve.decode import DecodeConfig
+from xds.serve.jitter import JitterConfig
+from xds.serve.prefill import PrefillConfig
 from xds.serve.presets import PRESETS, decode_config
+from xds.serve.replay import PDConfig
 
 
 def test_toml_and_json_configs(tmp_path):
@@ -53,3 +59,29 @@ def test_decode_command(tmp_path, capsys):
     assert "tokens/s per chip" in out and "per-kernel" in out
     assert main(["decode", "--deployment", "nowhere"]) == 2
     assert "unknown deployment" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: PrefillConfig(tes=0), "tes"),
+        (lambda: PrefillConfig(max_tokens_per_dp=2.5), "max_tokens_per_dp"),
+        (lambda: DecodeConfig(batch_per_die="60"), "batch_per_die"),
+        (lambda: KernelEfficiency(attention_compute=1.5), "attention_compute"),
+        (lambda: JitterConfig(preempt_probability=-0.1), "preempt_probability"),
+        (lambda: msgspec.structs.replace(ASCEND_910C_DIE, hbm_bandwidth=-1.0), "hbm_bandwidth"),
+    ],
+)
+def test_configs_built_in_python_are_checked_like_loaded_ones(build, field):
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert err.value.field == field
+
+
+def test_checked_configs_keep_their_own_rules_and_build_normally():
+    with pytest.raises(ConfigError, match="multiple of attention_tp") as err:
+        PrefillConfig(dies_per_te=30)
+    assert err.value.field == "prefill.dies_per_te"
+    cfg = PDConfig(prefill=PrefillConfig(tes=2, long_pool_tes=0))
+    assert cfg.prefill.tes == 2
+    assert msgspec.structs.replace(cfg.decode, batch_per_die=8).batch_per_die == 8

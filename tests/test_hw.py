@@ -87,9 +87,8 @@ def test_pod_parameters_are_validated_with_clear_errors():
         CloudMatrix384(servers=0)
     with pytest.raises(ConfigError, match="unknown pod parameter"):
         CloudMatrix384(sevrers=4)
-    die = msgspec.structs.replace(ASCEND_910C_DIE, aiv=64)
-    with pytest.raises(ConfigError, match="aiv"):
-        CloudMatrix384(die=die)
+    with pytest.raises(ConfigError, match="aiv"):  # checked where the spec is built
+        msgspec.structs.replace(ASCEND_910C_DIE, aiv=64)
     pod = CloudMatrix384(servers=4)
     with pytest.raises(ConfigError, match="does not exist"):
         pod.check_die(64)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ import msgspec
 from .errors import ConfigError
 
 T = TypeVar("T")
+_checking: ContextVar[bool] = ContextVar("xds_config_checking", default=False)
 
 
 def _read(path: Path) -> Any:
@@ -51,11 +53,38 @@ def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:
     try:
         return msgspec.convert(data, kind, strict=False)
     except msgspec.ValidationError as exc:
-        match = re.search(r"- at `\$\.?([^`]*)`", str(exc)) or re.search(
-            r"unknown field `([^`]*)`", str(exc)
-        )
-        field = match.group(1) if match else None
-        message = str(exc).split(" - at ")[0]
-        raise ConfigError(message, field=field or None, source=source) from None
+        raise _config_error(exc, source) from None
     except ConfigError as exc:  # a __post_init__ check
         raise ConfigError(str(exc), source=source) from None
+
+
+def _config_error(exc: msgspec.ValidationError, source: str | None) -> ConfigError:
+    match = re.search(r"- at `\$\.?([^`]*)`", str(exc)) or re.search(
+        r"unknown field `([^`]*)`", str(exc)
+    )
+    field = match.group(1) if match else None
+    message = str(exc).split(" - at ")[0]
+    return ConfigError(message, field=field or None, source=source)
+
+
+class _FieldsChecked(Exception):
+    """Raised by the copy :func:`check_fields` validates, once msgspec has checked its fields
+    and called its ``__post_init__``: stops the class's own checks from running twice."""
+
+
+def check_fields(struct: msgspec.Struct) -> None:
+    """Validate a config or spec built in Python against its annotations (types and ``Meta``
+    bounds), as loading it from TOML or JSON does: call first in ``__post_init__``. Nested
+    structs were checked when they were built; a bad value raises one ConfigError naming the
+    field."""
+    if _checking.get():  # the copy being validated below: its fields passed
+        raise _FieldsChecked
+    token = _checking.set(True)
+    try:
+        msgspec.convert(msgspec.structs.asdict(struct), type(struct))
+    except _FieldsChecked:
+        pass
+    except msgspec.ValidationError as exc:
+        raise _config_error(exc, None) from None
+    finally:
+        _checking.reset(token)

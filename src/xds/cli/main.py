@@ -361,9 +361,7 @@ def replay(
     cfg = pd_config(deployment)
     if trace is None:
         conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
-        workload = production_workload(
-            synthetic_n, rate_per_s=rate, seed=seed, conversations=conv
-        )
+        workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed, conversations=conv)
     elif fmt == "lengths":
         cols = [c.strip() for c in columns.split(",")]
         if len(cols) != 2 or not all(cols):

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..units import KiB, MiB
 
@@ -35,6 +36,9 @@ class FabricConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Smallest chunk: small messages use fewer AIVs rather than tinier chunks."""
     dma_chunk_bytes: Annotated[int, Meta(ge=32, multiple_of=32)] | None = None
     """Chunk of one DMA descriptor on the DMA path; default: one slot."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def validated(config: FabricConfig, die_ubuf_bytes: int) -> FabricConfig:

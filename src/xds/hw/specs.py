@@ -20,6 +20,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from xds.config import check_fields
 from xds.units import GB, TB, GiB, KiB, MiB
 
 
@@ -76,6 +77,9 @@ class DieSpec(msgspec.Struct, frozen=True, kw_only=True):
         _d("Unified Buffer per AIV, 192 KiB. CANN ub_size=196608 [P]; SPEC App. B ubuf_bytes"),
     ] = 192 * KiB
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
     @property
     def mte_max_bytes(self) -> int:
         """Largest single MTE operation: half a UBuf (ping-pong halves, SPEC 1.5)."""
@@ -90,6 +94,9 @@ class LinkSpec(msgspec.Struct, frozen=True, kw_only=True):
     latency_ns: Annotated[int, Meta(ge=0), _d("Base one-way latency of a small operation, ns")]
     source: str = ""
     """Where bandwidth and latency come from."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,6 +160,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             "scale, round/convert. [emulator choice] 4; time = ops / die vector peak"
         ),
     ] = 4
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def aiv_mte_bandwidth(engines: EngineSpec, die: DieSpec) -> float:

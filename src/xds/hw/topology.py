@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from xds.errors import ConfigError
 
+from ..config import check_fields
 from .specs import (
     ASCEND_910B2,
     ASCEND_910C_DIE,
@@ -66,6 +67,9 @@ class PodConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Ascend 910B servers (8 single-die chips each) reachable over RoCE."""
     b_die: DieSpec = ASCEND_910B2
     hccs: LinkSpec = HCCS_LINK
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def _validated(config: PodConfig) -> PodConfig:

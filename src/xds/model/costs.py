@@ -30,6 +30,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..hw import DieSpec
 from .specs import ModelSpec
@@ -47,6 +48,9 @@ class KernelEfficiency(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     graph_launch_ns: Annotated[int, Meta(ge=0)] = 700_000
     eager_op_dispatch_ns: Annotated[int, Meta(ge=0)] = 30_000
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
 
 class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which components run in INT8 (SPEC 9.2); each switch changes cost only."""
@@ -60,6 +64,9 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     attention_int8: bool = False
     """The whole attention computation in INT8 (precision-insensitive layers, P090)."""
     lm_head_bf16: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class Kernel(msgspec.Struct, frozen=True):

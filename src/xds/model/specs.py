@@ -13,6 +13,8 @@ from typing import Literal
 
 import msgspec
 
+from ..config import check_fields
+
 Attention = Literal["mla", "gqa", "lightning+gqa"]
 
 
@@ -41,6 +43,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     dense_intermediate: int
     vocab: int
     mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def moe_layers(self) -> int:

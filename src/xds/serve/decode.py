@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap
 from ..hw import CloudMatrix384
@@ -65,6 +66,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Skewed, drifting routing with online expert balancing (None: uniform routing)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         checks = [
             ("dies", self.dies >= 1, "must be >= 1"),
             ("batch_per_die", self.batch_per_die >= 1, "must be >= 1"),

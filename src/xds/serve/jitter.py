@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from ..config import check_fields
 from ..units import MS, US
 
 
@@ -41,6 +42,9 @@ class JitterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     guard_ns: Annotated[int, Meta(ge=0)] = 300 * US
     recompile_probability: Annotated[float, Meta(ge=0, le=1)] = 0.001
     recompile_ns: Annotated[int, Meta(ge=0)] = 150 * MS
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class IterationJitter(msgspec.Struct, frozen=True):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
+from ..config import check_fields
 from ..errors import ConfigError
 
 
@@ -28,6 +29,7 @@ class MTPConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Per-depth conditional acceptance; the last value repeats for deeper drafts."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.k < 0:
             raise ConfigError("k must be >= 0", field="mtp.k")
         if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):

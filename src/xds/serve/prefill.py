@@ -41,6 +41,7 @@ import anyio
 import msgspec
 from msgspec import Meta
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
 from ..model import CostModel, KernelEfficiency, ModelSpec, Precision
@@ -82,6 +83,7 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     efficiency: KernelEfficiency = KernelEfficiency()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.dies_per_te % self.attention_tp:
             raise ConfigError(
                 f"dies_per_te ({self.dies_per_te}) must be a multiple of attention_tp "

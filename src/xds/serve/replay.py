@@ -26,6 +26,7 @@ import anyio
 import msgspec
 from msgspec import Meta
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
@@ -73,6 +74,7 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     requests (they cost memory on long traces)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.kv_transfer == "xccl" and self.prefill.hardware != "910c":
             raise ConfigError(
                 "the xccl KV tier runs on the UB fabric: it needs 910c prefill (910B KV moves "

@@ -40,6 +40,7 @@ import functools
 import msgspec
 import numpy as np
 
+from ..config import check_fields
 from ..errors import ConfigError
 from ..units import S
 from .workload import Request, Workload, poisson_arrivals
@@ -69,6 +70,7 @@ class Conversations(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     cached: a replay starts with cold caches)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not 0 <= self.follow_up < 1:
             raise ConfigError(
                 f"follow_up must be in [0, 1), got {self.follow_up}", field="follow_up"

@@ -25,6 +25,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from ...config import check_fields
 from ...errors import ConfigError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..ub import UBFabric
@@ -46,6 +47,9 @@ class AEConfig(msgspec.Struct, frozen=True, kw_only=True):
     """P089: expert outputs are quantised before they cross dies too."""
     mode: Mode = "trampoline"
     n_aiv: int = 48
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class A2EHandle(msgspec.Struct):

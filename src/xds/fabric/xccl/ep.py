@@ -34,6 +34,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from ...config import check_fields
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
@@ -64,6 +65,9 @@ class EPConfig(msgspec.Struct, frozen=True, kw_only=True):
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
     n_aiv: int = 48
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class DispatchOutput(msgspec.Struct):

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from ...config import check_fields
 from ...errors import ConfigError
 from ...units import MS, S
 from .collect import LoadCollector
@@ -36,6 +37,9 @@ class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """[emulator choice] storage -> host memory for the new replicas."""
     load_ns: Annotated[int, Meta(ge=0)] = 500 * MS
     """[emulator choice] host -> device for the new replicas (asynchronous)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class OnlineEPLB:
