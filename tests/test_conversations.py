@@ -125,23 +125,25 @@ def test_replay_records_prefix_cache_hits_of_a_follow_up():
     assert rec[2].ttft_ns < cold.records[0].ttft_ns
 
 
-def test_cli_built_in_workload_with_and_without_conversations(tmp_path, capsys):
+def test_cli_built_in_workload_with_and_without_conversations(tmp_path, capsys, monkeypatch):
     import json
 
+    import xds.trace.production as production
     from xds.cli.main import main
 
-    def records(flag: list[str]) -> list[dict]:
-        out = tmp_path / ("u" if flag else "c")
-        argv = ["replay", "--synthetic", "40", "--rate", "0.2", "--out", str(out), "--json"]
+    used = []
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["conversations"])
+        return production_workload(*args, **kwargs)
+
+    monkeypatch.setattr(production, "production_workload", spy)
+    for flag in ([], ["--unique-prompts"]):
+        out = tmp_path / str(len(used))
+        argv = ["replay", "--synthetic", "6", "--rate", "3", "--out", str(out), "--json"]
         assert main(argv + flag) == 0
         summary = json.loads(capsys.readouterr().out)
-        assert summary["requests"] == 40 and 0.0 <= summary["prefix_hit_ratio"] < 1.0
+        assert summary["requests"] == 6 and 0.0 <= summary["prefix_hit_ratio"] < 1.0
         recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
-        assert all(r["cached_tokens"] <= r["input_tokens"] for r in recs)
-        return recs
-
-    unique = records(["--unique-prompts"])
-    assert all(r["cached_tokens"] == 0 for r in unique)
-    conv = records([])
-    # at 0.2 req/s the 200 s window holds follow-ups of turns it also holds
-    assert sum(r["cached_tokens"] for r in conv) > 0
+        assert all(0 <= r["cached_tokens"] < r["input_tokens"] for r in recs)
+    assert used == [production.MOONCAKE_CONVERSATIONS, NO_CONVERSATIONS]

@@ -18,6 +18,7 @@ import bisect
 from collections.abc import Callable
 
 import anyio
+import msgspec
 import numpy as np
 
 from ..runtime import emit, now_ns, rng, sleep_ns
@@ -34,12 +35,21 @@ from .kv import KVBlockManager
 from .mtp import tokens_per_step
 from .routing import BACKPRESSURE, DecodeRouter
 
+_GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
+
 
 def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
-    """Dispatch/combine costs at the tokens-per-die points a decode batch can reach."""
-    top = config.batch_per_die * (1 + config.mtp.k)
-    points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
-    return [measure_comm(config, t, seed=seed) for t in points]
+    """Dispatch/combine costs at the tokens-per-die points a decode batch can reach.
+
+    Each point is a collective-tier run of its own (seeded, so deterministic); the grid of a
+    configuration is computed once per process."""
+    key = (msgspec.json.encode(config), seed)
+    grid = _GRIDS.get(key)
+    if grid is None:
+        top = config.batch_per_die * (1 + config.mtp.k)
+        points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
+        grid = _GRIDS[key] = tuple(measure_comm(config, t, seed=seed) for t in points)
+    return list(grid)
 
 
 def interpolate(grid: list[CommCosts], tokens: float) -> CommCosts:
