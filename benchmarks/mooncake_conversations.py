@@ -17,44 +17,30 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import numpy as np
 
+from _data import MOONCAKE_CONVERSATION
 from xds.trace import load_mooncake
-from xds.trace.production import prefix_reuse, production_workload
+from xds.trace.production import PrefixTrie, prefix_reuse, production_workload
 from xds.trace.workload import Workload
 
-DEFAULT = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "traces"
-    / "mooncake"
-    / "conversation_trace.jsonl"
-)
+DEFAULT = MOONCAKE_CONVERSATION
 Z90 = 1.2816  # standard normal quantile of 0.9
 
 
 def follow_ups(w: Workload, min_blocks: int, block_tokens: int = 512) -> dict[str, np.ndarray]:
-    trie: dict[tuple[int, int], int] = {}
+    trie = PrefixTrie()
     last_seen: dict[int, int] = {}  # trie node -> arrival of the latest request through it
     gaps, new, shared_frac = [], [], []
     for r in w.requests:
-        node, k = 0, 0
-        for h in r.prefix_hashes:
-            child = trie.get((node, h))
-            if child is None:
-                break
-            node, k = child, k + 1
+        k, nodes = trie.match(r.prefix_hashes)
         if k > min_blocks:
             shared = min(k * block_tokens, r.input_tokens)
-            gaps.append((r.arrival_ns - last_seen[node]) / 1e9)
+            gaps.append((r.arrival_ns - last_seen[nodes[k - 1]]) / 1e9)
             new.append(r.input_tokens - shared)
             shared_frac.append(shared / r.input_tokens)
-        node = 0
-        for h in r.prefix_hashes:
-            node = trie.setdefault((node, h), len(trie) + 1)
+        for node in nodes:
             last_seen[node] = r.arrival_ns
     return {"gap_s": np.array(gaps), "new": np.array(new), "shared": np.array(shared_frac)}
 

@@ -12,20 +12,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from _data import MOONCAKE_CONVERSATION
 from xds.serve.presets import pd_config
 from xds.serve.replay import replay
 from xds.trace import load
 
-DEFAULT = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "traces"
-    / "mooncake"
-    / "conversation_trace.jsonl"
-)
+DEFAULT = MOONCAKE_CONVERSATION
 
 
 def main() -> None:

@@ -215,20 +215,37 @@ def _block_hashes(turns: _Turns) -> list[tuple[int, ...]]:
     return out
 
 
+class PrefixTrie:
+    """Every prompt seen so far, as a trie of block hashes (an infinite prefix cache)."""
+
+    def __init__(self) -> None:
+        self._child: dict[tuple[int, int], int] = {}  # (node, block hash) -> node; root 0
+
+    def match(self, hashes: tuple[int, ...]) -> tuple[int, list[int]]:
+        """Blocks of ``hashes``' longest leading run seen before, and the nodes of the whole
+        prompt (inserting the rest): node ``i`` stands for the first ``i + 1`` blocks."""
+        nodes: list[int] = []
+        node = 0
+        for h in hashes:
+            child = self._child.get((node, h))
+            if child is None:
+                break
+            node = child
+            nodes.append(node)
+        k = len(nodes)
+        for h in hashes[k:]:
+            node = self._child.setdefault((node, h), len(self._child) + 1)
+            nodes.append(node)
+        return k, nodes
+
+
 def prefix_reuse(workload: Workload, block_tokens: int = BLOCK_TOKENS) -> float:
     """Share of prompt tokens an infinite prefix cache would serve: each request's longest run
     of leading block hashes seen in any earlier request (as Mooncake's README measures it)."""
-    trie: dict[tuple[int, int], int] = {}  # (node, block hash) -> child node; root is 0
+    trie = PrefixTrie()
     hit = total = 0
     for r in workload.requests:
         total += r.input_tokens
-        node, k = 0, 0
-        for h in r.prefix_hashes:
-            child = trie.get((node, h))
-            if child is None:
-                break
-            node, k = child, k + 1
+        k, _ = trie.match(r.prefix_hashes)
         hit += min(k * block_tokens, r.input_tokens)
-        for h in r.prefix_hashes[k:]:
-            node = trie.setdefault((node, h), len(trie) + 1)
     return hit / max(1, total)
