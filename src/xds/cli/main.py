@@ -430,6 +430,8 @@ def replay(
         f"{s.goodput:.1%}",
     )
     totals.add_row("prefix-cache hits (share of prompt tokens)", f"{s.prefix_hit_ratio:.1%}")
+    busy = ", ".join(f"{b:.0%}" for b in result.prefill_busy)
+    totals.add_row("prefill TEs busy (first arrival to last first token)", busy)
     totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))

@@ -98,6 +98,9 @@ class ReplayResult(msgspec.Struct):
     prefill_steps: int
     decode_iterations: int
     end_ns: int
+    prefill_busy: list[float] = []
+    """Per Prefill TE, the share of the prefill phase (first arrival to last first token) it
+    spent in steps: near 1 means prefill is the bottleneck."""
 
 
 class Replay:
@@ -371,6 +374,12 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     )
 
 
+def _prefill_phase_ns(records: list[RequestRecord]) -> int:
+    first = min((x.arrival_ns for x in records), default=0)
+    last = max((x.first_token_ns for x in records), default=first)
+    return max(1, last - first)
+
+
 def replay(
     workload: Workload,
     config: PDConfig | None = None,
@@ -404,4 +413,5 @@ def replay(
         prefill_steps=sum(te.steps for te in r.prefill),
         decode_iterations=sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
+        prefill_busy=[te.busy_ns / _prefill_phase_ns(records) for te in r.prefill],
     )
