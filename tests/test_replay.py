@@ -23,6 +23,7 @@ from xds.serve.presets import pd_config
 from xds.serve.replay import PDConfig, Replay, replay
 from xds.trace import Request, Workload, load_mooncake
 from xds.trace.production import NO_CONVERSATIONS, production_workload
+from xds.units import S
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
@@ -139,8 +140,10 @@ def test_prefix_cache_is_lru_and_counts_leading_blocks():
     c = PrefixCache(3)
     c.insert([1, 2, 3])
     assert c.hit_blocks([1, 2, 9]) == 2 and c.hit_blocks([9, 1]) == 0
-    c.insert([1, 4])  # 1 refreshed; 2 is now the oldest and goes
-    assert c.hit_blocks([2]) == 0 and c.hit_blocks([1]) == 1 and len(c) == 3
+    c.insert([1, 4])  # blocks are touched tail first: 3, the oldest tail, goes
+    assert c.hit_blocks([1, 2, 3]) == 2 and c.hit_blocks([3]) == 0 and len(c) == 3
+    c.insert([5, 6])  # 2 and 4 (the older tails) go; the heads 1 and 5 stay
+    assert c.hit_blocks([1]) == 1 and c.hit_blocks([1, 2]) == 1 and c.hit_blocks([5, 6]) == 2
 
 
 def test_prefill_step_cost_grows_with_tokens_and_shrinks_with_cached_prefix():
@@ -536,3 +539,34 @@ def test_prefill_busy_share_is_the_steps_over_the_prefill_phase():
     assert res.prefill_busy[used] == pytest.approx(step / rec.ttft_ns)
     assert 0.99 < res.prefill_busy[used] <= 1.0
     assert all(b == 0.0 for i, b in enumerate(res.prefill_busy) if i != used)
+
+
+def test_a_lightly_loaded_te_spreads_prompts_and_caches_over_its_groups():
+    """One prompt at a time: ties go to the group given a job least recently, so 16 prompts
+    on 2 TEs x 8 groups land on 16 different groups (and their hashes in 16 caches); a
+    follow-up then goes back to the group that caches its prefix."""
+    reqs = [Request(i, i * S, 2000, 2, (1000 * i,)) for i in range(16)]
+    reqs.append(Request(16, 16 * S, 2600, 2, (1000 * 5, 77)))  # extends request 5's prompt
+    res = replay(Workload(tuple(reqs)), SMALL)
+    places = [r.prefill_placement for r in res.records]
+    assert len(set(places[:16])) == 16
+    assert places[16] == places[5] and res.records[16].cached_tokens == 512
+
+
+def test_sequence_parallel_prompts_are_cached_by_rotating_leaders():
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    reqs = tuple(
+        Request(i, i * 20 * S, 40_000, 2, tuple(range(100 * i, 100 * i + 79))) for i in range(3)
+    )
+    grid = comm_grid(one_te.decode)
+
+    async def main():
+        r = Replay(Workload(reqs), one_te, grid)
+        return r, await r.run()
+
+    r, records = run(main)
+    assert all(rec.prefill_placement == "P0/SP8" for rec in records)
+    caches = r.prefill[0].cache
+    holders = [[g for g, c in enumerate(caches) if c.hit_blocks(q.prefix_hashes)] for q in reqs]
+    assert all(len(h) == 1 for h in holders)  # one leader group caches each prompt
+    assert len({h[0] for h in holders}) == 3  # and the leaders differ

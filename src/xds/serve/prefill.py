@@ -6,7 +6,9 @@ TE's dies (SPEC 12.4: DP8/EP32 on 32 dies). All requests sent to a TE sit in one
 step the leader (DP-0) looks at every DP group's state and assigns batches with a cost model
 that counts prefix-cache hits (P058): a request goes to the DP group where it leaves the least
 work this step, counting only its uncached tokens (so a cached prefix pulls it to the group
-that holds it); ties go to the longer cached prefix. DP groups run one step in lockstep (their
+that holds it); ties go to the longer cached prefix, then to the group given a job least
+recently (so a lightly loaded TE spreads its prompts, and its cache contents, over all its
+groups). DP groups run one step in lockstep (their
 MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
@@ -29,6 +31,8 @@ holds an equal share of its KV; the KV leaves for Decode through the leader grou
 
 **Prefix cache.** Per DP group, an LRU of prompt block hashes (Mooncake's ``hash_ids``, one per
 ``prefix_block_tokens`` tokens); a request reuses the longest cached run of its leading blocks.
+A prompt's blocks are refreshed tail first, so its head (the shareable part) is evicted last.
+A sequence-parallel prompt is cached by its leader group, chosen like a batched job's group.
 """
 
 from __future__ import annotations
@@ -122,10 +126,13 @@ class PrefixCache:
         return n
 
     def insert(self, hashes: Sequence[int]) -> None:
-        """Cache (or refresh) the prompt's blocks, evicting the least recently used."""
+        """Cache (or refresh) the prompt's blocks, evicting the least recently used. The blocks
+        are touched last to first, so a prompt's tail leaves before its head: a leading run
+        (the part another prompt can share) outlives the blocks behind it, as in vLLM, which
+        frees a request's blocks in reverse order for the same reason."""
         if not self.capacity:
             return
-        for h in hashes:
+        for h in reversed(hashes):
             if h in self._lru:
                 self._lru.move_to_end(h)
             else:
@@ -279,7 +286,8 @@ class PrefillJob(msgspec.Struct):
     prefix_hashes: tuple[int, ...]
     submitted_ns: int
     dp: int = -1
-    """The DP group that ran it (the leader's group, 0, for a sequence-parallel job)."""
+    """The DP group that ran it (for a sequence-parallel job, the leader group that caches its
+    prompt hashes)."""
     sp: int = 1
     """DP groups the job ran on: 1, or all of the TE's when sequence-parallel."""
     cached_tokens: int = 0
@@ -316,6 +324,15 @@ class PrefillTE:
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
         self._step_cache: dict[tuple[int, bool], int] = {}
+        self._assigned = [0] * dps
+        """When each DP group was last given a job (a counter): ties go to the group idle
+        longest, so a lightly loaded TE spreads prompts - and its prefix caches - over all
+        its groups instead of piling them on group 0."""
+        self._assignments = 0
+
+    def _note_assigned(self, dp: int) -> None:
+        self._assignments += 1
+        self._assigned[dp] = self._assignments
 
     def max_input_tokens(self) -> int:
         return self.kv[0].capacity * self.config.block_tokens
@@ -403,7 +420,8 @@ class PrefillTE:
                 new = max(1, job.input_tokens - min(hit, job.input_tokens - 1))
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
                     continue
-                key = (load[dp] + new, -hit, dp)  # least work after this job; ties: cache hits
+                # least work after this job; ties: cache hits, then the group idle longest
+                key = (load[dp] + new, -hit, self._assigned[dp], dp)
                 if best_key is None or key < best_key:
                     best, best_key = dp, key
             if best < 0:
@@ -412,6 +430,7 @@ class PrefillTE:
             hit = -best_key[1]  # type: ignore[index]
             job.dp = best
             job.cached_tokens = min(hit, job.input_tokens - 1)
+            self._note_assigned(best)
             self.kv[best].admit(job.request_id, job.input_tokens)
             load[best] += job.input_tokens - job.cached_tokens
             groups[best].append(job)
@@ -434,7 +453,9 @@ class PrefillTE:
             return False
         for kv in self.kv:
             kv.admit(job.request_id, share)
-        job.dp, job.sp, job.cached_tokens = 0, d, hit
+        leader = min(range(d), key=self._assigned.__getitem__)  # caches the prompt's hashes
+        self._note_assigned(leader)
+        job.dp, job.sp, job.cached_tokens = leader, d, hit
         for g in groups:
             g.append(job)
         return True
