@@ -144,6 +144,7 @@ def test_summary_and_outputs(tmp_path):
             first_token_ns=500_000_000,
             finish_ns=800_000_000,
             token_ns=[500_000_000 + 30_000_000 * i for i in range(1, 11)],
+            cached_tokens=50,
         ),
         t.RequestRecord(
             1, 100_000_000, 100, 5, first_token_ns=2_600_000_000, finish_ns=2_800_000_000
@@ -159,11 +160,14 @@ def test_summary_and_outputs(tmp_path):
     assert s.tpot_ms.mean == pytest.approx((30 + 50) / 2)
     assert s.itl_ms.mean == pytest.approx(30)
     assert s.goodput == pytest.approx(1 / 3)  # only request 0 meets TTFT < 2 s, TPOT < 35 ms
+    assert s.prefix_hit_ratio == pytest.approx(50 / 200)  # over the completed requests
     t.write(tmp_path / "out", recs, s, csv=True)
     lines = (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[2])["reason"] == "kv capacity"
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["completed"] == 2
-    assert (tmp_path / "out" / "requests.csv").read_text().count("\n") == 4
+    csv_lines = (tmp_path / "out" / "requests.csv").read_text().splitlines()
+    assert len(csv_lines) == 4 and csv_lines[0].endswith(",cached_tokens")
+    assert csv_lines[1].endswith(",50")
 
 
 @needs_data

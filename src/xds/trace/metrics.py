@@ -171,6 +171,7 @@ def write(
             "decode_placement",
             "queue_ns",
             "kv_transfer_ns",
+            "cached_tokens",
         ]
         with (out / "requests.csv").open("w", newline="") as f:
             writer = csv_module.writer(f)
