@@ -9,8 +9,9 @@ also had (an infinite prefix cache). A request whose shared run is longer than
 of the latest earlier request with that run. Printed: the follow-up share, the gap between a
 follow-up and that request (log-normal fit: median, sigma from p10/p90), the new tokens a
 follow-up adds (median, mean, log-normal sigma from mean/median) and the infinite-cache prefix
-reuse. Then the same reuse for xds's generated production workload, for comparison (it is not
-fitted to it). Needs ``../shared/data``.
+reuse. Then the same statistics of xds's generated production workload, measured the same way
+(a round trip: the generator takes the trace's numbers as parameters; its output is not fitted
+to them). Needs ``../shared/data``.
 """
 
 from __future__ import annotations
@@ -50,26 +51,30 @@ def main() -> None:
     ap.add_argument("--trace", default=str(DEFAULT))
     ap.add_argument("--min-blocks", type=int, default=2)
     args = ap.parse_args()
-    w = load_mooncake(args.trace)
-    f = follow_ups(w, args.min_blocks)
+    report(f"trace: {args.trace}", load_mooncake(args.trace), args.min_blocks)
+    print()
+    gen = production_workload(20_000, rate_per_s=10.0, seed=0)
+    report("xds production workload at 10/s, measured the same way", gen, 2)
+
+
+def report(title: str, w: Workload, min_blocks: int) -> None:
+    f = follow_ups(w, min_blocks)
     p10, p50, p90 = np.percentile(f["gap_s"], [10, 50, 90])
     new_pos = np.maximum(f["new"], 1)
     new_median, new_mean = float(np.median(new_pos)), float(new_pos.mean())
-    print(f"trace: {args.trace} ({len(w):,} requests)")
+    print(f"{title} ({len(w):,} requests)")
     share = len(f["gap_s"]) / len(w)
-    print(f"follow-up share (shared run > {args.min_blocks} blocks): {share:.3f}")
+    print(f"  follow-up share (shared run > {min_blocks} blocks): {share:.3f}")
     print(
-        f"turn gap: p10 {p10:.0f} s, p50 {p50:.0f} s, p90 {p90:.0f} s; "
+        f"  turn gap: p10 {p10:.0f} s, p50 {p50:.0f} s, p90 {p90:.0f} s; "
         f"log-normal sigma {(math.log(p90) - math.log(p10)) / (2 * Z90):.3f}"
     )
     print(
-        f"new tokens per follow-up: p50 {new_median:.0f}, mean {new_mean:.0f}; "
+        f"  new tokens per follow-up: p50 {new_median:.0f}, mean {new_mean:.0f}; "
         f"log-normal sigma {math.sqrt(2 * math.log(new_mean / new_median)):.2f}"
     )
-    print(f"shared share of a follow-up's prompt: mean {f['shared'].mean():.3f}")
-    print(f"infinite-cache prefix reuse (tokens): {prefix_reuse(w):.3f}")
-    gen = production_workload(20_000, rate_per_s=10.0, seed=0)
-    print(f"xds production workload (20,000 at 10/s), same measure: {prefix_reuse(gen):.3f}")
+    print(f"  shared share of a follow-up's prompt: mean {f['shared'].mean():.3f}")
+    print(f"  infinite-cache prefix reuse (tokens): {prefix_reuse(w):.3f}")
 
 
 if __name__ == "__main__":

@@ -85,3 +85,17 @@ def test_checked_configs_keep_their_own_rules_and_build_normally():
     cfg = PDConfig(prefill=PrefillConfig(tes=2, long_pool_tes=0))
     assert cfg.prefill.tes == 2
     assert msgspec.structs.replace(cfg.decode, batch_per_die=8).batch_per_die == 8
+
+
+def test_nested_dicts_and_numpy_scalars_in_python_built_configs():
+    import numpy as np
+
+    with pytest.raises(ConfigError, match="expected a PrefillConfig, got a dict") as err:
+        PDConfig(prefill={"tes": 2, "long_pool_tes": 0})
+    assert err.value.field == "prefill"
+    with pytest.raises(ConfigError) as err:  # the other fields are still checked
+        PDConfig(prefill=PrefillConfig(tes=2, long_pool_tes=0), decode_tes=0)
+    assert err.value.field == "decode_tes"
+    # a sweep over numpy ranges builds configs from numpy scalars
+    assert DecodeConfig(batch_per_die=np.int64(8)).batch_per_die == 8
+    assert KernelEfficiency(attention_compute=np.float64(0.5)).attention_compute == 0.5

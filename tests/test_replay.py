@@ -534,7 +534,7 @@ _SP_GRID: list = []
 def test_prefill_busy_share_is_the_steps_over_the_prefill_phase():
     res = replay(_workload((0, 3000, 4)), SMALL)
     rec = res.records[0]
-    used = int(rec.prefill_placement[1])
+    used = int(rec.prefill_placement.split("/")[0].removeprefix("P"))
     step = rec.first_token_ns - rec.queue_ns - rec.arrival_ns  # the one step after queueing
     assert res.prefill_busy[used] == pytest.approx(step / rec.ttft_ns)
     assert 0.99 < res.prefill_busy[used] <= 1.0

@@ -8,6 +8,7 @@ file and the field path (``$.mtp.acceptance[0]`` style).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tomllib
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
+import numpy as np
 
 from .errors import ConfigError
 
 T = TypeVar("T")
-_checking: ContextVar[bool] = ContextVar("xds_config_checking", default=False)
+_checking: ContextVar[type | None] = ContextVar("xds_config_checking", default=None)
 
 
 def _read(path: Path) -> Any:
@@ -72,19 +75,43 @@ class _FieldsChecked(Exception):
     and called its ``__post_init__``: stops the class's own checks from running twice."""
 
 
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python numbers (a sweep over ``np.arange`` builds configs too)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def check_fields(struct: msgspec.Struct) -> None:
     """Validate a config or spec built in Python against its annotations (types and ``Meta``
     bounds), as loading it from TOML or JSON does: call first in ``__post_init__``. Nested
-    structs were checked when they were built; a bad value raises one ConfigError naming the
-    field."""
-    if _checking.get():  # the copy being validated below: its fields passed
+    structs were checked when they were built; a bad value, or a plain dict where a struct
+    belongs, raises one ConfigError naming the field."""
+    kind = type(struct)
+    if _checking.get() is kind:  # the copy being validated below: its fields passed
         raise _FieldsChecked
-    token = _checking.set(True)
+    token = _checking.set(kind)
+    fields = {k: _plain(v) for k, v in msgspec.structs.asdict(struct).items()}
     try:
-        msgspec.convert(msgspec.structs.asdict(struct), type(struct))
+        msgspec.convert(fields, kind)
     except _FieldsChecked:
         pass
     except msgspec.ValidationError as exc:
         raise _config_error(exc, None) from None
     finally:
         _checking.reset(token)
+    for name, expected in _struct_fields(kind).items():
+        if isinstance(fields[name], dict):
+            raise ConfigError(
+                f"expected a {expected.__name__}, got a dict (build it, or load the whole "
+                "config with xds.config.load_config)",
+                field=name,
+            )
+
+
+@functools.cache
+def _struct_fields(kind: type) -> dict[str, type]:
+    """The fields of ``kind`` whose type is a Struct, with that type."""
+    return {
+        f.name: f.type.cls
+        for f in msgspec.inspect.type_info(kind).fields  # type: ignore[attr-defined]
+        if isinstance(f.type, msgspec.inspect.StructType)
+    }

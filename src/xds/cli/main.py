@@ -359,6 +359,8 @@ def replay(
     )
 
     cfg = pd_config(deployment)
+    if unique_prompts and trace is not None:
+        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
     if trace is None:
         conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
         workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed, conversations=conv)

@@ -71,7 +71,7 @@ class RatePoint(msgspec.Struct, frozen=True):
     prefix_hits: float
     """Share of prompt tokens served from prefix caches."""
     prefill_busy: float
-    """Mean over Prefill TEs of their busy share of the prefill phase."""
+    """Mean over Prefill TEs of their busy share of the prefill phase (the whole run)."""
 
     @property
     def meets_sla(self) -> bool:
@@ -141,7 +141,7 @@ def reproduce(*, quick: bool = False) -> tuple[list[Row], list[TableData]]:
             "mean TTFT (ms)",
             "decode seqs per die",
             "prefix hits",
-            "prefill busy",
+            "prefill busy (whole run)",
             "meets SLA",
         ],
         [

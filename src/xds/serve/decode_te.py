@@ -41,11 +41,13 @@ _GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
 def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
     """Dispatch/combine costs at the tokens-per-die points a decode batch can reach.
 
-    Each point is a collective-tier run of its own (seeded, so deterministic); the grid of a
-    configuration is computed once per process."""
+    Each point is a collective-tier run of its own (seeded, so deterministic) on the default
+    pod; the grid of a configuration is computed once per process (the last few are kept)."""
     key = (msgspec.json.encode(config), seed)
     grid = _GRIDS.get(key)
     if grid is None:
+        if len(_GRIDS) >= 16:  # a sweep over many configurations: keep memory bounded
+            _GRIDS.clear()
         top = config.batch_per_die * (1 + config.mtp.k)
         points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
         grid = _GRIDS[key] = tuple(measure_comm(config, t, seed=seed) for t in points)

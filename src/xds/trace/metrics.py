@@ -90,10 +90,10 @@ class Summary(msgspec.Struct):
     output_tokens_per_s: float
     output_tokens_per_s_per_chip: float
     goodput: float
-    prefix_hit_ratio: float
-    """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
     sla: SLA
     duration_s: float
+    prefix_hit_ratio: float = 0.0
+    """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
 
 
 def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None = None) -> Summary:

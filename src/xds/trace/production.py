@@ -18,19 +18,29 @@ follow-up share             34.1 % of requests extend  ``follow_up``: each reque
 turn gap                    p10 42 s, p50 126 s,       ``gap_median_s``, ``gap_sigma``:
                             p90 486 s                  log-normal, sigma 0.955
 new tokens per follow-up    p50 838, mean 3,155        ``new_median``, ``new_sigma``:
-                                                       log-normal, sigma 1.63
+(beyond the shared blocks)                             log-normal, sigma 1.63
 ==========================  =========================  =====================================
+
+A follow-up's parent is the nearest earlier turn, at or before its arrival minus the drawn gap,
+that has not been continued yet and leaves room under 64K (up to ``search_back`` requests
+further back); without one, the request is a first turn. Its prompt is the parent's full
+blocks plus the new tokens (the parent's partial last block is part of what is new, as the
+trace's hashes count it).
 
 The trace's infinite-cache prefix reuse is 37.4 % of prompt tokens; the generator's comes out
 at 29 % (:func:`prefix_reuse`; the trace also shares short system prompts, which the generator
-leaves out). Nothing was fitted to either. Whether a follow-up
-*hits* in a replay is the prefill TEs' business: their caches are finite per DP group, evict
-LRU, and the Job Executor routes by cache state.
+leaves out). Measured with the same script, the generated follow-up share is about 30 %
+(follow-ups that find no parent, or extend a prompt of at most two blocks, drop out) and the
+turn gaps are somewhat shorter (gaps past ``history_s`` find no parent). Nothing was fitted to
+the trace's reuse or to any replay result. Whether a follow-up *hits* in a replay is the
+prefill TEs' business: their caches are finite per DP group, evict LRU, and the Job Executor
+routes by cache state. A replay starts with cold caches, so follow-ups of turns from before
+its first request cannot hit: early in a replay, hits are a lower bound.
 
 **Lengths.** First turns are log-normal (sigma 1) [emulator choice], clipped to 64K, with the
 location chosen (by bisection on a fixed reference run of this generator) so the mean over
-*all* requests lands on 13K; a follow-up that would pass 64K starts a new conversation
-instead (the context limit). Outputs are log-normal (sigma 1) with mean 2.1K.
+*all* requests lands on 13K; a follow-up never passes 64K (the context limit). Outputs are
+log-normal (sigma 1) with mean 2.1K.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ class Conversations(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     new_median: float = 838.0
     new_sigma: float = 1.63
     search_back: int = 64
-    """How many earlier requests around the target time a follow-up may try as its parent."""
+    """How many requests before its target time a follow-up may try as its parent."""
     history_s: float = 600.0
     """Conversations already under way when the workload starts: the generator runs this long
     before time 0 and keeps only what arrives after, so lengths and the follow-up share are
@@ -136,26 +146,28 @@ def _turns(
     inputs = first.copy()
     parent = np.full(n, -1, dtype=np.int64)
     continued = np.zeros(n, dtype=bool)
+    full = inputs // BLOCK_TOKENS * BLOCK_TOKENS  # tokens in a prompt's full blocks
     for i in np.nonzero(follow)[0]:
         j = int(targets[i])
         stop = max(-1, j - conv.search_back)
         while j > stop:  # the nearest earlier turn, not yet continued, that leaves room
-            if not continued[j] and inputs[j] + new[i] <= INPUT_MAX:
+            if not continued[j] and full[j] + new[i] <= INPUT_MAX:
                 break
             j -= 1
         if j > stop:
             continued[j] = True
             parent[i] = j
-            inputs[i] = inputs[j] + new[i]
+            inputs[i] = full[j] + new[i]
+            full[i] = inputs[i] // BLOCK_TOKENS * BLOCK_TOKENS
     return _Turns(inputs, parent)
 
 
 @functools.cache
 def _first_turn_location(conv: Conversations) -> float:
     """Location of the first-turn log-normal that puts the mean over all requests on 13K,
-    by bisection on a fixed reference run (20,000 requests at 10/s, after its history)."""
+    by bisection on a fixed reference run (at 10/s, 1,000 s or more after its history)."""
     ref_rng = np.random.default_rng(np.random.SeedSequence([12_4, 1]))
-    arrivals = poisson_arrivals(ref_rng, 20_000, 10.0)
+    arrivals = poisson_arrivals(ref_rng, max(20_000, round(10 * (conv.history_s + 1_000))), 10.0)
     kept = arrivals >= arrivals[0] + conv.history_s * S
     state = ref_rng.bit_generator.state
     lo, hi = np.log(1.0), np.log(float(INPUT_MAX))
