@@ -86,14 +86,46 @@ def _place(order: list[int], copies: np.ndarray, load: np.ndarray, layout: Layou
     for e in order:
         ok = free > 0
         ok[replica_dies[e]] = False
-        if not ok.any():
+        if not ok.any() and not _make_room(e, replica_dies, free, die_load, load, copies):
             raise ConfigError("no free redundant slot left for a replica", field="budget")
+        ok = free > 0
+        ok[replica_dies[e]] = False
         cand = np.where(ok, die_load, np.inf)
         d = int(np.argmin(cand))
         replica_dies[e].append(d)
         free[d] -= 1
         die_load[d] += load[e] / copies[e]
     return Plan(copies.astype(np.int64), replica_dies)
+
+
+def _make_room(
+    e: int,
+    replica_dies: list[list[int]],
+    free: np.ndarray,
+    die_load: np.ndarray,
+    load: np.ndarray,
+    copies: np.ndarray,
+) -> bool:
+    """The only free slots are on dies that already hold ``e``: move another expert's
+    redundant replica from a die without ``e`` to one of those free slots (a die that expert
+    does not use yet), freeing a slot ``e`` can take. Least-loaded source die first."""
+    holds_e = set(replica_dies[e])
+    targets = [int(d) for d in np.nonzero(free > 0)[0]]
+    for src in sorted((d for d in range(len(free)) if d not in holds_e), key=die_load.__getitem__):
+        for f, dies in enumerate(replica_dies):
+            if src not in dies[1:]:  # only redundant replicas move; primaries stay
+                continue
+            dst = next((d for d in targets if d not in dies), None)
+            if dst is None:
+                continue
+            dies[dies.index(src)] = dst
+            free[src] += 1
+            free[dst] -= 1
+            share = load[f] / copies[f]
+            die_load[src] -= share
+            die_load[dst] += share
+            return True
+    return False
 
 
 def _check(counts: np.ndarray, layout: Layout, budget: int) -> int:
