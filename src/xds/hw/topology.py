@@ -72,14 +72,6 @@ class PodConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         check_fields(self)
 
 
-def _validated(config: PodConfig) -> PodConfig:
-    """Run msgspec's constraint checks on a config built in Python (not decoded)."""
-    try:
-        return msgspec.convert(msgspec.to_builtins(config), PodConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc), field="pod") from None
-
-
 class CloudMatrix384:
     """A CloudMatrix384 pod (optionally with attached 910B servers).
 
@@ -99,7 +91,7 @@ class CloudMatrix384:
                     field=unknown[0],
                 )
             config = msgspec.structs.replace(config, **overrides)
-        self.config = _validated(config)
+        self.config = config  # checked when it was built (PodConfig.__post_init__)
         c = self.config
         self.dies_per_server = c.chips_per_server * c.dies_per_chip
         self.n_pod_dies = c.servers * self.dies_per_server

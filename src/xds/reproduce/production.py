@@ -141,7 +141,7 @@ def reproduce(*, quick: bool = False) -> tuple[list[Row], list[TableData]]:
             "mean TTFT (ms)",
             "decode seqs per die",
             "prefix hits",
-            "prefill busy (whole run)",
+            "prefill busy",
             "meets SLA",
         ],
         [
