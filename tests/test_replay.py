@@ -62,7 +62,8 @@ def test_replay_is_identical_on_asyncio_and_trio():
     """Without same-instant contention between requests the backends agree bit for bit. (Where
     several requests contend at one instant - e.g. jobs leaving one prefill step together -
     each backend is reproducible on its own, but the order in which the tasks resume, and so
-    the transfer order, is the backend's.)"""
+    the transfer order, is the backend's. The default multi-turn workload has such instants
+    at this seed, so this test uses unique prompts.)"""
     wl = production_workload(10, rate_per_s=4.0, seed=2, conversations=NO_CONVERSATIONS)
     a = replay(wl, SMALL).records
     b = replay(wl, SMALL, backend="trio").records
