@@ -46,9 +46,11 @@ log-normal (sigma 1) with mean 2.1K.
 from __future__ import annotations
 
 import functools
+from typing import Annotated
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from ..config import check_fields
 from ..errors import ConfigError
@@ -66,14 +68,14 @@ BLOCK_TOKENS = 512
 class Conversations(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Multi-turn structure of chat traffic (defaults measured on Mooncake's Kimi trace)."""
 
-    follow_up: float = 0.341
-    gap_median_s: float = 126.0
-    gap_sigma: float = 0.955
-    new_median: float = 838.0
-    new_sigma: float = 1.63
-    search_back: int = 64
+    follow_up: Annotated[float, Meta(ge=0, lt=1)] = 0.341
+    gap_median_s: Annotated[float, Meta(gt=0)] = 126.0
+    gap_sigma: Annotated[float, Meta(ge=0)] = 0.955
+    new_median: Annotated[float, Meta(gt=0)] = 838.0
+    new_sigma: Annotated[float, Meta(ge=0)] = 1.63
+    search_back: Annotated[int, Meta(ge=1)] = 64
     """How many requests before its target time a follow-up may try as its parent."""
-    history_s: float = 600.0
+    history_s: Annotated[float, Meta(ge=0)] = 600.0
     """Conversations already under way when the workload starts: the generator runs this long
     before time 0 and keeps only what arrives after, so lengths and the follow-up share are
     stationary from the first request (turns whose parent came before time 0 find nothing
@@ -81,20 +83,6 @@ class Conversations(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not 0 <= self.follow_up < 1:
-            raise ConfigError(
-                f"follow_up must be in [0, 1), got {self.follow_up}", field="follow_up"
-            )
-        for name in ("gap_median_s", "new_median"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive", field=name)
-        for name in ("gap_sigma", "new_sigma"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0", field=name)
-        if self.search_back < 1:
-            raise ConfigError("search_back must be >= 1", field="search_back")
-        if self.history_s < 0:
-            raise ConfigError("history_s must be >= 0", field="history_s")
 
 
 MOONCAKE_CONVERSATIONS = Conversations()
