@@ -321,6 +321,12 @@ class PrefillTE:
         self._wake = anyio.Event()
         self.steps = 0
         self.busy_ns = 0
+        self.sp_steps = 0
+        self.sp_busy_ns = 0
+        """Steps (and their time) that ran one sequence-parallel request over every group."""
+        self.group_busy_ns = 0
+        """Over batched steps, step time x DP groups holding work (the rest of the groups sit
+        the step out: lockstep)."""
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
         self._step_cache: dict[tuple[int, bool], int] = {}
@@ -483,6 +489,11 @@ class PrefillTE:
             await sleep_ns(step)
             self.steps += 1
             self.busy_ns += step
+            if placed[0][0].sp > 1:
+                self.sp_steps += 1
+                self.sp_busy_ns += step
+            else:
+                self.group_busy_ns += step * sum(1 for g in groups if g)
             t = now_ns()
             for job, ev in placed:
                 job.first_token_ns = t
