@@ -468,6 +468,11 @@ def test_a_long_request_runs_sequence_parallel_alone_and_frees_every_share():
     assert all(rec.outcome == "completed" for rec in records)
     te = r.prefill[0]
     assert all(kv.free == kv.capacity and kv.check() is None for kv in te.kv)
+    # step accounting: one SP step, then one batched step with the two short prompts on two
+    # groups (the other six sit it out)
+    assert (te.steps, te.sp_steps) == (2, 1)
+    assert te.sp_busy_ns == long.first_token_ns - long.queue_ns - long.arrival_ns
+    assert te.group_busy_ns == 2 * (te.busy_ns - te.sp_busy_ns)
 
 
 def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
