@@ -576,3 +576,21 @@ def test_sequence_parallel_prompts_are_cached_by_rotating_leaders():
     holders = [[g for g, c in enumerate(caches) if c.hit_blocks(q.prefix_hashes)] for q in reqs]
     assert all(len(h) == 1 for h in holders)  # one leader group caches each prompt
     assert len({h[0] for h in holders}) == 3  # and the leaders differ
+
+
+def test_microbatched_prefill_overlaps_the_all_to_all_only_where_it_pays():
+    from xds.serve.prefill import _half
+
+    assert _half((1000, 200), True) == (500, 200) and _half((1000, 200), False) == (500, 700)
+    assert _half((7, 0, 8), True) == (3, 0, 8) and _half((7, 0, 8), False) == (4, 3, 8)
+    one, two = _prefill_cost(), _prefill_cost(PrefillConfig(microbatches=2))
+    big = [[(16_384, 0)]] * 8
+    single, overlapped = one.step_ns(big), two.step_ns(big)
+    # the dispatch and combine of one half hide behind the other half's compute...
+    _, moe, mtp, _ = one.layer_times(big)
+    m = one.model
+    comm = (moe[-4] + moe[-1]) * (m.layers - m.dense_layers) + mtp[-4] + mtp[-1]
+    assert single - comm <= overlapped < 0.85 * single
+    # ...but a tiny step keeps one batch: splitting would double its eager dispatches
+    tiny = [[(100, 0)]]
+    assert two.step_ns(tiny) == one.step_ns(tiny) < two._overlapped_step_ns(tiny)

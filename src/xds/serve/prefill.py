@@ -76,6 +76,12 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     TE's DP groups, alone in their step (P029, P094; P058: one set of SP ranks should not mix
     short and long sequences). [emulator choice] the default equals ``max_tokens_per_dp``: a
     request too big for one group's step is spread over all of them. 0 turns SP off."""
+    microbatches: Annotated[int, Meta(ge=1, le=2)] = 1
+    """2: FlowServe's "Dynamic MicroBatching" (P052, not described further, A33) as two-batch
+    overlap: the leader splits a step's new tokens into two causal halves whose MoE dispatch
+    and combine run on the communication stream while the other half computes, whenever that
+    is faster than one batch (small steps lose: twice the eager dispatches). [emulator choice]
+    1 (off) by default: the paper does not say that prefill uses it, or how."""
     hardware: Literal["910c", "910b"] = "910c"
     """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
     all_gather_ns: Annotated[int, Meta(ge=0)] = 5_000
@@ -256,6 +262,12 @@ class PrefillCost:
         """Eager-mode time of one step over all layers, the MTP layer and the head."""
         if not any(groups):
             return 0
+        single = self._single_step_ns(groups)
+        if self.config.microbatches == 2:  # split only where it pays (small steps: it doubles
+            return min(single, self._overlapped_step_ns(groups))  # the eager dispatches)
+        return single
+
+    def _single_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         dense, moe, mtp, head = self.layer_times(groups)
         m = self.model
         ops = dense * m.dense_layers + moe * (m.layers - m.dense_layers) + mtp + head
@@ -265,6 +277,55 @@ class PrefillCost:
             dispatched += dispatch_ns
             device_free = max(device_free, dispatched) + t
         return device_free
+
+    def _overlapped_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
+        """Two-batch overlap: every piece's new tokens split into a first half and a second
+        half that attends to the first (causal); per MoE layer each half runs its attention
+        side, gating and shared expert on the compute stream, dispatch on the communication
+        stream, routed experts on compute, combine on communication. The host issues every
+        operator in program order (A0 D0 A1 D1 X0 C0 X1 C1), one eager dispatch each."""
+        halves = [[[_half(p, first) for p in g] for g in groups] for first in (True, False)]
+        times = [self.layer_times(h) for h in halves]
+        m = self.model
+        step = self.cost.eff.eager_op_dispatch_ns
+        host = compute = comm = 0
+        ready = [0, 0]  # when each half's previous layer output is there
+
+        def on(stream: int, t: int, after: int) -> int:
+            nonlocal host
+            host += step
+            return max(stream, host, after) + t
+
+        moe_layers = m.layers - m.dense_layers
+        layers = [0] * m.dense_layers + [1] * moe_layers + [2]  # dense, MoE, then MTP
+        for kind in layers:
+            if kind == 0:  # dense: compute only
+                for mb in (0, 1):
+                    for t in times[mb][0]:
+                        compute = ready[mb] = on(compute, t, ready[mb])
+                continue
+            sent = [0, 0]
+            for mb in (0, 1):
+                ops = times[mb][kind]
+                for t in [*ops[:-4], ops[-2]]:  # attention side, gating, shared expert
+                    compute = ready[mb] = on(compute, t, ready[mb])
+                comm = sent[mb] = on(comm, ops[-4], ready[mb])  # dispatch
+            for mb in (0, 1):
+                ops = times[mb][kind]
+                compute = on(compute, ops[-3], sent[mb])  # routed experts
+                comm = ready[mb] = on(comm, ops[-1], compute)  # combine
+        for mb in (0, 1):
+            for t in times[mb][3]:  # LM head and sampling of each half's last tokens
+                compute = ready[mb] = on(compute, t, ready[mb])
+        return max(ready)
+
+
+def _half(piece: Piece, first: bool) -> Piece:
+    """One causal half of a piece's new tokens: the second half sees the first as context."""
+    new, cached = piece[0], piece[1]
+    a = new // 2
+    part = (max(1, a), cached) if first else (new - a, cached + a)
+    return (*part, piece[2]) if len(piece) == 3 else part  # type: ignore[misc]
 
 
 def prefill_hardware(
