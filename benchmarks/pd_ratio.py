@@ -1,12 +1,15 @@
 """The production rate search for other prefill:decode ratios (a what-if on SPEC 12.4).
 
     python benchmarks/pd_ratio.py [--prefill-tes 4 5 6 8] [--window S] [--bisections N]
+                                  [--microbatches 2]
 
 ``production-4p1d`` is prefill-bound on the SPEC 12.4 mix (``xds reproduce production``).
 This runs the same search (highest rate with mean TPOT <= 35 ms and mean TTFT <= 2 s) with
 more Prefill TEs of the same shape in front of the same Decode TE, and prints, per ratio, the
 rate found, its TPOT, TTFT, decode sequences per die, prefill busy share, which bound stopped
-it, and the rate per chip. No ``../shared`` needed; each ratio takes about a minute.
+it, and the rate per chip. ``--microbatches 2`` turns on the prefill two-batch overlap
+(``PrefillConfig.microbatches``, P052). No ``../shared`` needed; each ratio takes about a
+minute.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prefill-tes", type=int, nargs="+", default=[4, 5, 6, 8])
     ap.add_argument("--window", type=float, default=300.0)
     ap.add_argument("--bisections", type=int, default=3)
+    ap.add_argument("--microbatches", type=int, default=1, choices=[1, 2])
     args = ap.parse_args()
     base = pd_config("production-4p1d")
     print(
@@ -32,7 +36,8 @@ def main() -> None:
         f"{'TTFT ms':>8} {'seqs/die':>8} {'P busy':>6}  bound"
     )
     for tes in args.prefill_tes:
-        cfg = msgspec.structs.replace(base, prefill=msgspec.structs.replace(base.prefill, tes=tes))
+        prefill = msgspec.structs.replace(base.prefill, tes=tes, microbatches=args.microbatches)
+        cfg = msgspec.structs.replace(base, prefill=prefill)
         wall = time.perf_counter()
         rate, seen = measure(window_s=args.window, bisections=args.bisections, config=cfg)
         found = seen[rate] if rate else seen[min(seen)]
