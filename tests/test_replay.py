@@ -498,13 +498,14 @@ def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
         min_size=1,
         max_size=10,
     ),
+    microbatches=st.sampled_from([1, 2]),
 )
-def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs):
-    """Long (SP) and short prompts in one TE: every request completes, an SP step holds only
-    its job, and every group's KV returns to empty."""
+def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs, microbatches):
+    """Long (SP) and short prompts in one TE, with or without microbatched steps: every
+    request completes, an SP step holds only its job, and every group's KV returns to empty."""
     cfg = msgspec.structs.replace(
         SMALL,
-        prefill=msgspec.structs.replace(SMALL.prefill, tes=1),
+        prefill=msgspec.structs.replace(SMALL.prefill, tes=1, microbatches=microbatches),
         decode=msgspec.structs.replace(SMALL.decode, kv_blocks_per_die=400),
     )
     if not _SP_GRID:
@@ -521,6 +522,7 @@ def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs):
 
     r, records = run(main)
     assert all(rec.outcome == "completed" for rec in records)
+    assert all(0 <= rec.cached_tokens < rec.input_tokens for rec in records)
     sp = [rec for rec in records if rec.prefill_placement.endswith("/SP8")]
     assert {rec.request_id for rec in sp} == {
         row.request_id for row in rows if row.input_tokens > 16_384
