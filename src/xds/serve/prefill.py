@@ -314,10 +314,10 @@ class PrefillCost:
                 ops = times[mb][kind]
                 compute = on(compute, ops[-3], sent[mb])  # routed experts
                 comm = ready[mb] = on(comm, ops[-1], compute)  # combine
-        for mb in (0, 1):
-            for t in times[mb][3]:  # LM head and sampling of each half's last tokens
-                compute = ready[mb] = on(compute, t, ready[mb])
-        return max(ready)
+        done = max(ready)
+        for t in times[1][3]:  # LM head and sampling: each request's last token, second half
+            compute = done = on(compute, t, done)
+        return done
 
 
 def _half(piece: Piece, first: bool) -> Piece:
