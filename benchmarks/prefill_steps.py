@@ -18,6 +18,7 @@ from xds.runtime import run
 from xds.serve.decode_te import comm_grid
 from xds.serve.presets import pd_config
 from xds.serve.replay import Replay
+from xds.trace.metrics import prefix_hit_ratio
 from xds.trace.production import (
     MOONCAKE_CONVERSATIONS,
     NO_CONVERSATIONS,
@@ -52,7 +53,6 @@ def main() -> None:
     batched = busy - sp
     groups = cfg.prefill.dps_per_te
     recs = list(r.records.values())
-    prompt = sum(x.input_tokens for x in recs)
     print(f"workload         {wl.source}, {len(wl):,} requests")
     steps, sp_steps = sum(te.steps for te in tes), sum(te.sp_steps for te in tes)
     print(f"prefill steps    {steps:,}, of which SP {sp_steps:,}")
@@ -61,8 +61,7 @@ def main() -> None:
         f"batched steps    {sum(te.group_busy_ns for te in tes) / max(1, batched):.2f} of "
         f"{groups} DP groups hold work (time-weighted)"
     )
-    hits = sum(x.cached_tokens for x in recs) / max(1, prompt)
-    print(f"prefix hits      {hits:.1%} of prompt tokens")
+    print(f"prefix hits      {prefix_hit_ratio(recs):.1%} of prompt tokens")
     print(f"wall             {wall:.1f} s")
 
 

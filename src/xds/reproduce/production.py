@@ -26,7 +26,7 @@ import numpy as np
 from ..serve.decode_te import comm_grid
 from ..serve.presets import pd_config
 from ..serve.replay import PDConfig, replay
-from ..trace.metrics import RequestRecord
+from ..trace.metrics import RequestRecord, prefix_hit_ratio
 from ..trace.production import production_workload
 from . import Row, TableData
 
@@ -57,11 +57,6 @@ def decoding_per_die(records: list[RequestRecord], dies: int) -> float:
         if r.outcome == "completed"
     )
     return busy / max(1.0, hi - lo) / dies
-
-
-def prefix_hits(records: list[RequestRecord]) -> float:
-    """Share of the prompt tokens of ``records`` served from prefix caches."""
-    return sum(r.cached_tokens for r in records) / max(1, sum(r.input_tokens for r in records))
 
 
 class RatePoint(msgspec.Struct, frozen=True):
@@ -100,7 +95,7 @@ def measure(
             tpot_ms=float(np.mean([r.tpot_ns for r in st])) / 1e6,
             ttft_ms=float(np.mean([r.ttft_ns for r in st])) / 1e6,
             decode_seqs_per_die=decoding_per_die(res.records, cfg.decode.dies),
-            prefix_hits=prefix_hits(st),
+            prefix_hits=prefix_hit_ratio(st),
             prefill_busy=float(np.mean(res.prefill_busy)),
         )
         return point.meets_sla

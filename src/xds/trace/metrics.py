@@ -96,6 +96,11 @@ class Summary(msgspec.Struct):
     """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
 
 
+def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
+    """Prompt tokens of ``records`` served from prefix caches / their prompt tokens."""
+    return sum(r.cached_tokens for r in records) / max(1, sum(r.input_tokens for r in records))
+
+
 def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None = None) -> Summary:
     """The summary of a finished replay (``chips`` for the per-chip throughput)."""
     if chips < 1:
@@ -130,8 +135,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         output_tokens_per_s=tokens / duration,
         output_tokens_per_s_per_chip=tokens / duration / chips,
         goodput=good / len(records) if records else 0.0,
-        prefix_hit_ratio=sum(r.cached_tokens for r in done)
-        / max(1, sum(r.input_tokens for r in done)),
+        prefix_hit_ratio=prefix_hit_ratio(done),
         sla=sla,
         duration_s=duration,
     )
