@@ -133,7 +133,9 @@ def test_prefix_cache_hits_shorten_prefill_and_steer_the_job_executor():
     )
     res = replay(Workload(reqs), SMALL)
     first, again, cold = res.records
-    assert again.prefill_placement == first.prefill_placement  # same TE and DP: its cache
+    # same TE and (leader) DP group: the one caching the prompt; a 1-token remainder stays
+    # on that group, the cold prompt was spread over the idle groups
+    assert again.prefill_placement == first.prefill_placement.split("x")[0]
     assert again.ttft_ns < cold.ttft_ns / 3
 
 
@@ -468,22 +470,29 @@ def test_a_long_request_runs_sequence_parallel_alone_and_frees_every_share():
     assert all(rec.outcome == "completed" for rec in records)
     te = r.prefill[0]
     assert all(kv.free == kv.capacity and kv.check() is None for kv in te.kv)
-    # step accounting: one SP step, then one batched step with the two short prompts on two
-    # groups (the other six sit it out)
+    # step accounting: one SP step, then one batched step in which the leader spreads the two
+    # short prompts over four groups each, so no group sits it out
     assert (te.steps, te.sp_steps) == (2, 1)
     assert te.sp_busy_ns == long.first_token_ns - long.queue_ns - long.arrival_ns
-    assert te.group_busy_ns == 2 * (te.busy_ns - te.sp_busy_ns)
+    assert te.group_busy_ns == 8 * (te.busy_ns - te.sp_busy_ns)
+    assert sorted(x.prefill_placement[-2:] for x in records[1:]) == ["x4", "x4"]
 
 
 def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
-    off = msgspec.structs.replace(
-        SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1, sp_threshold=0)
-    )
-    on = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    def cfg(**kw):
+        return msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, **kw))
+
+    off = cfg(tes=1, sp_threshold=0, balance_split=False)
+    on = cfg(tes=1)
     wl = _workload((0, 40_000, 3))
     slow, fast = replay(wl, off).records[0], replay(wl, on).records[0]
     assert slow.prefill_placement == "P0/DP0" and fast.prefill_placement == "P0/SP8"
     assert slow.ttft_ns > 5 * fast.ttft_ns
+    # without the SP threshold the leader's balancing still spreads a lone prompt over every
+    # group: the same split, in a batched step
+    spread = replay(wl, cfg(tes=1, sp_threshold=0)).records[0]
+    assert spread.prefill_placement == "P0/DP0x8"
+    assert spread.ttft_ns == pytest.approx(fast.ttft_ns, rel=0.01)
 
 
 @settings(max_examples=15, deadline=None)
@@ -596,3 +605,52 @@ def test_microbatched_prefill_overlaps_the_all_to_all_only_where_it_pays():
     # ...but a tiny step keeps one batch: splitting would double its eager dispatches
     tiny = [[(100, 0)]]
     assert two.step_ns(tiny) == one.step_ns(tiny) < two._overlapped_step_ns(tiny)
+
+
+def _one_step(lengths: list[int], *, balance: bool, kv_blocks: int = 20_000):
+    """The leader's plan for one step holding ``lengths`` (fresh prompts) on a default TE."""
+    from xds.serve.prefill import PrefillJob, PrefillTE
+
+    cfg = PrefillConfig(balance_split=balance)
+    te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=kv_blocks)
+    for i, n in enumerate(lengths):
+        te.pool.append((PrefillJob(i, n, (), 0), None))
+    groups, placed = te._assign()
+    return te, groups, placed
+
+
+def test_the_leader_spreads_a_step_over_groups_that_would_sit_it_out():
+    (te0, g0, _), (te1, g1, placed) = (_one_step([12_000, 1_000], balance=b) for b in (False, True))
+    assert sum(1 for g in g0 if g) == 2 and all(g for g in g1)  # every group works
+    big, small = (job for job, _ in placed)
+    assert big.sp > small.sp >= 1 and big.sp + small.sp == 8
+    # the slowest group no longer carries the whole 12K prompt: the step is much shorter
+    assert te1.cost.step_ns(te1._pieces(g1)) < 0.5 * te0.cost.step_ns(te0._pieces(g0))
+    # each job holds an equal KV share on each of its groups
+    for job in (big, small):
+        holders = [kv for kv in te1.kv if kv.holds(job.request_id)]
+        assert len(holders) == job.sp
+        assert all(
+            kv.held(job.request_id) == kv.blocks_for(-(-job.input_tokens // job.sp))
+            for kv in holders
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 16_000), min_size=1, max_size=12),
+    kv_blocks=st.sampled_from([300, 20_000]),
+)
+def test_balancing_never_slows_a_step_and_conserves_kv(lengths, kv_blocks):
+    """Whatever the prompts: the same jobs run, the balanced step is never slower, every job
+    sits on ``sp`` distinct groups (its leader among them) and KV blocks are conserved."""
+    te0, g0, p0 = _one_step(lengths, balance=False, kv_blocks=kv_blocks)
+    te1, g1, p1 = _one_step(lengths, balance=True, kv_blocks=kv_blocks)
+    assert [j.request_id for j, _ in p0] == [j.request_id for j, _ in p1]
+    assert te1.cost.step_ns(te1._pieces(g1)) <= te0.cost.step_ns(te0._pieces(g0))
+    for job, _ in p1:
+        on = [d for d, g in enumerate(g1) if job in g]
+        assert len(on) == job.sp and job.dp in on
+        assert [d for d, kv in enumerate(te1.kv) if kv.holds(job.request_id)] == on
+    for kv in te1.kv:
+        kv.check()

@@ -10,6 +10,10 @@ that holds it); ties go to the longer cached prefix, then to the group given a j
 recently (so a lightly loaded TE spreads its prompts, and its cache contents, over all its
 groups). DP groups run one step in lockstep (their
 MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
+The leader therefore evens the step out (P058: a DP with a long batch holds the others back):
+while the slowest group's heaviest job can move a share of its work to a lighter group, it is
+spread sequence-parallel over one more group, so a step with fewer jobs than groups still
+uses every group (``balance_split``).
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
 when both it and its dispatch are ready (:meth:`CostModel.eager_time_ns`). Per layer, the
@@ -82,6 +86,11 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     and combine run on the communication stream while the other half computes, whenever that
     is faster than one batch (small steps lose: twice the eager dispatches). [emulator choice]
     1 (off) by default: the paper does not say that prefill uses it, or how."""
+    balance_split: bool = True
+    """The leader evens out a batched step by spreading its heaviest jobs sequence-parallel
+    over more DP groups (idle or lighter ones) while that shortens the step's slowest group
+    (P058: lockstep groups otherwise wait for the one with the long batch). False: every
+    batched job stays on one group (groups without work sit the step out)."""
     hardware: Literal["910c", "910b"] = "910c"
     """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
     all_gather_ns: Annotated[int, Meta(ge=0)] = 5_000
@@ -178,6 +187,21 @@ class PrefillCost:
         self.link = link
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
+        self._work: tuple[float, float] | None = None
+
+    def piece_work(self, new: int, cached: int) -> float:
+        """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
+        (per-token projections, experts and all-to-all, plus causal attention), with ``a`` and
+        ``b`` read off this cost model's own step times (cached on first use)."""
+        if self._work is None:
+            t1 = self.step_ns([[(2_048, 0)]])
+            t2 = self.step_ns([[(8_192, 0)]])
+            t3 = self.step_ns([[(2_048, 16_384)]])
+            b = max(0.0, (t3 - t1) / (2_048 * 16_384))
+            a = max(1e-9, (t2 - t1 - b * (8_192**2 - 2_048**2) / 2) / 6_144)
+            self._work = (a, b)
+        a, b = self._work
+        return new * (a + b * (cached + new / 2))
 
     def _scaled(self, times: list[int], tp: int) -> list[int]:
         return [-(-t // tp) for t in times]
@@ -350,7 +374,10 @@ class PrefillJob(msgspec.Struct):
     """The DP group that ran it (for a sequence-parallel job, the leader group that caches its
     prompt hashes)."""
     sp: int = 1
-    """DP groups the job ran on: 1, or all of the TE's when sequence-parallel."""
+    """DP groups the job ran on: 1, all of the TE's for a long sequence-parallel prompt, or
+    as many as the leader spread it over to balance a batched step."""
+    alone: bool = False
+    """Ran sequence-parallel alone in its step (a prompt over ``sp_threshold`` tokens)."""
     cached_tokens: int = 0
     start_ns: int = -1
     first_token_ns: int = -1
@@ -391,6 +418,7 @@ class PrefillTE:
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
         self._step_cache: dict[tuple[int, bool], int] = {}
+        self._spread_cache: dict[int, int] = {}
         self._assigned = [0] * dps
         """When each DP group was last given a job (a counter): ties go to the group idle
         longest, so a lightly loaded TE spreads prompts - and its prefix caches - over all
@@ -414,7 +442,8 @@ class PrefillTE:
         """The Job Executor's estimate of when a job with ``new_tokens`` uncached tokens would
         get its first token here: the running step's end, then as many steps as the pool's
         backlog fills, each as long as a step holding the longest pending prompt (lockstep
-        groups wait for their longest input, P096)."""
+        groups wait for their longest input, P096) - spread over every group when the leader
+        balances its steps, but never shorter than the backlog's per-group share."""
         longest = backlog = sp_ns = 0
         for tokens in (new_tokens, *(job.input_tokens for job, _ in self.pool)):
             if self._is_sp(tokens):  # a step of its own
@@ -424,7 +453,12 @@ class PrefillTE:
                 backlog += tokens
         capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
         steps = -(-backlog // capacity)
-        wait = steps * self._predicted_step(longest, sp=False) if backlog else 0
+        if self.config.balance_split:  # the leader spreads a step's work over every group
+            share = -(-min(backlog, capacity) // self.config.dps_per_te)
+            step = max(self._predicted_step(longest, sp=True), self._predicted_spread(share))
+        else:
+            step = self._predicted_step(longest, sp=False)
+        wait = steps * step if backlog else 0
         return max(now, self.step_end_ns) + wait + sp_ns
 
     def _is_sp(self, new_tokens: int) -> bool:
@@ -437,6 +471,15 @@ class PrefillTE:
         if step is None:
             groups = self.cost.sp_step(key[0], 0) if sp else [[(key[0], 0)]]
             step = self._step_cache[key] = self.cost.step_ns(groups)
+        return step
+
+    def _predicted_spread(self, share: int) -> int:
+        """A step with ``share`` new tokens on every DP group (in 32-token steps, cached)."""
+        share = -(-share // 32) * 32
+        step = self._spread_cache.get(share)
+        if step is None:
+            groups = [[(share, 0)] for _ in range(self.config.dps_per_te)]
+            step = self._spread_cache[share] = self.cost.step_ns(groups)
         return step
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
@@ -503,7 +546,69 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
+        if cfg.balance_split and placed and not sp_step:
+            self._balance(groups)
         return groups, placed
+
+    @staticmethod
+    def _pieces(groups: list[list[PrefillJob]]) -> list[list[Piece]]:
+        return [
+            [(j.input_tokens - j.cached_tokens, j.cached_tokens, j.sp) for j in g] for g in groups
+        ]
+
+    def _balance(self, groups: list[list[PrefillJob]]) -> None:
+        """Spread the heaviest job of the step's slowest group over one more DP group (the
+        lightest that can hold its KV share) while that lowers the groups' loads (compared
+        slowest first); each spread job's KV is re-admitted as equal shares on its groups.
+        The loads are :meth:`PrefillCost.piece_work`; the spread plan is kept only if the
+        step cost model also finds it faster than the plan it started from."""
+        d = len(groups)
+        unsplit, before = [list(g) for g in groups], self._pieces(groups)
+        jobs = {id(j): j for g in groups for j in g}
+        work = {
+            key: self.cost.piece_work(j.input_tokens - j.cached_tokens, j.cached_tokens)
+            for key, j in jobs.items()
+        }
+        members = {key: [j.dp] for key, j in jobs.items()}
+        load = [sum(work[id(j)] / j.sp for j in g) for g in groups]
+        while True:
+            top = max(range(d), key=lambda g: (load[g], -g))
+            job = max(groups[top], key=lambda j: (work[id(j)] / j.sp, -j.request_id))
+            key, k = id(job), job.sp
+            if k >= d:
+                break
+            share = -(-job.input_tokens // (k + 1))
+            spare = [h for h in range(d) if h not in members[key] and self.kv[h].can_admit(share)]
+            if not spare:
+                break
+            h = min(spare, key=lambda g: (load[g], self._assigned[g], g))
+            after = list(load)
+            for g in members[key]:
+                after[g] -= work[key] / k - work[key] / (k + 1)
+            after[h] += work[key] / (k + 1)
+            if sorted(after, reverse=True) >= sorted(load, reverse=True):
+                break
+            load = after
+            for g in members[key]:
+                self.kv[g].release(job.request_id)
+            members[key].append(h)
+            for g in members[key]:
+                self.kv[g].admit(job.request_id, share)
+            job.sp = k + 1
+            groups[h].append(job)
+        spread = [j for j in jobs.values() if j.sp > 1]
+        if not spread:
+            return
+        # the loads are a proxy: keep the spread plan only if the cost model agrees
+        if self.cost.step_ns(self._pieces(groups)) < self.cost.step_ns(before):
+            return
+        for job in spread:  # back to one group each (every share out first: they used the
+            for g in members[id(job)]:  # blocks the wholes had)
+                self.kv[g].release(job.request_id)
+        for job in spread:
+            self.kv[job.dp].admit(job.request_id, job.input_tokens)
+            job.sp = 1
+        groups[:] = unsplit
 
     def _best_hit(self, job: PrefillJob) -> int:
         """Tokens of the job's longest cached prefix on any DP group (at most input - 1)."""
@@ -522,7 +627,7 @@ class PrefillTE:
             kv.admit(job.request_id, share)
         leader = min(range(d), key=self._assigned.__getitem__)  # caches the prompt's hashes
         self._note_assigned(leader)
-        job.dp, job.sp, job.cached_tokens = leader, d, hit
+        job.dp, job.sp, job.cached_tokens, job.alone = leader, d, hit, True
         for g in groups:
             g.append(job)
         return True
@@ -540,17 +645,12 @@ class PrefillTE:
             start = now_ns()
             for job, _ in placed:
                 job.start_ns = start
-            step = self.cost.step_ns(
-                [
-                    [(j.input_tokens - j.cached_tokens, j.cached_tokens, j.sp) for j in g]
-                    for g in groups
-                ]
-            )
+            step = self.cost.step_ns(self._pieces(groups))
             self.step_end_ns = start + step
             await sleep_ns(step)
             self.steps += 1
             self.busy_ns += step
-            if placed[0][0].sp > 1:
+            if placed[0][0].alone:
                 self.sp_steps += 1
                 self.sp_busy_ns += step
             else:

@@ -212,7 +212,9 @@ class Replay:
         rec.queue_ns = job.start_ns - req.arrival_ns
         rec.cached_tokens = job.cached_tokens
         rec.prefill_placement = (
-            f"P{te.index}/SP{job.sp}" if job.sp > 1 else f"P{te.index}/DP{job.dp}"
+            f"P{te.index}/SP{job.sp}"
+            if job.alone
+            else f"P{te.index}/DP{job.dp}" + (f"x{job.sp}" if job.sp > 1 else "")
         )
         if req.output_tokens == 1:  # prefill's token was the whole output
             te.release(job.dp, req.request_id)
