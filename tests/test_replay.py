@@ -654,3 +654,17 @@ def test_balancing_never_slows_a_step_and_conserves_kv(lengths, kv_blocks):
         assert [d for d, kv in enumerate(te1.kv) if kv.holds(job.request_id)] == on
     for kv in te1.kv:
         kv.check()
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_prefill_honours_int8_attention_per_layer(microbatches):
+    from xds.model import Precision
+
+    def step(**precision):
+        cfg = PrefillConfig(precision=Precision(**precision), microbatches=microbatches)
+        return _prefill_cost(cfg).step_ns([[(30_000, 2_000)]] * 8)
+
+    bf16, everywhere = step(), step(attention_int8=True)
+    assert step(attention_int8_layers=tuple(range(62))) == everywhere
+    half = step(attention_int8_layers=tuple(range(0, 62, 2)))
+    assert bf16 > half > everywhere

@@ -187,3 +187,51 @@ def test_online_eplb_rebalances_a_skewed_decode_without_stalling_it():
     assert eplb.reconfigurations >= 2 and len(set(checked)) > 2
     assert np.mean(tuned.iteration_ns[-10:]) < 0.7 * np.mean(base.iteration_ns[-10:])
     assert np.mean(tuned.iteration_ns[:3]) == pytest.approx(np.mean(base.iteration_ns[:3]))
+
+
+def test_int8_attention_per_layer_speeds_those_layers_in_both_tiers():
+    """P090: precision-insensitive layers run their whole attention in INT8. Naming layers
+    shortens the iteration by exactly those layers' attention savings, the same in both
+    tiers; naming every layer equals the all-layer switch."""
+    from xds.model import Precision
+    from xds.serve.decode import DecodeModel
+
+    base = {f: getattr(SMALL, f) for f in SMALL.__struct_fields__}
+    long_ctx = {**base, "input_tokens": 8_000, "output_tokens": 24}
+
+    def cfg(**precision):
+        return DecodeConfig(**{**long_ctx, "precision": Precision(**precision)})
+
+    some = cfg(attention_int8_layers=(0, 5, 30, 61))  # a dense, two MoE and the MTP layer
+    every = cfg(attention_int8_layers=tuple(range(62)))
+    _, bf16 = run(cfg(), iterations=6)
+    _, part = run(some, iterations=6)
+    _, part_layer = run(some, tier="layer", iterations=6)
+    _, full = run(every, iterations=6)
+    _, switch = run(cfg(attention_int8=True), iterations=6)
+    assert full.iteration_ns == switch.iteration_ns
+    assert bf16.mean_iteration_ns > part.mean_iteration_ns > full.mean_iteration_ns
+    assert part.iteration_ns == part_layer.iteration_ns and part.breakdown == part_layer.breakdown
+    # the saving is the per-layer attention difference times the layers named
+    dm = DecodeModel(some, COMM, COMM_MTP)
+    seqs, ctx = SMALL.batch_per_die, 8_000
+    main = dm.attention_part(seqs, 2.0, ctx, None)[0] - dm.attention_part(seqs, 2.0, ctx, 5)[0]
+    mtp = dm.attention_part(seqs, 1.0, ctx, None)[0] - dm.attention_part(seqs, 1.0, ctx, 61)[0]
+    saved = bf16.iteration_ns[0] - part.iteration_ns[0]
+    assert main > 0 and mtp > 0
+    assert saved == pytest.approx(3 * main + mtp, rel=1e-3)  # contexts differ by a few tokens
+
+
+def test_int8_attention_layers_must_exist():
+    from xds.errors import ConfigError
+    from xds.model import Precision
+
+    base = {f: getattr(SMALL, f) for f in SMALL.__struct_fields__}
+    with pytest.raises(ConfigError, match="attention_int8_layers"):
+        Precision(attention_int8_layers=(-1,))
+    with pytest.raises(ConfigError, match=r"layers 0\.\.60 .* names \[70\]"):
+        DecodeInstance(
+            DecodeConfig(**{**base, "precision": Precision(attention_int8_layers=(3, 70))}),
+            COMM,
+            COMM_MTP,
+        )

@@ -62,11 +62,25 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kv_int8_nope: bool = True
     """The non-RoPE latent of the KV cache in INT8 (P090)."""
     attention_int8: bool = False
-    """The whole attention computation in INT8 (precision-insensitive layers, P090)."""
+    """The whole attention computation in INT8 on every layer (P090)."""
+    attention_int8_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based; the MTP layer is number ``layers``) whose whole attention runs
+    in INT8: P090's precision-insensitive layers, which the paper does not name."""
     lm_head_bf16: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if any(layer < 0 for layer in self.attention_int8_layers):
+            raise ConfigError(
+                f"attention_int8_layers must be layer numbers >= 0, got "
+                f"{list(self.attention_int8_layers)}",
+                field="precision.attention_int8_layers",
+            )
+
+    def int8_attention(self, layer: int | None) -> bool:
+        """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer
+        list, i.e. only the all-layer switch counts)."""
+        return self.attention_int8 or (layer is not None and layer in self.attention_int8_layers)
 
 
 class Kernel(msgspec.Struct, frozen=True):
@@ -97,6 +111,13 @@ class CostModel:
         self.model = model
         self.die = die
         self.precision = precision or Precision()
+        beyond = [x for x in self.precision.attention_int8_layers if x > model.layers]
+        if beyond:
+            raise ConfigError(
+                f"{model.name} has layers 0..{model.layers - 1} (and its MTP layer, "
+                f"{model.layers}); attention_int8_layers names {beyond}",
+                field="precision.attention_int8_layers",
+            )
         self.eff = efficiency or KernelEfficiency()
 
     # -- the primitive ---------------------------------------------------------------------------
@@ -148,9 +169,11 @@ class CostModel:
         m = self.model
         return self._gemm("mtp_eh_proj", tokens, 2 * m.hidden, m.hidden, False)
 
-    def mla_attention(self, seqs: int, tokens_per_seq: float, context: int) -> Kernel:
+    def mla_attention(
+        self, seqs: int, tokens_per_seq: float, context: int, *, layer: int | None = None
+    ) -> Kernel:
         """Attention over ``context`` cached tokens for ``seqs`` sequences, each with
-        ``tokens_per_seq`` query tokens (1 + MTP drafts)."""
+        ``tokens_per_seq`` query tokens (1 + MTP drafts), on decoder layer ``layer``."""
         m, p = self.model, self.precision
         tokens = seqs * tokens_per_seq
         latent = m.kv_lora_rank
@@ -159,7 +182,7 @@ class CostModel:
             + 2.0 * tokens * m.heads * context * latent
         )
         kv_bytes = seqs * context * m.kv_bytes_per_token_layer(int8_nope=p.kv_int8_nope)
-        engine: Engine = "cube_int8" if p.attention_int8 else "cube_bf16"
+        engine: Engine = "cube_int8" if p.int8_attention(layer) else "cube_bf16"
         return self.kernel("mla_attention", flops, kv_bytes, engine, attention=True)
 
     def mla_output(self, tokens: float) -> list[Kernel]:
@@ -213,6 +236,7 @@ class CostModel:
         context: int,
         expert_tokens: list[float] | None = None,
         dense: bool = False,
+        layer: int | None = None,
     ) -> list[Kernel]:
         """All compute kernels of one decoder layer on one die (communication excluded).
 
@@ -222,7 +246,7 @@ class CostModel:
         tokens = seqs * tokens_per_seq
         kernels = [
             *self.mla_prolog(tokens),
-            self.mla_attention(seqs, tokens_per_seq, context),
+            self.mla_attention(seqs, tokens_per_seq, context, layer=layer),
             *self.mla_output(tokens),
             self.kernel(
                 "post_norm",

@@ -163,22 +163,24 @@ class DecodeModel:
         self.routed_die_share: np.ndarray | None = None
         """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
         placements on skewed routing); None means uniform routing drawn per pass."""
-        self._attn_cache: dict[tuple[int, float, int], tuple[int, int, int]] = {}
+        self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
         self._dense_cache: dict[float, int] = {}
         self._expert_cache: dict[float, int] = {}
 
     # pieces of one pass ------------------------------------------------------------------------
     def attention_part(
-        self, seqs: int, tokens_per_seq: float, context: int
+        self, seqs: int, tokens_per_seq: float, context: int, layer: int | None = None
     ) -> tuple[int, int, int]:
-        """(attention, other MLA + norms, gating) of one MoE layer on one die."""
-        key = (seqs, tokens_per_seq, context)
+        """(attention, other MLA + norms, gating) of one layer on one die (``layer`` picks
+        BF16 or INT8 attention, :attr:`Precision.attention_int8_layers`)."""
+        int8 = self.cost.precision.int8_attention(layer)
+        key = (seqs, tokens_per_seq, context, int8)
         hit = self._attn_cache.get(key)
         if hit is not None:
             return hit
         c = self.cost
         tokens = seqs * tokens_per_seq
-        attn = c.mla_attention(seqs, tokens_per_seq, context).time_ns if seqs else 0
+        attn = c.mla_attention(seqs, tokens_per_seq, context, layer=layer).time_ns if seqs else 0
         other = (
             sum(k.time_ns for k in c.mla_prolog(tokens))
             + sum(k.time_ns for k in c.mla_output(tokens))
@@ -290,7 +292,7 @@ class DecodeModel:
                 seqs,
                 context,
                 1.0,
-                1,
+                m.layers,
                 jitter=np.zeros_like(jitter_ns),
                 bd=bd,
                 experts=[mtp_experts[draft]],
@@ -302,7 +304,7 @@ class DecodeModel:
             seqs,
             context,
             1.0 + k,
-            m.layers,
+            0,
             jitter=jitter_ns,
             bd=bd,
             experts=main_experts,
@@ -318,7 +320,7 @@ class DecodeModel:
         seqs: np.ndarray,
         context: np.ndarray,
         tokens_per_seq: float,
-        layers: int,
+        first_layer: int,
         *,
         jitter: np.ndarray,
         bd: Breakdown,
@@ -326,47 +328,67 @@ class DecodeModel:
         comm: CommCosts,
         dense: int = 0,
     ) -> IterationOutcome:
+        """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
+        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
         d, c = comm.dispatch_ns, comm.combine_ns
+        layer_ids = range(first_layer, first_layer + dense + len(experts))
+        int8 = [self.cost.precision.int8_attention(x) for x in layer_ids]
         # kernel times per distinct (batch, context): DPs mostly share a few shapes
         keys, which = np.unique(
             seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
         )
-        parts = np.array(
-            [
-                (
-                    *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF),
-                    self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
-                )
-                for k in keys.tolist()
-            ],
-            dtype=np.int64,
-        )[which]
-        attn, other, gate, dense_mlp = parts[:, 0], parts[:, 1], parts[:, 2], parts[:, 3]
-        per_layer = attn + other + gate
+
+        def parts(layer: int | None) -> tuple[np.ndarray, ...]:
+            table = np.array(
+                [
+                    (
+                        *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
+                        self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
+                    )
+                    for k in keys.tolist()
+                ],
+                dtype=np.int64,
+            )[which]
+            return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+
+        attn, other, gate, dense_mlp = parts(None)
+        attn8 = (
+            parts(next(x for x, q in zip(layer_ids, int8, strict=True) if q))[0]
+            if any(int8)
+            else attn
+        )
+
+        def attention(i: int) -> np.ndarray:
+            return attn8 if int8[i] else attn
+
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        arrive = dense * (attn + other + dense_mlp) + per_layer + jitter
+        lead = sum((attention(i) + other + dense_mlp for i in range(dense)), np.zeros_like(attn))
+        arrive = lead + attention(dense) + other + gate + jitter
         barrier = int(arrive.max())
         first_dispatch = barrier - arrive + d
         slowest = int(np.argmax(arrive))
         t = barrier
         bd.jitter_wait += int(jitter[slowest])
-        bd.attention += int(dense * attn[slowest] + attn[slowest])
-        bd.mla_other += int(dense * other[slowest] + other[slowest])
+        bd.attention += sum(int(attention(i)[slowest]) for i in range(dense + 1))
+        bd.mla_other += int((dense + 1) * other[slowest])
         bd.gating += int(gate[slowest])
         bd.dense_mlp += int(dense * dense_mlp[slowest])
-        next_attn = int(per_layer.max())
-        i_max = int(np.argmax(per_layer))
         # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
         n_moe = len(experts)
-        between = max(0, n_moe - 1)
-        expert_total = sum(experts)
-        t += n_moe * (d + c) + expert_total + between * next_attn
+        t += n_moe * (d + c) + sum(experts)
         bd.dispatch += n_moe * d
-        bd.experts += expert_total
+        bd.experts += sum(experts)
         bd.combine += n_moe * c
-        bd.attention += between * int(attn[i_max])
-        bd.mla_other += between * int(other[i_max])
-        bd.gating += between * int(gate[i_max])
+        for q in (False, True):  # the layers after the first MoE one, by attention precision
+            count = sum(1 for i in range(dense + 1, dense + n_moe) if int8[i] == q)
+            if not count:
+                continue
+            per_layer = (attn8 if q else attn) + other + gate
+            i_max = int(np.argmax(per_layer))
+            t += count * int(per_layer[i_max])
+            bd.attention += count * int((attn8 if q else attn)[i_max])
+            bd.mla_other += count * int(other[i_max])
+            bd.gating += count * int(gate[i_max])
         head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
         t += head + samp
         bd.lm_head += head
@@ -699,14 +721,21 @@ class DecodeInstance:
         async def die(r: int) -> None:
             assert barrier is not None
             s = int(seqs[r])
-            passes = [(1.0, 0, 0, [e], dm.comm_mtp) for e in mtp_experts]
-            passes.append((1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm))
-            for tps, dense, jit, experts, comm in passes:
-                attn, other, gate = dm.attention_part(s, tps, int(ctx[r]))
+            passes = [(1.0, 0, 0, [e], dm.comm_mtp, m.layers) for e in mtp_experts]
+            passes.append(
+                (1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm, 0)
+            )
+            for tps, dense, jit, experts, comm, first in passes:
+
+                def layer_ns(x: int, tps: float = tps) -> int:  # attention side, BF16/INT8
+                    return sum(dm.attention_part(s, tps, int(ctx[r]), x))
+
                 dmlp = dm.dense_mlp_ns(float(s) * tps)
+                gate = dm.attention_part(s, tps, int(ctx[r]))[2]
                 mtp_pass = tps == 1.0 and not dense
                 await sleep_ns(eff.graph_launch_ns + (mtp_proj if mtp_pass else 0))
-                await sleep_ns(dense * (attn + other + dmlp) + attn + other + gate + jit)
+                lead = sum(layer_ns(first + i) - gate + dmlp for i in range(dense))
+                await sleep_ns(lead + layer_ns(first + dense) + jit)
                 arrived = now_ns()
                 for layer, expert_ns in enumerate(experts):
                     await barrier.wait()  # the dispatch barrier
@@ -714,7 +743,7 @@ class DecodeInstance:
                         first_dispatch[r] = now_ns() - arrived + comm.dispatch_ns
                     await sleep_ns(comm.dispatch_ns + expert_ns + comm.combine_ns)
                     if layer + 1 < len(experts):
-                        await sleep_ns(attn + other + gate)
+                        await sleep_ns(layer_ns(first + dense + layer + 1))
                         # the next dispatch waits for the slowest DP's attention
                 head, samp = dm.head_ns(float(seqs.max()) * tps)
                 await sleep_ns(head + samp)

@@ -188,6 +188,7 @@ class PrefillCost:
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
         self._work: tuple[float, float] | None = None
+        self._kinds: list[tuple[bool, int]] | None = None
 
     def piece_work(self, new: int, cached: int) -> float:
         """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
@@ -206,7 +207,9 @@ class PrefillCost:
     def _scaled(self, times: list[int], tp: int) -> list[int]:
         return [-(-t // tp) for t in times]
 
-    def layer_times(self, groups: Sequence[Sequence[Piece]]) -> tuple[list[int], ...]:
+    def layer_times(
+        self, groups: Sequence[Sequence[Piece]], *, int8_attention: bool = False
+    ) -> tuple[list[int], ...]:
         """(dense layer, MoE layer, MTP layer, head) kernel times of one lockstep step, for
         ``groups`` = per DP group the pieces of work it holds: (new tokens, cached tokens) of
         each of its requests, or (new, cached, sp) for a request split sequence-parallel over
@@ -219,13 +222,13 @@ class PrefillCost:
         per_die = all_tokens * m.top_k / cfg.dies_per_te
         experts_here = max(1, m.routed_experts // cfg.dies_per_te)
         routed = experts_here * self.cost.expert(per_die / experts_here).time_ns
-        per_group = [self._group_times(g, routed) for g in busy]
+        per_group = [self._group_times(g, routed, int8_attention) for g in busy]
         return tuple(
             [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
         )
 
     def _group_times(
-        self, group: Sequence[Piece], routed_ns: int
+        self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """One DP group's kernel times (attention side on ``tp`` dies)."""
         c, m, cfg = self.cost, self.model, self.config
@@ -235,7 +238,11 @@ class PrefillCost:
         # every piece reads its whole context's latent cache (an SP share sees it pass by)
         kv_bytes = sum(p[0] + p[1] for p in group) * kv_token
         attn = c.kernel(
-            "mla_prefill_attention", self._attn_flops(group), kv_bytes, "cube_bf16", attention=True
+            "mla_prefill_attention",
+            self._attn_flops(group),
+            kv_bytes,
+            "cube_int8" if int8_attention else "cube_bf16",
+            attention=True,
         )
         # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
         # the attention compute, at the UB rate of one link
@@ -291,10 +298,30 @@ class PrefillCost:
             return min(single, self._overlapped_step_ns(groups))  # the eager dispatches)
         return single
 
+    def _layer_kinds(self) -> list[tuple[bool, int]]:
+        """Per layer in order (dense, MoE, then the MTP layer): whether its attention runs in
+        INT8, and its kind (0 dense, 1 MoE, 2 MTP) as :meth:`layer_times` orders them."""
+        if self._kinds is None:
+            m, p = self.model, self.config.precision
+            kinds = [0] * m.dense_layers + [1] * (m.layers - m.dense_layers) + [2]
+            self._kinds = [(p.int8_attention(x), kind) for x, kind in enumerate(kinds)]
+        return self._kinds
+
+    def _times_by_precision(
+        self, groups: Sequence[Sequence[Piece]]
+    ) -> dict[bool, tuple[list[int], ...]]:
+        """:meth:`layer_times` with BF16 attention, and with INT8 where some layer uses it."""
+        times = {False: self.layer_times(groups)}
+        if any(int8 for int8, _ in self._layer_kinds()):
+            times[True] = self.layer_times(groups, int8_attention=True)
+        return times
+
     def _single_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
-        dense, moe, mtp, head = self.layer_times(groups)
-        m = self.model
-        ops = dense * m.dense_layers + moe * (m.layers - m.dense_layers) + mtp + head
+        times = self._times_by_precision(groups)
+        ops: list[int] = []
+        for int8, kind in self._layer_kinds():
+            ops += times[int8][kind]
+        ops += times[False][3]  # LM head and sampling
         dispatch_ns = self.cost.eff.eager_op_dispatch_ns
         device_free = dispatched = 0
         for t in ops:  # operator i starts at max(device free, its host dispatch done)
@@ -309,8 +336,7 @@ class PrefillCost:
         stream, routed experts on compute, combine on communication. The host issues every
         operator in program order (A0 D0 A1 D1 X0 C0 X1 C1), one eager dispatch each."""
         halves = [[[_half(p, first) for p in g] for g in groups] for first in (True, False)]
-        times = [self.layer_times(h) for h in halves]
-        m = self.model
+        by_precision = [self._times_by_precision(h) for h in halves]
         step = self.cost.eff.eager_op_dispatch_ns
         host = compute = comm = 0
         ready = [0, 0]  # when each half's previous layer output is there
@@ -320,9 +346,8 @@ class PrefillCost:
             host += step
             return max(stream, host, after) + t
 
-        moe_layers = m.layers - m.dense_layers
-        layers = [0] * m.dense_layers + [1] * moe_layers + [2]  # dense, MoE, then MTP
-        for kind in layers:
+        for int8, kind in self._layer_kinds():
+            times = [by_precision[0][int8], by_precision[1][int8]]
             if kind == 0:  # dense: compute only
                 for mb in (0, 1):
                     for t in times[mb][0]:
@@ -339,7 +364,8 @@ class PrefillCost:
                 compute = on(compute, ops[-3], sent[mb])  # routed experts
                 comm = ready[mb] = on(comm, ops[-1], compute)  # combine
         done = max(ready)
-        for t in times[1][3]:  # LM head and sampling: each request's last token, second half
+        for t in by_precision[1][False][3]:  # LM head and sampling: each request's last
+            # token, in the second half
             compute = done = on(compute, t, done)
         return done
 
