@@ -59,6 +59,7 @@ def run_moe(
     ranks: list[int] | None = None,
     n_aiv: int = 8,
     capacity: int = 256,
+    pod: CloudMatrix384 | None = None,
 ) -> MoERun:
     shape = shape or TinyMoE()
     rng = np.random.default_rng(seed)
@@ -89,7 +90,7 @@ def run_moe(
             slot_expert[(int(expert_map.slots_rank[p]), int(expert_map.local_index[p]))] = e
 
     async def main() -> None:
-        fabric = UBFabric(POD, payload_mode=mode)
+        fabric = UBFabric(pod or POD, payload_mode=mode)
         group = EPGroup(
             fabric,
             ranks,

@@ -223,3 +223,31 @@ def test_property_exact_round_trip_and_conservation(n_ranks, batches, top_k, mas
         assert np.array_equal(run.ys[r], run.reference(r, "fp32", "fp32"))
     sent = sum(int((idx >= 0).sum()) for idx, _ in routes)
     assert sum(int((h.recv_local_slots >= 0).sum()) for h in run.handles) == sent
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_int8_dispatch_pays_the_fused_quantisations_fixed_part_on_the_sender(tier):
+    """SPEC 9.3: a fixed part plus a per-token part, inside the sending kernel. Every rank
+    starts together, so the fixed part delays every rank's metadata, hence the barrier and
+    every completion, by exactly that much; a BF16 wire pays nothing."""
+    import msgspec
+
+    from xds.hw import CloudMatrix384, PodConfig
+
+    def pod(fixed: int) -> CloudMatrix384:
+        cfg = PodConfig()
+        return CloudMatrix384(
+            msgspec.structs.replace(
+                cfg, engines=msgspec.structs.replace(cfg.engines, quant_fixed_ns=fixed)
+            )
+        )
+
+    kw = dict(tier=tier, mode="size", combine_dtype="bf16")
+    with_fixed = run_moe(dispatch_dtype="int8", pod=pod(2_000), **kw)
+    without = run_moe(dispatch_dtype="int8", pod=pod(0), **kw)
+    assert [a - b for a, b in zip(with_fixed.dispatch_ns, without.dispatch_ns, strict=True)] == [
+        2_000
+    ] * 8
+    assert with_fixed.combine_ns == without.combine_ns  # BF16 combine: no quantisation
+    bf16 = [run_moe(dispatch_dtype="bf16", pod=pod(f), **kw).dispatch_ns for f in (0, 2_000)]
+    assert bf16[0] == bf16[1]

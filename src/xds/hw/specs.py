@@ -160,6 +160,17 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             "scale, round/convert. [emulator choice] 4; time = ops / die vector peak"
         ),
     ] = 4
+    quant_fixed_ns: Annotated[
+        int,
+        Meta(ge=0),
+        _d(
+            "Fixed part of a token-wise INT8 quantisation fused into a sending kernel (SPEC "
+            "9.3: a fixed part plus a per-token part, charged on the sender): the AIV pipeline "
+            "hand-offs MTE2 load -> vector |x| and max -> scalar scale -> vector scale and "
+            "casts -> MTE3 store, each a set/wait flag pair. [emulator choice] 4 x ~230 cycles "
+            "at 1.85 GHz, 500 ns"
+        ),
+    ] = 500
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -158,12 +158,15 @@ class AEGroup:
         rows = np.frombuffer(block.data, dtype=full_dt)
         return wire.decode_payload(rows, dtype), block.side
 
-    def _quant_ns(self, n_rows: int, dtype: WireDtype) -> int:
+    def _quant_ns(self, n_rows: int, dtype: WireDtype, *, sender: bool = False) -> int:
+        """Vector time of token-wise INT8 (de)quantisation of ``n_rows`` rows (0 unless the
+        wire is INT8); the sender's fused quantisation adds its fixed part (SPEC 9.3)."""
         if dtype != "int8" or not n_rows:
             return 0
+        e = self.fabric.engines
         die = self.fabric.pod.spec_of(self.experts[0])
-        ops = n_rows * self.config.hidden * self.fabric.engines.vector_ops_per_quant_element
-        return round(ops / die.vector_flops * 1e9)
+        ops = n_rows * self.config.hidden * e.vector_ops_per_quant_element
+        return round(ops / die.vector_flops * 1e9) + (e.quant_fixed_ns if sender else 0)
 
     # -- attention side --------------------------------------------------------------------------
     def columns(self, att: int, topk_idx: np.ndarray) -> np.ndarray:
@@ -209,7 +212,7 @@ class AEGroup:
         t = self.fabric.mte_transfer(
             me, me, len(side) * self.row_bytes, start_ns=now_ns(), aivs=cfg.n_aiv
         )
-        await sleep_until_ns(t.end_ns + self._quant_ns(n_tokens, cfg.a2e_dtype))
+        await sleep_until_ns(t.end_ns + self._quant_ns(n_tokens, cfg.a2e_dtype, sender=True))
         if cfg.mode == "trampoline":
             block = self._rows(side, xs, cfg.a2e_dtype)
             tramp = self.experts[att]
@@ -358,7 +361,7 @@ class AEGroup:
         t = self.fabric.mte_transfer(
             me, me, len(side) * self.back_bytes, start_ns=now_ns(), aivs=cfg.n_aiv
         )
-        await sleep_until_ns(t.end_ns + self._quant_ns(len(side), cfg.e2a_dtype))
+        await sleep_until_ns(t.end_ns + self._quant_ns(len(side), cfg.e2a_dtype, sender=True))
         by_att: dict[int, Block] = {}
         for a in np.unique(side["att"]):
             sel = side["att"] == a

@@ -224,7 +224,7 @@ class EPGroup:
             blocks,
             lay.num_tokens_per_rank,
             row_bytes,
-            pack_vector_ns=self._quant_ns(n_tokens, cfg.dispatch_dtype),
+            pack_vector_ns=self._quant_ns(n_tokens, cfg.dispatch_dtype, sender=True),
             per_row_ns=float(self._quant_ns(1, cfg.dispatch_dtype, exact=True)),
             post_ns=0,
         )
@@ -299,7 +299,7 @@ class EPGroup:
             blocks,
             counts,
             row_bytes,
-            pack_vector_ns=self._quant_ns(int(counts.sum()), cfg.combine_dtype),
+            pack_vector_ns=self._quant_ns(int(counts.sum()), cfg.combine_dtype, sender=True),
             per_row_ns=float(self._quant_ns(1, cfg.combine_dtype, exact=True)),
             post_ns=self._weighting_ns(n_copies_back),
         )
@@ -318,15 +318,18 @@ class EPGroup:
         return y
 
     # -- costs --
-    def _quant_ns(self, n_rows: int, dtype: WireDtype, *, exact: bool = False) -> float:
+    def _quant_ns(
+        self, n_rows: int, dtype: WireDtype, *, exact: bool = False, sender: bool = False
+    ) -> float:
         """Vector time of token-wise INT8 (de)quantisation of ``n_rows`` rows at the die's
-        vector peak (0 unless the wire dtype is INT8); rounded to ns unless ``exact``."""
+        vector peak (0 unless the wire dtype is INT8), plus the fixed part of the sender's
+        fused quantisation (SPEC 9.3) if ``sender``; rounded to ns unless ``exact``."""
         if dtype != "int8" or n_rows == 0:
             return 0
         e = self.fabric.engines
         die = self.fabric.pod.spec_of(self.ranks[0])
         ops = n_rows * self.config.hidden * e.vector_ops_per_quant_element
-        t = ops / die.vector_flops * 1e9
+        t = ops / die.vector_flops * 1e9 + (e.quant_fixed_ns if sender else 0)
         return t if exact else round(t)
 
     def _weighting_ns(self, n_copies: int) -> int:
