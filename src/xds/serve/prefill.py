@@ -47,6 +47,7 @@ from typing import Annotated, Literal
 
 import anyio
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from ..config import check_fields
@@ -189,6 +190,7 @@ class PrefillCost:
         self.a2a_share = collective_efficiency(engines, ep - 1)
         self._work: tuple[float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
+        self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
 
     def piece_work(self, new: int, cached: int) -> float:
         """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
@@ -290,12 +292,20 @@ class PrefillCost:
         return [[(new, cached, d)] for _ in range(d)]
 
     def step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
-        """Eager-mode time of one step over all layers, the MTP layer and the head."""
+        """Eager-mode time of one step over all layers, the MTP layer and the head (a pure
+        function of the pieces: remembered, since the leader prices plans it then runs)."""
         if not any(groups):
             return 0
+        key = tuple(tuple(g) for g in groups)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
         single = self._single_step_ns(groups)
         if self.config.microbatches == 2:  # split only where it pays (small steps: it doubles
-            return min(single, self._overlapped_step_ns(groups))  # the eager dispatches)
+            single = min(single, self._overlapped_step_ns(groups))  # the eager dispatches)
+        if len(self._steps) >= 8_192:
+            self._steps.clear()
+        self._steps[key] = single
         return single
 
     def _layer_kinds(self) -> list[tuple[bool, int]]:
@@ -318,16 +328,16 @@ class PrefillCost:
 
     def _single_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         times = self._times_by_precision(groups)
-        ops: list[int] = []
-        for int8, kind in self._layer_kinds():
-            ops += times[int8][kind]
-        ops += times[False][3]  # LM head and sampling
-        dispatch_ns = self.cost.eff.eager_op_dispatch_ns
-        device_free = dispatched = 0
-        for t in ops:  # operator i starts at max(device free, its host dispatch done)
-            dispatched += dispatch_ns
-            device_free = max(device_free, dispatched) + t
-        return device_free
+        arrays = {key: [np.array(x, dtype=np.int64) for x in lists] for key, lists in times.items()}
+        ops = np.concatenate(
+            [arrays[int8][kind] for int8, kind in self._layer_kinds()]
+            + [arrays[False][3]]  # LM head and sampling
+        )
+        # operator i starts at max(device free, its host dispatch done at (i + 1) d): the
+        # step ends at max over i of (i + 1) d + (the time of operators i..n-1)
+        d = self.cost.eff.eager_op_dispatch_ns
+        after = np.cumsum(ops[::-1])[::-1]
+        return int(np.max((np.arange(1, len(ops) + 1) * d) + after))
 
     def _overlapped_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         """Two-batch overlap: every piece's new tokens split into a first half and a second
