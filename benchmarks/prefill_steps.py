@@ -5,8 +5,9 @@
 Replays ``window`` seconds of the built-in production workload at ``rate`` requests/s and
 prints, over the four Prefill TEs: how busy they were, the share of their step time spent in
 sequence-parallel steps (one long prompt over all 8 DP groups), how many of the 8 groups held
-work in the batched steps (time-weighted; lockstep groups without work sit the step out), and
-the prefix-cache hits. No ``../shared`` needed.
+work in the batched steps (time-weighted; the leader spreads jobs over groups that would
+otherwise sit a lockstep step out, ``PrefillConfig.balance_split``), and the prefix-cache
+hits. No ``../shared`` needed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from xds.trace.production import (
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", type=float, default=14.5)
+    ap.add_argument("--rate", type=float, default=18.0)
     ap.add_argument("--window", type=float, default=300.0)
     ap.add_argument("--unique-prompts", action="store_true")
     args = ap.parse_args()

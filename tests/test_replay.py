@@ -607,14 +607,29 @@ def test_microbatched_prefill_overlaps_the_all_to_all_only_where_it_pays():
     assert two.step_ns(tiny) == one.step_ns(tiny) < two._overlapped_step_ns(tiny)
 
 
-def _one_step(lengths: list[int], *, balance: bool, kv_blocks: int = 20_000):
-    """The leader's plan for one step holding ``lengths`` (fresh prompts) on a default TE."""
+def _one_step(
+    lengths: list[int],
+    *,
+    balance: bool,
+    kv_blocks: int = 20_000,
+    microbatches: int = 1,
+    cached: dict[int, int] | None = None,
+    used: dict[int, int] | None = None,
+):
+    """The leader's plan for one step holding ``lengths`` on a default TE. ``cached`` maps a
+    job to the DP group whose prefix cache holds its first half (in 512-token blocks);
+    ``used`` maps a DP group to tokens of KV already held by earlier work."""
     from xds.serve.prefill import PrefillJob, PrefillTE
 
-    cfg = PrefillConfig(balance_split=balance)
+    cfg = PrefillConfig(balance_split=balance, microbatches=microbatches)
     te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=kv_blocks)
+    for dp, tokens in (used or {}).items():
+        te.kv[dp].admit(("earlier", dp), min(tokens, te.kv[dp].free * cfg.block_tokens))
     for i, n in enumerate(lengths):
-        te.pool.append((PrefillJob(i, n, (), 0), None))
+        hashes = tuple(range(1000 * i, 1000 * i + n // 512))
+        if cached and i in cached:
+            te.cache[cached[i]].insert(hashes[: len(hashes) // 2])
+        te.pool.append((PrefillJob(i, n, hashes, 0), None))
     groups, placed = te._assign()
     return te, groups, placed
 
@@ -636,24 +651,108 @@ def test_the_leader_spreads_a_step_over_groups_that_would_sit_it_out():
         )
 
 
+def test_balancing_keeps_each_groups_token_budget_and_skips_tiny_shares():
+    # a prompt mostly cached on group 0 leaves it light in work but not in new tokens: the
+    # seven fresh 12K prompts must not push any group past max_tokens_per_dp
+    te, groups, placed = _one_step([40_000] + [12_000] * 7, balance=True, cached={0: 0})
+    assert placed[0][0].cached_tokens > 0
+    limit = te.config.max_tokens_per_dp
+    assert all(sum(p[0] / p[2] for p in g) <= limit for g in te._pieces(groups))
+    # a share below one KV block is not worth a group: a lone 100-token prompt stays put
+    _, _, (lone,) = _one_step([100], balance=True)
+    assert lone[0].sp == 1
+
+
+def test_a_spread_plan_the_cost_model_rejects_is_undone_exactly():
+    """The loads are a proxy; if the step cost model disagrees, every job returns to its
+    leader group with its whole KV, as if the leader had never balanced."""
+    from xds.serve.prefill import PrefillTE
+
+    lengths, used = [9_000, 5_000, 600, 16_000], {2: 50_000, 5: 9_000}
+    te_off, g_off, _ = _one_step(lengths, balance=False, kv_blocks=600, used=used)
+    calls = []
+    real = PrefillTE._balance
+
+    def pessimist(self, groups):  # the spread plan always prices higher than the original
+        cost = self.cost
+
+        class Wrapped:
+            piece_work = cost.piece_work
+
+            def step_ns(self, pieces):
+                calls.append(pieces)
+                return 2 if len(calls) % 2 else 1  # (the spread plan is priced first)
+
+        self.cost = Wrapped()
+        try:
+            real(self, groups)
+        finally:
+            self.cost = cost
+
+    PrefillTE._balance = pessimist
+    try:
+        te, groups, placed = _one_step(lengths, balance=True, kv_blocks=600, used=used)
+    finally:
+        PrefillTE._balance = real
+    assert calls  # something was spread, then priced
+    assert all(job.sp == 1 for job, _ in placed)
+    assert [[j.request_id for j in g] for g in groups] == [[j.request_id for j in g] for g in g_off]
+    assert [(kv.free, dict(kv._held)) for kv in te.kv] == [
+        (kv.free, dict(kv._held)) for kv in te_off.kv
+    ]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 16_000), min_size=1, max_size=12),
     kv_blocks=st.sampled_from([300, 20_000]),
+    microbatches=st.sampled_from([1, 2]),
+    cached=st.dictionaries(st.integers(0, 11), st.integers(0, 7), max_size=4),
+    used=st.dictionaries(st.integers(0, 7), st.integers(1, 40_000), max_size=3),
 )
-def test_balancing_never_slows_a_step_and_conserves_kv(lengths, kv_blocks):
-    """Whatever the prompts: the same jobs run, the balanced step is never slower, every job
-    sits on ``sp`` distinct groups (its leader among them) and KV blocks are conserved."""
-    te0, g0, p0 = _one_step(lengths, balance=False, kv_blocks=kv_blocks)
-    te1, g1, p1 = _one_step(lengths, balance=True, kv_blocks=kv_blocks)
+def test_balancing_never_slows_a_step_and_conserves_kv(
+    lengths, kv_blocks, microbatches, cached, used
+):
+    """Whatever the prompts, cached prefixes and KV already in use: the same jobs run, the
+    balanced step is never slower, every job sits on ``sp`` distinct groups (its leader among
+    them) holding an equal share on each, no group exceeds its token budget unless it holds a
+    single job, and KV blocks are conserved."""
+    kw = dict(kv_blocks=kv_blocks, microbatches=microbatches, cached=cached, used=used)
+    te0, g0, p0 = _one_step(lengths, balance=False, **kw)
+    te1, g1, p1 = _one_step(lengths, balance=True, **kw)
     assert [j.request_id for j, _ in p0] == [j.request_id for j, _ in p1]
+    assert [j.cached_tokens for j, _ in p0] == [j.cached_tokens for j, _ in p1]
     assert te1.cost.step_ns(te1._pieces(g1)) <= te0.cost.step_ns(te0._pieces(g0))
     for job, _ in p1:
         on = [d for d, g in enumerate(g1) if job in g]
         assert len(on) == job.sp and job.dp in on
         assert [d for d, kv in enumerate(te1.kv) if kv.holds(job.request_id)] == on
+        share = te1.kv[job.dp].blocks_for(-(-job.input_tokens // job.sp))
+        assert {te1.kv[d].held(job.request_id) for d in on} == {share}
+    limit = te1.config.max_tokens_per_dp
+    for g in te1._pieces(g1):
+        assert len(g) == 1 or sum(p[0] / p[2] for p in g) <= limit + 1e-6
     for kv in te1.kv:
         kv.check()
+
+
+def test_the_job_executor_predicts_a_lone_prompts_balanced_step():
+    """An idle TE predicts the first token of a lone prompt at the step it will run: spread
+    over every group (within 5 %), not the much longer step of one group."""
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    grid = comm_grid(one_te.decode)
+
+    async def main():
+        r = Replay(_workload((0, 12_000, 2)), one_te, grid)
+        predicted = r.prefill[0].predicted_first_token_ns(12_000, 0)
+        return predicted, (await r.run())[0]
+
+    predicted, rec = run(main)
+    assert rec.prefill_placement == "P0/DP0x8"
+    step = rec.ttft_ns - rec.queue_ns
+    assert predicted == pytest.approx(step, rel=0.05)
+    alone = _prefill_cost().step_ns([[(12_000, 0)]])
+    assert predicted < 0.5 * alone
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])

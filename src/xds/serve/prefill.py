@@ -11,9 +11,10 @@ recently (so a lightly loaded TE spreads its prompts, and its cache contents, ov
 groups). DP groups run one step in lockstep (their
 MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
 The leader therefore evens the step out (P058: a DP with a long batch holds the others back):
-while the slowest group's heaviest job can move a share of its work to a lighter group, it is
-spread sequence-parallel over one more group, so a step with fewer jobs than groups still
-uses every group (``balance_split``).
+while the slowest group's heaviest job can move a share of its work to a lighter group (one
+that can hold the KV share within its token budget, a share of at least one KV block), it is
+spread sequence-parallel over one more group, so a step with fewer jobs than groups can still
+use every group; the plan is kept if the step cost model finds it faster (``balance_split``).
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
 when both it and its dispatch are ready (:meth:`CostModel.eager_time_ns`). Per layer, the
@@ -80,7 +81,8 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Requests with more uncached tokens than this run **sequence-parallel** over all the
     TE's DP groups, alone in their step (P029, P094; P058: one set of SP ranks should not mix
     short and long sequences). [emulator choice] the default equals ``max_tokens_per_dp``: a
-    request too big for one group's step is spread over all of them. 0 turns SP off."""
+    request too big for one group's step is spread over all of them. 0 turns this off (a long
+    prompt is then batched; ``balance_split`` may still spread it over idle groups)."""
     microbatches: Annotated[int, Meta(ge=1, le=2)] = 1
     """2: FlowServe's "Dynamic MicroBatching" (P052, not described further, A33) as two-batch
     overlap: the leader splits a step's new tokens into two causal halves whose MoE dispatch
@@ -210,7 +212,7 @@ class PrefillCost:
         return [-(-t // tp) for t in times]
 
     def layer_times(
-        self, groups: Sequence[Sequence[Piece]], *, int8_attention: bool = False
+        self, groups: Sequence[Sequence[Piece]], *, int8_attention: bool | None = None
     ) -> tuple[list[int], ...]:
         """(dense layer, MoE layer, MTP layer, head) kernel times of one lockstep step, for
         ``groups`` = per DP group the pieces of work it holds: (new tokens, cached tokens) of
@@ -219,6 +221,8 @@ class PrefillCost:
         The groups meet at every MoE layer, so each kernel takes as long as it does on the
         slowest group; the routed experts serve every group's tokens at once."""
         m, cfg = self.model, self.config
+        if int8_attention is None:  # the all-layer switch (per-layer: :meth:`step_ns`)
+            int8_attention = cfg.precision.attention_int8
         busy = [g for g in groups if g]
         all_tokens = sum(_tokens(p) for g in busy for p in g)
         per_die = all_tokens * m.top_k / cfg.dies_per_te
@@ -321,7 +325,7 @@ class PrefillCost:
         self, groups: Sequence[Sequence[Piece]]
     ) -> dict[bool, tuple[list[int], ...]]:
         """:meth:`layer_times` with BF16 attention, and with INT8 where some layer uses it."""
-        times = {False: self.layer_times(groups)}
+        times = {False: self.layer_times(groups, int8_attention=False)}
         if any(int8 for int8, _ in self._layer_kinds()):
             times[True] = self.layer_times(groups, int8_attention=True)
         return times
@@ -413,7 +417,7 @@ class PrefillJob(msgspec.Struct):
     """DP groups the job ran on: 1, all of the TE's for a long sequence-parallel prompt, or
     as many as the leader spread it over to balance a batched step."""
     alone: bool = False
-    """Ran sequence-parallel alone in its step (a prompt over ``sp_threshold`` tokens)."""
+    """Ran sequence-parallel alone in its step (over ``sp_threshold`` uncached tokens)."""
     cached_tokens: int = 0
     start_ns: int = -1
     first_token_ns: int = -1
@@ -447,7 +451,8 @@ class PrefillTE:
         self.busy_ns = 0
         self.sp_steps = 0
         self.sp_busy_ns = 0
-        """Steps (and their time) that ran one sequence-parallel request over every group."""
+        """Steps (and their time) that ran one long prompt sequence-parallel alone (over
+        ``sp_threshold``); a batched step whose jobs the leader spread is not one of them."""
         self.group_busy_ns = 0
         """Over batched steps, step time x DP groups holding work (the rest of the groups sit
         the step out: lockstep)."""
@@ -598,7 +603,7 @@ class PrefillTE:
         slowest first); each spread job's KV is re-admitted as equal shares on its groups.
         The loads are :meth:`PrefillCost.piece_work`; the spread plan is kept only if the
         step cost model also finds it faster than the plan it started from."""
-        d = len(groups)
+        d, cfg = len(groups), self.config
         unsplit, before = [list(g) for g in groups], self._pieces(groups)
         jobs = {id(j): j for g in groups for j in g}
         work = {
@@ -607,6 +612,7 @@ class PrefillTE:
         }
         members = {key: [j.dp] for key, j in jobs.items()}
         load = [sum(work[id(j)] / j.sp for j in g) for g in groups]
+        tokens = [sum(_tokens(p) for p in g) for g in before]  # new tokens per group
         while True:
             top = max(range(d), key=lambda g: (load[g], -g))
             job = max(groups[top], key=lambda j: (work[id(j)] / j.sp, -j.request_id))
@@ -614,7 +620,16 @@ class PrefillTE:
             if k >= d:
                 break
             share = -(-job.input_tokens // (k + 1))
-            spare = [h for h in range(d) if h not in members[key] and self.kv[h].can_admit(share)]
+            new = (job.input_tokens - job.cached_tokens) / (k + 1)
+            if new < cfg.block_tokens:  # not worth a KV block on one more group
+                break
+            spare = [
+                h
+                for h in range(d)
+                if h not in members[key]
+                and self.kv[h].can_admit(share)
+                and (not tokens[h] or tokens[h] + new <= cfg.max_tokens_per_dp)
+            ]
             if not spare:
                 break
             h = min(spare, key=lambda g: (load[g], self._assigned[g], g))
@@ -625,6 +640,9 @@ class PrefillTE:
             if sorted(after, reverse=True) >= sorted(load, reverse=True):
                 break
             load = after
+            for g in members[key]:
+                tokens[g] -= new * (k + 1) / k - new
+            tokens[h] += new
             for g in members[key]:
                 self.kv[g].release(job.request_id)
             members[key].append(h)

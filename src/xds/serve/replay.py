@@ -223,7 +223,7 @@ class Replay:
             return
         dte = self.select_decode()
         flow = self.distflow[(te.index, dte.index)]
-        blocks = te.kv[job.dp].held(req.request_id)
+        blocks = sum(kv.held(req.request_id) for kv in te.kv)  # every group's share
         transfer = flow.register(
             req.request_id, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token
         )
