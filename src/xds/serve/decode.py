@@ -165,6 +165,7 @@ class DecodeModel:
         placements on skewed routing); None means uniform routing drawn per pass."""
         self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
         self._dense_cache: dict[float, int] = {}
+        self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
         self._expert_cache: dict[float, int] = {}
 
     # pieces of one pass ------------------------------------------------------------------------
@@ -196,6 +197,22 @@ class DecodeModel:
         gate = c.gating(tokens).time_ns if seqs else 0
         self._attn_cache[key] = (attn, other, gate)
         return attn, other, gate
+
+    def _int8_layout(
+        self, first_layer: int, dense: int, n_moe: int
+    ) -> tuple[int, bool, int, int | None]:
+        """For a pass over layers ``first_layer..`` (``dense`` dense, then ``n_moe`` MoE): the
+        INT8-attention dense layers, whether the first MoE layer is one, how many of the later
+        MoE layers are, and one such layer (None if none) - cached per pass shape."""
+        key = (first_layer, dense, n_moe)
+        hit = self._layouts.get(key)
+        if hit is None:
+            p = self.cost.precision
+            flags = [p.int8_attention(first_layer + i) for i in range(dense + n_moe)]
+            some = next((first_layer + i for i, q in enumerate(flags) if q), None)
+            first = bool(n_moe) and flags[dense]
+            hit = self._layouts[key] = (sum(flags[:dense]), first, sum(flags[dense + 1 :]), some)
+        return hit
 
     def dense_mlp_ns(self, tokens: float) -> int:
         hit = self._dense_cache.get(tokens)
@@ -331,8 +348,8 @@ class DecodeModel:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
         numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
         d, c = comm.dispatch_ns, comm.combine_ns
-        layer_ids = range(first_layer, first_layer + dense + len(experts))
-        int8 = [self.cost.precision.int8_attention(x) for x in layer_ids]
+        n_moe = len(experts)
+        n8_dense, first8, n8_between, layer8 = self._int8_layout(first_layer, dense, n_moe)
         # kernel times per distinct (batch, context): DPs mostly share a few shapes
         keys, which = np.unique(
             seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
@@ -352,41 +369,35 @@ class DecodeModel:
             return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
 
         attn, other, gate, dense_mlp = parts(None)
-        attn8 = (
-            parts(next(x for x, q in zip(layer_ids, int8, strict=True) if q))[0]
-            if any(int8)
-            else attn
-        )
-
-        def attention(i: int) -> np.ndarray:
-            return attn8 if int8[i] else attn
-
+        attn8 = parts(layer8)[0] if layer8 is not None else attn
+        first_attn = attn8 if first8 else attn
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        lead = sum((attention(i) + other + dense_mlp for i in range(dense)), np.zeros_like(attn))
-        arrive = lead + attention(dense) + other + gate + jitter
+        lead = (dense - n8_dense) * attn + n8_dense * attn8 + dense * (other + dense_mlp)
+        arrive = lead + first_attn + other + gate + jitter
         barrier = int(arrive.max())
         first_dispatch = barrier - arrive + d
         slowest = int(np.argmax(arrive))
         t = barrier
         bd.jitter_wait += int(jitter[slowest])
-        bd.attention += sum(int(attention(i)[slowest]) for i in range(dense + 1))
+        bd.attention += int(
+            (dense - n8_dense) * attn[slowest] + n8_dense * attn8[slowest] + first_attn[slowest]
+        )
         bd.mla_other += int((dense + 1) * other[slowest])
         bd.gating += int(gate[slowest])
         bd.dense_mlp += int(dense * dense_mlp[slowest])
         # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
-        n_moe = len(experts)
         t += n_moe * (d + c) + sum(experts)
         bd.dispatch += n_moe * d
         bd.experts += sum(experts)
         bd.combine += n_moe * c
-        for q in (False, True):  # the layers after the first MoE one, by attention precision
-            count = sum(1 for i in range(dense + 1, dense + n_moe) if int8[i] == q)
-            if not count:
+        between = max(0, n_moe - 1)
+        for a, count in ((attn, between - n8_between), (attn8, n8_between)):
+            if not count:  # the layers after the first MoE one, by attention precision
                 continue
-            per_layer = (attn8 if q else attn) + other + gate
+            per_layer = a + other + gate
             i_max = int(np.argmax(per_layer))
             t += count * int(per_layer[i_max])
-            bd.attention += count * int((attn8 if q else attn)[i_max])
+            bd.attention += count * int(a[i_max])
             bd.mla_other += count * int(other[i_max])
             bd.gating += count * int(gate[i_max])
         head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
