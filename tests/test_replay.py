@@ -767,3 +767,50 @@ def test_prefill_honours_int8_attention_per_layer(microbatches):
     assert step(attention_int8_layers=tuple(range(62))) == everywhere
     half = step(attention_int8_layers=tuple(range(0, 62, 2)))
     assert bf16 > half > everywhere
+
+
+def test_replay_takes_your_own_decode_routing_and_prefill_placement():
+    """Both policies are plain functions. The router only ever offers DPs below their batch
+    limit and keeps its own bookkeeping; the leader offers the groups that can take the job."""
+    hashes = tuple(range(20))
+    wl = Workload(
+        (
+            Request(0, 0, 10_240, 20, hashes),
+            Request(1, 5 * S, 10_240, 20, hashes),  # the same prompt again: a cache hit
+            *(Request(i, 6 * S + i * 1_000_000, 2_000, 30) for i in range(2, 40)),
+        )
+    )
+    offers = []
+
+    def last_free(eligible, dps, reserve_blocks):  # pack DPs from the top
+        offers.append([(i, dps[i].active + dps[i].pending, dps[i].batch_limit) for i in eligible])
+        return max(eligible)
+
+    def cache_averse(job, groups):  # the group with the least of the job's prefix
+        return min(groups, key=lambda g: (g.cached_tokens, g.dp)).dp
+
+    base = replay(wl, SMALL)
+    mine = replay(wl, SMALL, decode_routing=last_free, prefill_placement=cache_averse)
+    assert all(r.outcome == "completed" for r in mine.records)
+    assert all(load < limit for offer in offers for _, load, limit in offer)
+    dps = [int(r.decode_placement.split("/DP")[1]) for r in mine.records]
+    assert min(dps) >= SMALL.decode.dies - 40 // SMALL.decode.batch_per_die - 1
+    assert base.records[1].cached_tokens > 0 and mine.records[1].cached_tokens == 0
+    again = replay(wl, SMALL, decode_routing=last_free, prefill_placement=cache_averse)
+    assert again.records == mine.records  # deterministic with policies too
+
+
+def test_a_policy_that_answers_outside_its_offer_fails_with_a_clear_error():
+    from xds.errors import ProtocolError
+
+    wl = _workload((0, 1_000, 3))
+    with pytest.raises(ProtocolError, match="prefill placement 'nowhere' chose DP group 99"):
+
+        def nowhere(job, groups):
+            return 99
+
+        replay(wl, SMALL, prefill_placement=nowhere)
+    with pytest.raises(ProtocolError, match=r"decode routing .* must pick one of the DPs"):
+        replay(wl, SMALL, decode_routing=lambda eligible, dps, reserve: -1)
+    with pytest.raises(ConfigError, match="routing must be a function"):
+        replay(wl, SMALL, decode_routing="lowest")

@@ -237,3 +237,23 @@ def test_int8_attention_layers_must_exist():
             COMM,
             COMM_MTP,
         )
+
+
+def test_colocated_decode_takes_a_routing_policy():
+    seen = []
+
+    def first_free(eligible, dps, reserve_blocks):  # fill DP 0, then DP 1, ...
+        seen.append(list(eligible))
+        return eligible[0]
+
+    async def main():
+        inst = DecodeInstance(SMALL, COMM, COMM_MTP, routing=first_free)
+        return inst, await inst.serve(SMALL.dies * SMALL.batch_per_die)
+
+    inst, res = xds.run(main, seed=0, event_log=False)
+    assert res.requests == SMALL.dies * SMALL.batch_per_die
+    assert (inst.streamed == SMALL.output_tokens).all()
+    # DP d is offered until it holds batch_per_die requests, then drops out of the offer
+    firsts = [offer[0] for offer in seen]
+    assert firsts == sorted(firsts)
+    assert firsts.count(0) == SMALL.batch_per_die

@@ -2,7 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import anyio
+import anyio.abc
+
+
+@contextlib.asynccontextmanager
+async def task_group_raising_single() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group that re-raises a lone failure as itself: a protocol error or a user
+    policy's error reaches the caller as that error, not wrapped in an exception group
+    (several failures still come as the group)."""
+    try:
+        async with anyio.create_task_group() as tg:
+            yield tg
+    except BaseExceptionGroup as group:
+        leaves = leaf_exceptions(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def leaf_exceptions(group: BaseExceptionGroup) -> list[BaseException]:
+    """The non-group exceptions inside ``group``, depth first."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out.extend(leaf_exceptions(exc))
+        else:
+            out.append(exc)
+    return out
 
 
 class Barrier:

@@ -40,7 +40,7 @@ from .eplb.online import OnlineEPLB, OnlineEPLBConfig
 from .jitter import JitterConfig, sample
 from .kv import KVBlockManager, kv_capacity_blocks
 from .mtp import MTPConfig, tokens_per_step
-from .routing import DecodeRouter
+from .routing import DecodeRouter, DecodeRouting, lowest_kv
 
 
 class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -528,7 +528,10 @@ class DecodeInstance:
         comm_mtp: CommCosts | None = None,
         *,
         tier: str = "iteration",
+        routing: DecodeRouting = lowest_kv,
     ):
+        """``routing``: the TE-shell's choice among DPs below their batch limit
+        (:mod:`xds.serve.routing`)."""
         if tier not in ("iteration", "layer"):
             raise ConfigError(f"unknown tier {tier!r}; choose iteration or layer", field="tier")
         self.config = config
@@ -547,7 +550,9 @@ class DecodeInstance:
             )
             self.model.online = self.eplb
         n = config.dies
-        self.router = DecodeRouter(n, config.batch_per_die, block_tokens=config.block_tokens)
+        self.router = DecodeRouter(
+            n, config.batch_per_die, block_tokens=config.block_tokens, routing=routing
+        )
         cap = config.kv_blocks_per_die or self._kv_capacity()
         self.kv = [KVBlockManager(cap, block_tokens=config.block_tokens) for _ in range(n)]
         self.remaining = np.zeros((n, config.batch_per_die), dtype=np.int64)

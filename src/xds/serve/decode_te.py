@@ -33,7 +33,7 @@ from .decode import (
 )
 from .kv import KVBlockManager
 from .mtp import tokens_per_step
-from .routing import BACKPRESSURE, DecodeRouter
+from .routing import BACKPRESSURE, DecodeRouter, DecodeRouting, lowest_kv
 
 _GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
 
@@ -124,13 +124,14 @@ class DecodeTE:
         index: int = 0,
         record_token_times: bool = True,
         on_finish: Callable[[RequestRecord], None] | None = None,
+        routing: DecodeRouting = lowest_kv,
     ):
         self.config = config
         self.index = index
         self.grid = grid
         self.model = _ReplayDecodeModel(config, grid[0])
         n, limit = config.dies, config.batch_per_die
-        self.router = DecodeRouter(n, limit, block_tokens=config.block_tokens)
+        self.router = DecodeRouter(n, limit, block_tokens=config.block_tokens, routing=routing)
         cap = config.kv_blocks_per_die or decode_kv_capacity(config, self.model.pod)
         self.kv = [KVBlockManager(cap, block_tokens=config.block_tokens) for _ in range(n)]
         self.slot_req = np.full((n, limit), -1, dtype=np.int64)

@@ -8,7 +8,9 @@ that counts prefix-cache hits (P058): a request goes to the DP group where it le
 work this step, counting only its uncached tokens (so a cached prefix pulls it to the group
 that holds it); ties go to the longer cached prefix, then to the group given a job least
 recently (so a lightly loaded TE spreads its prompts, and its cache contents, over all its
-groups). DP groups run one step in lockstep (their
+groups). That rule is :func:`least_work`; ``PrefillTE(placement=...)`` (or ``replay(...,
+prefill_placement=...)``) plugs in another over the same :class:`GroupView` of each group that
+can take the job. DP groups run one step in lockstep (their
 MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
 The leader therefore evens the step out (P058: a DP with a long batch holds the others back):
 while the slowest group's heaviest job can move a share of its work to a lighter group (one
@@ -43,7 +45,7 @@ A sequence-parallel prompt is cached by its leader group, chosen like a batched 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import anyio
@@ -52,7 +54,7 @@ import numpy as np
 from msgspec import Meta
 
 from ..config import check_fields
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
 from ..model import CostModel, KernelEfficiency, ModelSpec, Precision
 from ..runtime import emit, now_ns, sleep_ns
@@ -423,6 +425,36 @@ class PrefillJob(msgspec.Struct):
     first_token_ns: int = -1
 
 
+class GroupView(msgspec.Struct, frozen=True):
+    """What the leader knows of one DP group when it places a job (after its all-gather)."""
+
+    dp: int
+    step_tokens: int
+    """New tokens already placed on the group in this step."""
+    new_tokens: int
+    """The job's tokens to compute if placed here (its input minus this group's cached prefix)."""
+    cached_tokens: int
+    """The job's prefix found in this group's cache (at most input - 1)."""
+    kv_free_blocks: int
+    last_assigned: int
+    """When the group was last given a job (a counter; 0: never)."""
+
+
+PrefillPlacement = Callable[[PrefillJob, Sequence[GroupView]], int]
+"""A prefill placement policy (SPEC 6.6: the leader's pluggable cost model): the job and the
+DP groups that can take it this step (KV and token budget allow) -> the chosen group's ``dp``."""
+
+
+def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
+    """P058's default: the group left with the least new work this step; ties go to the longer
+    cached prefix, then to the group given a job least recently."""
+    best = min(
+        groups,
+        key=lambda g: (g.step_tokens + g.new_tokens, -g.cached_tokens, g.last_assigned, g.dp),
+    )
+    return best.dp
+
+
 class PrefillTE:
     """One Prefill TE: the shared request pool and the leader's cooperative scheduler."""
 
@@ -433,7 +465,11 @@ class PrefillTE:
         cost: PrefillCost,
         *,
         kv_blocks_per_dp: int,
+        placement: PrefillPlacement = least_work,
     ):
+        if not callable(placement):
+            raise ConfigError(f"placement must be a function, got {placement!r}", field="placement")
+        self.placement = placement
         self.index = index
         self.config = config
         self.cost = cost
@@ -563,24 +599,29 @@ class PrefillTE:
                 else:
                     keep.append((job, ev))  # waits for a step it can have alone
                 continue
-            best, best_key = -1, None
+            views = []
             for dp, kv in enumerate(self.kv):
                 if not kv.can_admit(job.input_tokens):
                     continue
                 hit = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
-                new = max(1, job.input_tokens - min(hit, job.input_tokens - 1))
+                cached = min(hit, job.input_tokens - 1)
+                new = max(1, job.input_tokens - cached)
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
                     continue
-                # least work after this job; ties: cache hits, then the group idle longest
-                key = (load[dp] + new, -hit, self._assigned[dp], dp)
-                if best_key is None or key < best_key:
-                    best, best_key = dp, key
-            if best < 0:
+                views.append(GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp]))
+            if not views:
                 keep.append((job, ev))
                 continue
-            hit = -best_key[1]  # type: ignore[index]
+            best = self.placement(job, views)
+            chosen = next((v for v in views if v.dp == best), None)
+            if chosen is None:
+                raise ProtocolError(
+                    f"prefill placement {getattr(self.placement, '__name__', self.placement)!r} "
+                    f"chose DP group {best!r} for request {job.request_id}; it must pick one "
+                    f"of the groups offered: {[v.dp for v in views]}"
+                )
             job.dp = best
-            job.cached_tokens = min(hit, job.input_tokens - 1)
+            job.cached_tokens = chosen.cached_tokens
             self._note_assigned(best)
             self.kv[best].admit(job.request_id, job.input_tokens)
             load[best] += job.input_tokens - job.cached_tokens

@@ -32,6 +32,7 @@ from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
 from ..runtime import emit, now_ns, run, sleep_until_ns
+from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
@@ -39,7 +40,16 @@ from .decode_te import DecodeTE, comm_grid
 from .distflow import DistFlow, TransferState
 from .jitter import JitterConfig
 from .kv import kv_capacity_blocks
-from .prefill import PrefillConfig, PrefillCost, PrefillJob, PrefillTE, prefill_hardware
+from .prefill import (
+    PrefillConfig,
+    PrefillCost,
+    PrefillJob,
+    PrefillPlacement,
+    PrefillTE,
+    least_work,
+    prefill_hardware,
+)
+from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
 """Called with (virtual time ns, requests ended, requests in the workload)."""
@@ -113,7 +123,12 @@ class Replay:
         grid: list[CommCosts],
         *,
         progress: Progress | None = None,
+        prefill_placement: PrefillPlacement = least_work,
+        decode_routing: DecodeRouting = lowest_kv,
     ):
+        """``prefill_placement`` and ``decode_routing`` plug in your own policies: the Prefill
+        TE leader's choice of DP group for a job (:func:`~xds.serve.prefill.least_work` by
+        default) and the TE-shell's choice of decode DP (:func:`~xds.serve.routing.lowest_kv`)."""
         _check_workload(workload)
         self.workload = workload
         self.config = config
@@ -125,14 +140,27 @@ class Replay:
         self.prefill_cost = PrefillCost(model, cfg.prefill, die, pod.engines, link)
         kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
         self.prefill = [
-            PrefillTE(i, cfg.prefill, self.prefill_cost, kv_blocks_per_dp=kv_dp)
+            PrefillTE(
+                i,
+                cfg.prefill,
+                self.prefill_cost,
+                kv_blocks_per_dp=kv_dp,
+                placement=prefill_placement,
+            )
             for i in range(cfg.prefill.tes)
         ]
         record = cfg.record_token_times
         if record is None:
             record = len(workload) <= 5_000
         self.decode = [
-            DecodeTE(cfg.decode, grid, index=d, record_token_times=record, on_finish=self._ended)
+            DecodeTE(
+                cfg.decode,
+                grid,
+                index=d,
+                record_token_times=record,
+                on_finish=self._ended,
+                routing=decode_routing,
+            )
             for d in range(cfg.decode_tes)
         ]
         self._link, self._engines = link, pod.engines
@@ -309,7 +337,7 @@ class Replay:
         return await self._run()
 
     async def _run(self) -> list[RequestRecord]:
-        async with anyio.create_task_group() as system:
+        async with task_group_raising_single() as system:  # a policy's error as itself
             for te in self.prefill:
                 system.start_soon(te.run, name=f"prefill-te-{te.index}")
             for dte in self.decode:
@@ -390,11 +418,14 @@ def replay(
     progress: Progress | None = None,
     backend: str = "asyncio",
     grid: list[CommCosts] | None = None,
+    prefill_placement: PrefillPlacement = least_work,
+    decode_routing: DecodeRouting = lowest_kv,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
-    configuration (:func:`~xds.serve.decode_te.comm_grid`)."""
+    configuration (:func:`~xds.serve.decode_te.comm_grid`); ``prefill_placement`` and
+    ``decode_routing`` plug in your own policies (see :class:`Replay`)."""
     cfg = config or PDConfig()
     _check_workload(workload)
     holder: dict[str, Replay] = {}
@@ -402,7 +433,14 @@ def replay(
         grid = comm_grid(cfg.decode, seed=seed)
 
     async def main() -> list[RequestRecord]:
-        holder["r"] = r = Replay(workload, cfg, grid, progress=progress)
+        holder["r"] = r = Replay(
+            workload,
+            cfg,
+            grid,
+            progress=progress,
+            prefill_placement=prefill_placement,
+            decode_routing=decode_routing,
+        )
         return await r.run()
 
     records = run(main, seed=seed, backend=backend, event_log=False)

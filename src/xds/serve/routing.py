@@ -6,16 +6,23 @@ ties to the lowest index. ``kv_used`` is the last periodic snapshot (it may be s
 pending counts and reservations update immediately, so a burst between snapshots still
 spreads. When no DP qualifies the router answers :data:`BACKPRESSURE` and the caller holds the
 request until capacity frees (it is never dropped).
+
+The choice among the eligible DPs is pluggable: pass ``routing=`` a function
+``(eligible DP indices, every DP's DPLoad, this request's reservation in blocks) -> index``
+(:func:`lowest_kv` is the paper's rule). The router keeps the bookkeeping and the invariants:
+a policy only ever sees DPs below their batch limit, and an answer outside them is a
+:class:`~xds.errors.ProtocolError`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import msgspec
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 
 
 class _Backpressure:
@@ -37,12 +44,35 @@ class DPLoad(msgspec.Struct):
     kv_reserved_blocks: int = 0
 
 
+DecodeRouting = Callable[[Sequence[int], Sequence[DPLoad], int], int]
+"""A decode routing policy: (eligible DP indices, every DP's load - read only - and the
+request's KV reservation in blocks) -> the chosen DP, one of the eligible."""
+
+
+def lowest_kv(eligible: Sequence[int], dps: Sequence[DPLoad], reserve_blocks: int) -> int:
+    """SPEC 6.3: the lowest ``kv_used + kv_reserved + reservation``, ties to the lowest index."""
+    return min(
+        eligible,
+        key=lambda i: (dps[i].kv_used_blocks + dps[i].kv_reserved_blocks + reserve_blocks, i),
+    )
+
+
 class DecodeRouter:
     """Routes decode requests across DP groups (the TE-shell's first duty, P055)."""
 
-    def __init__(self, n_dp: int, batch_limit: int, *, block_tokens: int = 128):
+    def __init__(
+        self,
+        n_dp: int,
+        batch_limit: int,
+        *,
+        block_tokens: int = 128,
+        routing: DecodeRouting = lowest_kv,
+    ):
         if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
             raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
+        if not callable(routing):
+            raise ConfigError(f"routing must be a function, got {routing!r}", field="routing")
+        self.routing = routing
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
         self._reservations: dict[object, tuple[int, int]] = {}  # request -> (dp, blocks)
@@ -57,15 +87,17 @@ class DecodeRouter:
         if request in self._reservations:
             raise ConfigError(f"request {request!r} was already routed", field="request")
         reserve = self.reservation_blocks(max_output_tokens)
-        best, best_score = -1, 0
-        for i, dp in enumerate(self.dps):
-            if dp.active + dp.pending >= dp.batch_limit:
-                continue  # at its batch limit: never chosen
-            score = dp.kv_used_blocks + dp.kv_reserved_blocks + reserve
-            if best < 0 or score < best_score:
-                best, best_score = i, score
-        if best < 0:
+        # a DP at its batch limit is never offered
+        eligible = [i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit]
+        if not eligible:
             return BACKPRESSURE
+        best = self.routing(eligible, self.dps, reserve)
+        if best not in eligible:
+            raise ProtocolError(
+                f"decode routing {getattr(self.routing, '__name__', self.routing)!r} chose DP "
+                f"{best!r} for request {request!r}; it must pick one of the DPs below their "
+                f"batch limit: {eligible}"
+            )
         dp = self.dps[best]
         dp.pending += 1
         dp.kv_reserved_blocks += reserve

@@ -22,9 +22,7 @@ the data has moved and does not hold them while waiting for the ACK.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
 
 import anyio
 import anyio.abc
@@ -32,6 +30,7 @@ import msgspec
 
 from ...errors import ConfigError, ProtocolError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ...runtime.sync import task_group_raising_single
 from ..memory import DieMemory, Direction
 from ..ub import ENGINES, Engine, Transfer, UBFabric
 from .aiv import AivPool
@@ -61,30 +60,6 @@ class Message(msgspec.Struct):
     chunks: list[int]
     offsets: list[int]
     data: bytes | None
-
-
-@contextlib.asynccontextmanager
-async def _lanes() -> AsyncIterator[anyio.abc.TaskGroup]:
-    """A task group for a kernel's AIV lanes that re-raises a single lane error as itself
-    (a protocol error should not reach the caller wrapped in an exception group)."""
-    try:
-        async with anyio.create_task_group() as tg:
-            yield tg
-    except BaseExceptionGroup as group:
-        leaves = _leaf_exceptions(group)
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise
-
-
-def _leaf_exceptions(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            out.extend(_leaf_exceptions(exc))
-        else:
-            out.append(exc)
-    return out
 
 
 class _Pair:
@@ -220,7 +195,7 @@ class P2P:
                 pair.posted.append(msg)
                 pair.posted_event.set()
                 try:
-                    async with _lanes() as tg:
+                    async with task_group_raising_single() as tg:
                         for lane in range(min(lanes, len(chunks))):
                             tg.start_soon(self._send_lane, pair, msg, lane)
                     if not hold_aivs:
@@ -396,7 +371,7 @@ class P2P:
                         f"{msg.engine}/{msg.n_aiv}"
                     )
                 try:
-                    async with _lanes() as tg:
+                    async with task_group_raising_single() as tg:
                         for lane in range(min(msg.lanes, len(msg.chunks))):
                             tg.start_soon(
                                 self._receive_lane, pair, msg, lane, buf, event_id, problems
