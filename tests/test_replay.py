@@ -814,3 +814,40 @@ def test_a_policy_that_answers_outside_its_offer_fails_with_a_clear_error():
         replay(wl, SMALL, decode_routing=lambda eligible, dps, reserve: -1)
     with pytest.raises(ConfigError, match="routing must be a function"):
         replay(wl, SMALL, decode_routing="lowest")
+
+
+def test_the_job_executors_te_choices_are_policies_too():
+    """Prefill and Decode TE selection are plain functions over what the Job Executor sees;
+    the long-input pool limits the offer, and an answer outside it is a ProtocolError."""
+    from xds.errors import ProtocolError
+
+    cfg = msgspec.structs.replace(
+        SMALL,
+        prefill=msgspec.structs.replace(SMALL.prefill, tes=3, long_pool_tes=1),
+        decode_tes=2,
+    )
+    wl = _workload(*[(i * 50_000_000, 1_000 + 100 * i, 5) for i in range(10)], (S, 40_000, 5))
+    offers = {}
+
+    def first_offered(req, tes):
+        offers[req.request_id] = [v.te for v in tes]
+        assert all(v.predicted_first_token_ns >= req.arrival_ns for v in tes)
+        return tes[0].te
+
+    def second_decode(req, tes):
+        assert [v.te for v in tes] == [0, 1]
+        return 1
+
+    res = replay(wl, cfg, prefill_te_selection=first_offered, decode_te_selection=second_decode)
+    assert all(r.outcome == "completed" for r in res.records)
+    long = next(r for r in res.records if r.input_tokens == 40_000)
+    assert offers[long.request_id] == [2]  # only the long-input pool
+    assert all(offers[r.request_id] == [0, 1] for r in res.records if r is not long)
+    assert all(r.prefill_placement.startswith("P0/") for r in res.records if r is not long)
+    assert all(r.decode_placement.startswith("D1/") for r in res.records)
+    with pytest.raises(ProtocolError, match="TE selection 'nowhere' chose TE 5"):
+
+        def nowhere(req, tes):
+            return 5
+
+        replay(wl, cfg, prefill_te_selection=nowhere)

@@ -39,6 +39,15 @@ from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, comm_grid
 from .distflow import DistFlow, TransferState
 from .jitter import JitterConfig
+from .job_executor import (
+    DecodeTESelection,
+    DecodeTEView,
+    PrefillTESelection,
+    PrefillTEView,
+    checked_choice,
+    earliest_first_token,
+    fewest_sequences,
+)
 from .kv import kv_capacity_blocks
 from .prefill import (
     PrefillConfig,
@@ -125,10 +134,21 @@ class Replay:
         progress: Progress | None = None,
         prefill_placement: PrefillPlacement = least_work,
         decode_routing: DecodeRouting = lowest_kv,
+        prefill_te_selection: PrefillTESelection = earliest_first_token,
+        decode_te_selection: DecodeTESelection = fewest_sequences,
     ):
-        """``prefill_placement`` and ``decode_routing`` plug in your own policies: the Prefill
-        TE leader's choice of DP group for a job (:func:`~xds.serve.prefill.least_work` by
-        default) and the TE-shell's choice of decode DP (:func:`~xds.serve.routing.lowest_kv`)."""
+        """The four keyword policies plug in your own: the Job Executor's choice of Prefill TE
+        and of Decode TE (:mod:`xds.serve.job_executor`), the Prefill TE leader's choice of DP
+        group for a job (:func:`~xds.serve.prefill.least_work` by default) and the TE-shell's
+        choice of decode DP (:func:`~xds.serve.routing.lowest_kv`)."""
+        for name, policy in (
+            ("prefill_te_selection", prefill_te_selection),
+            ("decode_te_selection", decode_te_selection),
+        ):
+            if not callable(policy):
+                raise ConfigError(f"{name} must be a function, got {policy!r}", field=name)
+        self.prefill_te_selection = prefill_te_selection
+        self.decode_te_selection = decode_te_selection
         _check_workload(workload)
         self.workload = workload
         self.config = config
@@ -178,31 +198,42 @@ class Replay:
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
         """By request length, cache state and load (P096): long inputs go to the long-input
-        pool; within the pool, the TE that promises the earliest first token for the
-        request's uncached tokens (:meth:`PrefillTE.predicted_first_token_ns`: a TE busy with
-        a long prompt loses short ones). Ties go to the TE picked least recently, so an idle
-        deployment spreads requests instead of piling them on TE 0."""
+        pool; within the pool the ``prefill_te_selection`` policy chooses (by default
+        :func:`~xds.serve.job_executor.earliest_first_token`)."""
         p = self.config.prefill
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
         pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
         now = now_ns()
-
-        def cost(te: PrefillTE) -> tuple[int, int]:
+        offer = []
+        for te in pool:
             cached = min(te.cached_tokens(req.prefix_hashes), req.input_tokens - 1)
-            ready = te.predicted_first_token_ns(req.input_tokens - cached, now)
-            return ready, self._picked[te.index]
-
-        te = min(pool, key=cost)
+            offer.append(
+                PrefillTEView(
+                    te.index,
+                    te.predicted_first_token_ns(req.input_tokens - cached, now),
+                    cached,
+                    te.queued_tokens,
+                    self._picked[te.index],
+                )
+            )
+        te = self.prefill[checked_choice(self.prefill_te_selection, req, offer)]
         self._picks += 1
         self._picked[te.index] = self._picks
         return te
 
-    def select_decode(self) -> DecodeTE:
-        """By real-time load (P099): the TE with the fewest sequences routed to it."""
-        return min(
-            self.decode, key=lambda d: (sum(x.active + x.pending for x in d.router.dps), d.index)
-        )
+    def select_decode(self, req: Request) -> DecodeTE:
+        """By real-time load (P099): the ``decode_te_selection`` policy (by default
+        :func:`~xds.serve.job_executor.fewest_sequences`)."""
+        offer = [
+            DecodeTEView(
+                d.index,
+                sum(x.active + x.pending for x in d.router.dps),
+                sum(x.kv_used_blocks for x in d.router.dps),
+            )
+            for d in self.decode
+        ]
+        return self.decode[checked_choice(self.decode_te_selection, req, offer)]
 
     # -- one request --
     def _failure(self, req: Request) -> str:
@@ -249,7 +280,7 @@ class Replay:
             rec.finish_ns = job.first_token_ns
             self._ended(rec)
             return
-        dte = self.select_decode()
+        dte = self.select_decode(req)
         flow = self.distflow[(te.index, dte.index)]
         blocks = sum(kv.held(req.request_id) for kv in te.kv)  # every group's share
         transfer = flow.register(
@@ -420,12 +451,14 @@ def replay(
     grid: list[CommCosts] | None = None,
     prefill_placement: PrefillPlacement = least_work,
     decode_routing: DecodeRouting = lowest_kv,
+    prefill_te_selection: PrefillTESelection = earliest_first_token,
+    decode_te_selection: DecodeTESelection = fewest_sequences,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
-    configuration (:func:`~xds.serve.decode_te.comm_grid`); ``prefill_placement`` and
-    ``decode_routing`` plug in your own policies (see :class:`Replay`)."""
+    configuration (:func:`~xds.serve.decode_te.comm_grid`); the policy keywords plug in your
+    own (see :class:`Replay`)."""
     cfg = config or PDConfig()
     _check_workload(workload)
     holder: dict[str, Replay] = {}
@@ -440,6 +473,8 @@ def replay(
             progress=progress,
             prefill_placement=prefill_placement,
             decode_routing=decode_routing,
+            prefill_te_selection=prefill_te_selection,
+            decode_te_selection=decode_te_selection,
         )
         return await r.run()
 
