@@ -804,16 +804,69 @@ def test_a_policy_that_answers_outside_its_offer_fails_with_a_clear_error():
     from xds.errors import ProtocolError
 
     wl = _workload((0, 1_000, 3))
-    with pytest.raises(ProtocolError, match="prefill placement 'nowhere' chose DP group 99"):
+    with pytest.raises(ProtocolError, match="policy 'nowhere' chose prefill DP group 99"):
 
         def nowhere(job, groups):
             return 99
 
         replay(wl, SMALL, prefill_placement=nowhere)
-    with pytest.raises(ProtocolError, match=r"decode routing .* must pick one of the DPs"):
+    with pytest.raises(ProtocolError, match=r"chose decode DP .* -1 .* one of the 32 offered"):
         replay(wl, SMALL, decode_routing=lambda eligible, dps, reserve: -1)
-    with pytest.raises(ConfigError, match="routing must be a function"):
-        replay(wl, SMALL, decode_routing="lowest")
+    with pytest.raises(ProtocolError, match="chose prefill DP group True"):  # not DP 1
+        replay(wl, SMALL, prefill_placement=lambda job, groups: True)
+    with pytest.raises(ProtocolError, match="chose TE 7"):
+        replay(wl, SMALL, decode_te_selection=lambda req, tes: 7)
+    for keyword in ("decode_routing", "prefill_placement", "prefill_te_selection"):
+        with pytest.raises(ConfigError, match=f"{keyword} must be a function"):
+            replay(wl, SMALL, **{keyword: "lowest"})
+
+
+def test_policies_see_copies_and_may_answer_with_numpy_integers():
+    """A policy cannot corrupt the bookkeeping it is shown, and numpy indices are fine."""
+
+    def vandal_router(eligible, dps, reserve_blocks):
+        for d in dps:
+            d.batch_limit = 10**6  # would let the next request onto a full DP
+        return np.int64(eligible[-1])
+
+    def vandal_placement(job, groups):
+        job.input_tokens = 1  # would shrink the job's KV and step cost
+        return np.int32(groups[0].dp)
+
+    wl = _workload(*[(i * 1_000_000, 3_000, 4) for i in range(40)])
+    res = replay(wl, SMALL, decode_routing=vandal_router, prefill_placement=vandal_placement)
+    assert all(r.outcome == "completed" for r in res.records)
+    base = replay(wl, SMALL, prefill_placement=lambda job, groups: groups[0].dp)
+    assert [r.first_token_ns for r in res.records] == [r.first_token_ns for r in base.records]
+
+
+def test_least_work_prefers_the_group_holding_more_of_the_prompt_when_caps_tie():
+    """A 513-token prompt of two blocks: one group caches the first block, another both.
+    Either way 512 tokens are reusable (one is always computed), but the group holding the
+    whole prompt wins the tie, so its cache entry is the one refreshed."""
+    from xds.serve.prefill import PrefillJob, PrefillTE
+
+    cfg = PrefillConfig()
+    te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=20_000)
+    te.cache[0].insert((1,))
+    te.cache[1].insert((1, 2))
+    te.pool.append((PrefillJob(0, 513, (1, 2), 0), None))
+    _, placed = te._assign()
+    assert placed[0][0].dp == 1 and placed[0][0].cached_tokens == 512
+
+
+def test_colocated_decode_reports_a_routing_policys_error_as_itself():
+    from xds.errors import ProtocolError
+    from xds.serve.decode import DecodeInstance
+
+    async def main():
+        inst = DecodeInstance(
+            SMALL.decode, *comm_grid(SMALL.decode)[:2], routing=lambda e, d, r: 10**9
+        )
+        await inst.serve(8)
+
+    with pytest.raises(ProtocolError, match="chose decode DP"):
+        run(main)
 
 
 def test_the_job_executors_te_choices_are_policies_too():
@@ -845,7 +898,7 @@ def test_the_job_executors_te_choices_are_policies_too():
     assert all(offers[r.request_id] == [0, 1] for r in res.records if r is not long)
     assert all(r.prefill_placement.startswith("P0/") for r in res.records if r is not long)
     assert all(r.decode_placement.startswith("D1/") for r in res.records)
-    with pytest.raises(ProtocolError, match="TE selection 'nowhere' chose TE 5"):
+    with pytest.raises(ProtocolError, match="policy 'nowhere' chose TE 5"):
 
         def nowhere(req, tes):
             return 5

@@ -35,6 +35,7 @@ from ..fabric.xccl.moe import ExpertMap
 from ..hw import CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
+from ..runtime.sync import task_group_raising_single
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
 from .jitter import JitterConfig, sample
@@ -590,7 +591,7 @@ class DecodeInstance:
             anyio.create_memory_object_stream[np.ndarray](max_buffer_size=float("inf"))
             for _ in range(n)
         ]
-        async with anyio.create_task_group() as tg:
+        async with task_group_raising_single() as tg:  # a policy's error as itself
             admitted = anyio.Event()
             pending = [n]
 

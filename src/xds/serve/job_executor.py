@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from ..errors import ProtocolError
 from ..trace.workload import Request
+from .policies import offered_choice
 
 
 class PrefillTEView(msgspec.Struct, frozen=True):
@@ -24,7 +24,7 @@ class PrefillTEView(msgspec.Struct, frozen=True):
     predicted_first_token_ns: int
     """The TE's own estimate of the request's first token (running step, backlog, SP jobs)."""
     cached_tokens: int
-    """The request's longest cached prefix on any of the TE's DP groups."""
+    """The request's longest cached prefix on any of the TE's DP groups (at most input - 1)."""
     queued_tokens: int
     """Prompt tokens waiting or running on the TE."""
     last_picked: int
@@ -60,13 +60,9 @@ def fewest_sequences(request: Request, tes: Sequence[DecodeTEView]) -> int:
     return min(tes, key=lambda v: (v.sequences, v.te)).te
 
 
-def checked_choice(policy: Callable[..., int], request: Request, offer: Sequence[object]) -> int:
+def checked_choice(
+    policy: Callable[..., int], request: Request, offer: Sequence[PrefillTEView | DecodeTEView]
+) -> int:
     """Ask ``policy`` and check its answer is one of the offered TEs."""
-    choice = policy(request, offer)
-    offered = [v.te for v in offer]  # type: ignore[attr-defined]
-    if choice not in offered:
-        raise ProtocolError(
-            f"TE selection {getattr(policy, '__name__', policy)!r} chose TE {choice!r} for "
-            f"request {request.request_id}; it must pick one of the TEs offered: {offered}"
-        )
-    return choice
+    offered = [v.te for v in offer]
+    return offered_choice(policy, policy(request, offer), offered, "TE", request.request_id)

@@ -39,7 +39,7 @@ holds an equal share of its KV; the KV leaves for Decode through the leader grou
 **Prefix cache.** Per DP group, an LRU of prompt block hashes (Mooncake's ``hash_ids``, one per
 ``prefix_block_tokens`` tokens); a request reuses the longest cached run of its leading blocks.
 A prompt's blocks are refreshed tail first, so its head (the shareable part) is evicted last.
-A sequence-parallel prompt is cached by its leader group, chosen like a batched job's group.
+A sequence-parallel prompt is cached by its leader group, the group given a job least recently.
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ import numpy as np
 from msgspec import Meta
 
 from ..config import check_fields
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError
 from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
 from ..model import CostModel, KernelEfficiency, ModelSpec, Precision
 from ..runtime import emit, now_ns, sleep_ns
 from .kv import KVBlockManager
+from .policies import offered_choice, require_callable
 
 
 class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -434,15 +435,23 @@ class GroupView(msgspec.Struct, frozen=True):
     new_tokens: int
     """The job's tokens to compute if placed here (its input minus this group's cached prefix)."""
     cached_tokens: int
-    """The job's prefix found in this group's cache (at most input - 1)."""
+    """The job's prefix found in this group's cache, at most input - 1 (one token is always
+    computed, to produce the first output token)."""
     kv_free_blocks: int
+    """KV blocks free on the group before this job."""
     last_assigned: int
     """When the group was last given a job (a counter; 0: never)."""
+    hit_tokens: int
+    """The cached prefix before that cap (whole blocks: a group holding more of the prompt
+    ranks higher even when both caps agree)."""
 
 
 PrefillPlacement = Callable[[PrefillJob, Sequence[GroupView]], int]
-"""A prefill placement policy (SPEC 6.6: the leader's pluggable cost model): the job and the
-DP groups that can take it this step (KV and token budget allow) -> the chosen group's ``dp``."""
+"""A prefill placement policy (SPEC 6.6: the leader's pluggable cost model): the job (a copy)
+and the DP groups that can take it this step (KV and token budget allow) -> the chosen group's
+``dp``. It places batched jobs; a prompt over ``sp_threshold`` runs sequence-parallel on every
+group (its leader, which caches its hashes, is the group given a job least recently), and
+``balance_split`` may spread a placed job over more groups afterwards."""
 
 
 def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
@@ -450,7 +459,7 @@ def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
     cached prefix, then to the group given a job least recently."""
     best = min(
         groups,
-        key=lambda g: (g.step_tokens + g.new_tokens, -g.cached_tokens, g.last_assigned, g.dp),
+        key=lambda g: (g.step_tokens + g.new_tokens, -g.hit_tokens, g.last_assigned, g.dp),
     )
     return best.dp
 
@@ -467,8 +476,7 @@ class PrefillTE:
         kv_blocks_per_dp: int,
         placement: PrefillPlacement = least_work,
     ):
-        if not callable(placement):
-            raise ConfigError(f"placement must be a function, got {placement!r}", field="placement")
+        require_callable(placement, "placement")
         self.placement = placement
         self.index = index
         self.config = config
@@ -608,18 +616,17 @@ class PrefillTE:
                 new = max(1, job.input_tokens - cached)
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
                     continue
-                views.append(GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp]))
+                views.append(GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp], hit))
             if not views:
                 keep.append((job, ev))
                 continue
-            best = self.placement(job, views)
-            chosen = next((v for v in views if v.dp == best), None)
-            if chosen is None:
-                raise ProtocolError(
-                    f"prefill placement {getattr(self.placement, '__name__', self.placement)!r} "
-                    f"chose DP group {best!r} for request {job.request_id}; it must pick one "
-                    f"of the groups offered: {[v.dp for v in views]}"
-                )
+            shown = job if self.placement is least_work else job.__copy__()  # a copy: no
+            answer = self.placement(shown, views)  # policy can change the job's accounting
+            offered = [v.dp for v in views]
+            best = offered_choice(
+                self.placement, answer, offered, "prefill DP group", job.request_id
+            )
+            chosen = views[offered.index(best)]
             job.dp = best
             job.cached_tokens = chosen.cached_tokens
             self._note_assigned(best)

@@ -49,6 +49,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .kv import kv_capacity_blocks
+from .policies import require_callable
 from .prefill import (
     PrefillConfig,
     PrefillCost,
@@ -142,11 +143,12 @@ class Replay:
         group for a job (:func:`~xds.serve.prefill.least_work` by default) and the TE-shell's
         choice of decode DP (:func:`~xds.serve.routing.lowest_kv`)."""
         for name, policy in (
+            ("prefill_placement", prefill_placement),
+            ("decode_routing", decode_routing),
             ("prefill_te_selection", prefill_te_selection),
             ("decode_te_selection", decode_te_selection),
         ):
-            if not callable(policy):
-                raise ConfigError(f"{name} must be a function, got {policy!r}", field=name)
+            require_callable(policy, name)
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
         _check_workload(workload)

@@ -10,8 +10,8 @@ request until capacity frees (it is never dropped).
 The choice among the eligible DPs is pluggable: pass ``routing=`` a function
 ``(eligible DP indices, every DP's DPLoad, this request's reservation in blocks) -> index``
 (:func:`lowest_kv` is the paper's rule). The router keeps the bookkeeping and the invariants:
-a policy only ever sees DPs below their batch limit, and an answer outside them is a
-:class:`~xds.errors.ProtocolError`.
+a policy only ever sees DPs below their batch limit (and copies of the loads), and an answer
+outside them is a :class:`~xds.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Final
 
 import msgspec
 
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError
+from .policies import offered_choice, require_callable
 
 
 class _Backpressure:
@@ -45,8 +46,9 @@ class DPLoad(msgspec.Struct):
 
 
 DecodeRouting = Callable[[Sequence[int], Sequence[DPLoad], int], int]
-"""A decode routing policy: (eligible DP indices, every DP's load - read only - and the
-request's KV reservation in blocks) -> the chosen DP, one of the eligible."""
+"""A decode routing policy: (eligible DP indices, every DP's load - copies: changing them
+changes nothing - and the request's KV reservation in blocks) -> the chosen DP, one of the
+eligible."""
 
 
 def lowest_kv(eligible: Sequence[int], dps: Sequence[DPLoad], reserve_blocks: int) -> int:
@@ -70,8 +72,7 @@ class DecodeRouter:
     ):
         if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
             raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
-        if not callable(routing):
-            raise ConfigError(f"routing must be a function, got {routing!r}", field="routing")
+        require_callable(routing, "routing")
         self.routing = routing
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
@@ -91,13 +92,15 @@ class DecodeRouter:
         eligible = [i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit]
         if not eligible:
             return BACKPRESSURE
-        best = self.routing(eligible, self.dps, reserve)
-        if best not in eligible:
-            raise ProtocolError(
-                f"decode routing {getattr(self.routing, '__name__', self.routing)!r} chose DP "
-                f"{best!r} for request {request!r}; it must pick one of the DPs below their "
-                f"batch limit: {eligible}"
-            )
+        # a custom policy sees copies: it cannot change the router's bookkeeping
+        loads = self.dps if self.routing is lowest_kv else [d.__copy__() for d in self.dps]
+        best = offered_choice(
+            self.routing,
+            self.routing(eligible, loads, reserve),
+            eligible,
+            "decode DP (below its batch limit)",
+            request,
+        )
         dp = self.dps[best]
         dp.pending += 1
         dp.kv_reserved_blocks += reserve
