@@ -18,7 +18,8 @@ from xds.serve.decode import DecodeConfig
 from xds.serve.decode_te import comm_grid, interpolate
 from xds.serve.distflow import TransferState
 from xds.serve.jitter import JitterConfig
-from xds.serve.prefill import PrefillConfig, PrefillCost, PrefixCache, prefill_hardware
+from xds.serve.prefill import PrefillConfig, PrefixCache
+from xds.serve.prefill_cost import PrefillCost, prefill_hardware
 from xds.serve.presets import pd_config
 from xds.serve.replay import PDConfig, Replay, replay
 from xds.trace import Request, Workload, load_mooncake
@@ -590,7 +591,7 @@ def test_sequence_parallel_prompts_are_cached_by_rotating_leaders():
 
 
 def test_microbatched_prefill_overlaps_the_all_to_all_only_where_it_pays():
-    from xds.serve.prefill import _half
+    from xds.serve.prefill_cost import _half
 
     assert _half((1000, 200), True) == (500, 200) and _half((1000, 200), False) == (500, 700)
     assert _half((7, 0, 8), True) == (3, 0, 8) and _half((7, 0, 8), False) == (4, 3, 8)

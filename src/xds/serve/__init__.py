@@ -7,6 +7,7 @@ Components: :mod:`~xds.serve.routing` (the TE-shell's decode DP routing),
 commit and acceptance), :mod:`~xds.serve.jitter` (host jitter sources and mitigations),
 :mod:`~xds.serve.decode` (colocated decode, SPEC 12.2), :mod:`~xds.serve.eplb` (expert load
 balancing), :mod:`~xds.serve.prefill` (Prefill TEs and their cooperative scheduler),
+:mod:`~xds.serve.prefill_cost` (a Prefill TE's step time),
 :mod:`~xds.serve.distflow` (PD KV transfers), :mod:`~xds.serve.decode_te` (a Decode TE under
 continuous arrivals), :mod:`~xds.serve.job_executor` (the choice of Prefill and Decode TE) and
 :mod:`~xds.serve.replay` (trace replay on a PD deployment).

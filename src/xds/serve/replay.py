@@ -50,15 +50,8 @@ from .job_executor import (
 )
 from .kv import kv_capacity_blocks
 from .policies import require_callable
-from .prefill import (
-    PrefillConfig,
-    PrefillCost,
-    PrefillJob,
-    PrefillPlacement,
-    PrefillTE,
-    least_work,
-    prefill_hardware,
-)
+from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
+from .prefill_cost import PrefillCost, prefill_hardware
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]

@@ -1,0 +1,263 @@
+"""The step time of a Prefill TE (SPEC 2.1, 6.4, 12.4): eager-mode kernels of all its DP groups
+in lockstep, sequence-parallel shares, microbatched two-batch overlap, per-layer INT8 attention.
+
+See :mod:`xds.serve.prefill` for the model this prices (TP attention per DP group, EP MoE over
+the TE's dies, the SP ring) and for the scheduler that uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
+from ..model import CostModel, ModelSpec
+
+if TYPE_CHECKING:
+    from .prefill import PrefillConfig
+
+
+Piece = tuple[int, int] | tuple[int, int, int]
+"""Work a DP group holds in a step: (new tokens, cached tokens[, SP degree])."""
+
+
+def _sp(piece: Piece) -> int:
+    return piece[2] if len(piece) == 3 else 1  # type: ignore[misc]
+
+
+def _tokens(piece: Piece) -> float:
+    """New tokens this group projects and sends through the MoE layers."""
+    return piece[0] / _sp(piece)
+
+
+class PrefillCost:
+    """Step time of one Prefill TE (all its DP groups in lockstep)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: PrefillConfig,
+        die: DieSpec,
+        engines: EngineSpec,
+        link: LinkSpec,
+    ):
+        self.model = model
+        self.config = config
+        self.cost = CostModel(model, die, precision=config.precision, efficiency=config.efficiency)
+        self.engines = engines
+        self.link = link
+        ep = config.dies_per_te
+        self.a2a_share = collective_efficiency(engines, ep - 1)
+        self._work: tuple[float, float] | None = None
+        self._kinds: list[tuple[bool, int]] | None = None
+        self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
+
+    def piece_work(self, new: int, cached: int) -> float:
+        """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
+        (per-token projections, experts and all-to-all, plus causal attention), with ``a`` and
+        ``b`` read off this cost model's own step times (cached on first use)."""
+        if self._work is None:
+            t1 = self.step_ns([[(2_048, 0)]])
+            t2 = self.step_ns([[(8_192, 0)]])
+            t3 = self.step_ns([[(2_048, 16_384)]])
+            b = max(0.0, (t3 - t1) / (2_048 * 16_384))
+            a = max(1e-9, (t2 - t1 - b * (8_192**2 - 2_048**2) / 2) / 6_144)
+            self._work = (a, b)
+        a, b = self._work
+        return new * (a + b * (cached + new / 2))
+
+    def _scaled(self, times: list[int], tp: int) -> list[int]:
+        return [-(-t // tp) for t in times]
+
+    def layer_times(
+        self, groups: Sequence[Sequence[Piece]], *, int8_attention: bool | None = None
+    ) -> tuple[list[int], ...]:
+        """(dense layer, MoE layer, MTP layer, head) kernel times of one lockstep step, for
+        ``groups`` = per DP group the pieces of work it holds: (new tokens, cached tokens) of
+        each of its requests, or (new, cached, sp) for a request split sequence-parallel over
+        ``sp`` groups (each group then holds a 1/sp share, see :meth:`sp_step`).
+        The groups meet at every MoE layer, so each kernel takes as long as it does on the
+        slowest group; the routed experts serve every group's tokens at once."""
+        m, cfg = self.model, self.config
+        if int8_attention is None:  # the all-layer switch (per-layer: :meth:`step_ns`)
+            int8_attention = cfg.precision.attention_int8
+        busy = [g for g in groups if g]
+        all_tokens = sum(_tokens(p) for g in busy for p in g)
+        per_die = all_tokens * m.top_k / cfg.dies_per_te
+        experts_here = max(1, m.routed_experts // cfg.dies_per_te)
+        routed = experts_here * self.cost.expert(per_die / experts_here).time_ns
+        per_group = [self._group_times(g, routed, int8_attention) for g in busy]
+        return tuple(
+            [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
+        )
+
+    def _group_times(
+        self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """One DP group's kernel times (attention side on ``tp`` dies)."""
+        c, m, cfg = self.cost, self.model, self.config
+        tp = cfg.attention_tp
+        tokens = float(sum(_tokens(p) for p in group))
+        kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
+        # every piece reads its whole context's latent cache (an SP share sees it pass by)
+        kv_bytes = sum(p[0] + p[1] for p in group) * kv_token
+        attn = c.kernel(
+            "mla_prefill_attention",
+            self._attn_flops(group),
+            kv_bytes,
+            "cube_int8" if int8_attention else "cube_bf16",
+            attention=True,
+        )
+        # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
+        # the attention compute, at the UB rate of one link
+        ring = max(
+            (
+                round((_sp(p) - 1) * (p[0] + p[1]) / _sp(p) * kv_token / self.link.bandwidth * 1e9)
+                for p in group
+            ),
+            default=0,
+        )
+        # projections split over the TP ranks; the attention kernel is already per die (its
+        # FLOPs count this rank's heads; every rank reads the whole latent cache)
+        attn_side = [
+            *self._scaled([k.time_ns for k in c.mla_prolog(tokens)], tp),
+            max(attn.time_ns, ring),
+            *self._scaled([k.time_ns for k in c.mla_output(tokens)], tp),
+        ]
+        dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
+        shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
+        copies = tokens / tp * m.top_k  # each TP rank dispatches its share of the tokens
+        bw = self.link.bandwidth * self.a2a_share
+        dispatch = self.engines.dma_startup_ns + round(copies * m.hidden / bw * 1e9)
+        combine = self.engines.dma_startup_ns + round(copies * m.hidden * 2 / bw * 1e9)
+        gate = -(-c.gating(tokens).time_ns // tp)
+        moe = [*attn_side, gate, dispatch, routed_ns, shared, combine]
+        mtp = [-(-c.mtp_projection(tokens).time_ns // tp), *moe]
+        reqs = float(len(group))
+        head = [c.lm_head(reqs).time_ns, c.sampling(reqs).time_ns]
+        return dense, moe, mtp, head
+
+    def _attn_flops(self, group: Sequence[Piece]) -> float:
+        """Causal MLA attention FLOPs per die of a group: each new token attends to the cached
+        prefix and, on average, half of the new tokens (non-absorbed form, heads split by TP).
+        An SP share does 1/sp of its request's work (load-balanced causal split)."""
+        m = self.model
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        heads = m.heads / self.config.attention_tp
+        return sum(
+            2.0 * p[0] * (p[1] + p[0] / 2) * heads * (qk + m.v_head_dim) / _sp(p) for p in group
+        )
+
+    def sp_step(self, new: int, cached: int) -> list[list[Piece]]:
+        """The step of one request run sequence-parallel over every DP group of the TE."""
+        d = self.config.dps_per_te
+        return [[(new, cached, d)] for _ in range(d)]
+
+    def step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
+        """Eager-mode time of one step over all layers, the MTP layer and the head (a pure
+        function of the pieces: remembered, since the leader prices plans it then runs)."""
+        if not any(groups):
+            return 0
+        key = tuple(tuple(g) for g in groups)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        single = self._single_step_ns(groups)
+        if self.config.microbatches == 2:  # split only where it pays (small steps: it doubles
+            single = min(single, self._overlapped_step_ns(groups))  # the eager dispatches)
+        if len(self._steps) >= 8_192:
+            self._steps.clear()
+        self._steps[key] = single
+        return single
+
+    def _layer_kinds(self) -> list[tuple[bool, int]]:
+        """Per layer in order (dense, MoE, then the MTP layer): whether its attention runs in
+        INT8, and its kind (0 dense, 1 MoE, 2 MTP) as :meth:`layer_times` orders them."""
+        if self._kinds is None:
+            m, p = self.model, self.config.precision
+            kinds = [0] * m.dense_layers + [1] * (m.layers - m.dense_layers) + [2]
+            self._kinds = [(p.int8_attention(x), kind) for x, kind in enumerate(kinds)]
+        return self._kinds
+
+    def _times_by_precision(
+        self, groups: Sequence[Sequence[Piece]]
+    ) -> dict[bool, tuple[list[int], ...]]:
+        """:meth:`layer_times` with BF16 attention, and with INT8 where some layer uses it."""
+        times = {False: self.layer_times(groups, int8_attention=False)}
+        if any(int8 for int8, _ in self._layer_kinds()):
+            times[True] = self.layer_times(groups, int8_attention=True)
+        return times
+
+    def _single_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
+        times = self._times_by_precision(groups)
+        arrays = {key: [np.array(x, dtype=np.int64) for x in lists] for key, lists in times.items()}
+        ops = np.concatenate(
+            [arrays[int8][kind] for int8, kind in self._layer_kinds()]
+            + [arrays[False][3]]  # LM head and sampling
+        )
+        # operator i starts at max(device free, its host dispatch done at (i + 1) d): the
+        # step ends at max over i of (i + 1) d + (the time of operators i..n-1)
+        d = self.cost.eff.eager_op_dispatch_ns
+        after = np.cumsum(ops[::-1])[::-1]
+        return int(np.max((np.arange(1, len(ops) + 1) * d) + after))
+
+    def _overlapped_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
+        """Two-batch overlap: every piece's new tokens split into a first half and a second
+        half that attends to the first (causal); per MoE layer each half runs its attention
+        side, gating and shared expert on the compute stream, dispatch on the communication
+        stream, routed experts on compute, combine on communication. The host issues every
+        operator in program order (A0 D0 A1 D1 X0 C0 X1 C1), one eager dispatch each."""
+        halves = [[[_half(p, first) for p in g] for g in groups] for first in (True, False)]
+        by_precision = [self._times_by_precision(h) for h in halves]
+        step = self.cost.eff.eager_op_dispatch_ns
+        host = compute = comm = 0
+        ready = [0, 0]  # when each half's previous layer output is there
+
+        def on(stream: int, t: int, after: int) -> int:
+            nonlocal host
+            host += step
+            return max(stream, host, after) + t
+
+        for int8, kind in self._layer_kinds():
+            times = [by_precision[0][int8], by_precision[1][int8]]
+            if kind == 0:  # dense: compute only
+                for mb in (0, 1):
+                    for t in times[mb][0]:
+                        compute = ready[mb] = on(compute, t, ready[mb])
+                continue
+            sent = [0, 0]
+            for mb in (0, 1):
+                ops = times[mb][kind]
+                for t in [*ops[:-4], ops[-2]]:  # attention side, gating, shared expert
+                    compute = ready[mb] = on(compute, t, ready[mb])
+                comm = sent[mb] = on(comm, ops[-4], ready[mb])  # dispatch
+            for mb in (0, 1):
+                ops = times[mb][kind]
+                compute = on(compute, ops[-3], sent[mb])  # routed experts
+                comm = ready[mb] = on(comm, ops[-1], compute)  # combine
+        done = max(ready)
+        for t in by_precision[1][False][3]:  # LM head and sampling: each request's last
+            # token, in the second half
+            compute = done = on(compute, t, done)
+        return done
+
+
+def _half(piece: Piece, first: bool) -> Piece:
+    """One causal half of a piece's new tokens: the second half sees the first as context."""
+    new, cached = piece[0], piece[1]
+    a = new // 2
+    part = (max(1, a), cached) if first else (new - a, cached + a)
+    return (*part, piece[2]) if len(piece) == 3 else part  # type: ignore[misc]
+
+
+def prefill_hardware(
+    config: PrefillConfig, pod: PodConfig | None = None
+) -> tuple[DieSpec, LinkSpec]:
+    """The prefill die and the link its KV leaves by: UB inside the pod, RoCE from attached
+    910B servers (P104)."""
+    pod = pod or PodConfig()
+    if config.hardware == "910b":
+        return pod.b_die, pod.roce
+    return pod.die, pod.ub
