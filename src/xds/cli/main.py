@@ -172,7 +172,7 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
 @click.option("--strict", is_flag=True, help="Exit with code 1 if any row misses.")
 def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     """Reproduce results of the paper: TARGET is p2p, dispatch-combine, a2e-e2a,
-    peak-decode, eplb, or all.
+    peak-decode, eplb, production, or all.
 
     Prints the paper's number beside xds's for each row.
     """

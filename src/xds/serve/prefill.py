@@ -1,4 +1,4 @@
-"""Prefill TEs: eager-mode cost, prefix cache, the single-level cooperative scheduler (SPEC 6.4).
+"""Prefill TEs: prefix cache and the single-level cooperative scheduler (SPEC 6.4).
 
 A Prefill TE spans ``dies_per_te`` dies: attention runs with TP = ``attention_tp`` inside each
 DP group (so ``dies_per_te / attention_tp`` DP groups) and the MoE layers run EP over all the
@@ -19,7 +19,8 @@ spread sequence-parallel over one more group, so a step with fewer jobs than gro
 use every group; the plan is kept if the step cost model finds it faster (``balance_split``).
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
-when both it and its dispatch are ready (:meth:`CostModel.eager_time_ns`). Per layer, the
+when both it and its dispatch are ready (:meth:`~xds.serve.prefill_cost.PrefillCost.step_ns`,
+in :mod:`xds.serve.prefill_cost`). Per layer, the
 attention side of a DP group runs on ``tp`` dies, so its kernels take 1/tp of the single-die
 time (prefill GEMMs are compute-bound); MLA attention is causal over cached + new tokens.
 MoE: routed copies spread evenly over the EP dies (each holding ``experts / dies`` experts),
