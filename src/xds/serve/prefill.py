@@ -258,8 +258,6 @@ class PrefillTE:
         the step out: lockstep)."""
         self.step_end_ns = 0
         """When the running step ends (in the past while idle)."""
-        self._step_cache: dict[tuple[int, bool], int] = {}
-        self._spread_cache: dict[int, int] = {}
         self._assigned = [0] * dps
         """When each DP group was last given a job (a counter): ties go to the group idle
         longest, so a lightly loaded TE spreads prompts - and its prefix caches - over all
@@ -307,21 +305,15 @@ class PrefillTE:
         return bool(threshold) and new_tokens > threshold and self.config.dps_per_te > 1
 
     def _predicted_step(self, tokens: int, *, sp: bool) -> int:
-        key = (-(-tokens // 256) * 256, sp)  # step cost in 256-token steps (cached)
-        step = self._step_cache.get(key)
-        if step is None:
-            groups = self.cost.sp_step(key[0], 0) if sp else [[(key[0], 0)]]
-            step = self._step_cache[key] = self.cost.step_ns(groups)
-        return step
+        """A step of one ``tokens``-token prompt, alone on a group or sequence-parallel over
+        every group (in 256-token steps: :meth:`PrefillCost.step_ns` remembers each)."""
+        tokens = -(-tokens // 256) * 256
+        return self.cost.step_ns(self.cost.sp_step(tokens, 0) if sp else [[(tokens, 0)]])
 
     def _predicted_spread(self, share: int) -> int:
-        """A step with ``share`` new tokens on every DP group (in 32-token steps, cached)."""
+        """A step with ``share`` new tokens on every DP group (in 32-token steps)."""
         share = -(-share // 32) * 32
-        step = self._spread_cache.get(share)
-        if step is None:
-            groups = [[(share, 0)] for _ in range(self.config.dps_per_te)]
-            step = self._spread_cache[share] = self.cost.step_ns(groups)
-        return step
+        return self.cost.step_ns([[(share, 0)] for _ in range(self.config.dps_per_te)])
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
         """Put ``job`` in the pool and wait until its prefill (first token) is done."""
