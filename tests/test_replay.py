@@ -905,3 +905,15 @@ def test_the_job_executors_te_choices_are_policies_too():
             return 5
 
         replay(wl, cfg, prefill_te_selection=nowhere)
+
+
+def test_int8_attention_layers_are_checked_against_the_deployments_model(tmp_path, capsys):
+    from xds.model import Precision
+
+    with pytest.raises(ConfigError, match=r"prefill\.precision\.attention_int8_layers: .* \[99\]"):
+        PDConfig(prefill=PrefillConfig(precision=Precision(attention_int8_layers=(99,))))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[decode.precision]\nattention_int8_layers = [3, 70]\n")
+    assert main(["replay", "--deployment", str(bad), "--limit", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.toml" in err[0] and "names [70]" in err[0]

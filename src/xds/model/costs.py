@@ -77,6 +77,18 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 field="precision.attention_int8_layers",
             )
 
+    def check_layers(
+        self, model: ModelSpec, *, field: str = "precision.attention_int8_layers"
+    ) -> None:
+        """Every layer named in ``attention_int8_layers`` exists in ``model``."""
+        beyond = [x for x in self.attention_int8_layers if x > model.layers]
+        if beyond:
+            raise ConfigError(
+                f"{model.name} has layers 0..{model.layers - 1} (and its MTP layer, "
+                f"{model.layers}); attention_int8_layers names {beyond}",
+                field=field,
+            )
+
     def int8_attention(self, layer: int | None) -> bool:
         """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer
         list, i.e. only the all-layer switch counts)."""
@@ -111,13 +123,7 @@ class CostModel:
         self.model = model
         self.die = die
         self.precision = precision or Precision()
-        beyond = [x for x in self.precision.attention_int8_layers if x > model.layers]
-        if beyond:
-            raise ConfigError(
-                f"{model.name} has layers 0..{model.layers - 1} (and its MTP layer, "
-                f"{model.layers}); attention_int8_layers names {beyond}",
-                field="precision.attention_int8_layers",
-            )
+        self.precision.check_layers(model)
         self.eff = efficiency or KernelEfficiency()
 
     # -- the primitive ---------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(
                 f"{self.model}: the decode cost model covers MLA models only", field="model"
             )
+        self.precision.check_layers(MODELS[self.model])
 
     @property
     def spec(self):

@@ -88,6 +88,9 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def __post_init__(self) -> None:
         check_fields(self)
+        self.prefill.precision.check_layers(  # prefill serves the decode TE's model
+            self.decode.spec, field="prefill.precision.attention_int8_layers"
+        )
         if self.kv_transfer == "xccl" and self.prefill.hardware != "910c":
             raise ConfigError(
                 "the xccl KV tier runs on the UB fabric: it needs 910c prefill (910B KV moves "
