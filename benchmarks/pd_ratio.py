@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from xds.reproduce.production import TPOT_SLA_MS, measure
+from xds.reproduce.production import measure
 from xds.serve.presets import pd_config
 
 
@@ -39,12 +39,10 @@ def main() -> None:
         prefill = msgspec.structs.replace(base.prefill, tes=tes, microbatches=args.microbatches)
         cfg = msgspec.structs.replace(base, prefill=prefill)
         wall = time.perf_counter()
-        rate, seen = measure(window_s=args.window, bisections=args.bisections, config=cfg)
-        found = seen[rate] if rate else seen[min(seen)]
-        above = [p for r, p in sorted(seen.items()) if r > rate]
-        bound = "none below the cap"
-        if above:
-            bound = "TPOT (decode)" if above[0].tpot_ms > TPOT_SLA_MS else "TTFT (prefill)"
+        res = measure(window_s=args.window, bisections=args.bisections, config=cfg)
+        found = res.found or res.points[0]
+        rate = found.scale
+        bound = "none below the cap" if res.binding == "cap" else res.binding
         print(
             f"{f'{tes}P1D':>10} {cfg.chips:>5} {rate:>6g} {rate / cfg.chips:>10.3f} "
             f"{found.tpot_ms:>8.2f} {found.ttft_ms:>8,.0f} {found.decode_seqs_per_die:>8.1f} "

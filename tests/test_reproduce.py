@@ -67,7 +67,9 @@ def test_production_rate_search_stops_at_the_first_rate_missing_the_sla():
     from test_replay import SMALL
     from xds.reproduce.production import TPOT_SLA_MS, TTFT_SLA_MS, measure
 
-    rate, seen = measure(window_s=10.0, bisections=1, config=SMALL)
+    res = measure(window_s=10.0, bisections=1, config=SMALL)
+    seen = {p.scale: p for p in res.points}
+    rate = res.found.scale
 
     def meets(r):
         return seen[r].tpot_ms <= TPOT_SLA_MS and seen[r].ttft_ms <= TTFT_SLA_MS
@@ -75,7 +77,7 @@ def test_production_rate_search_stops_at_the_first_rate_missing_the_sla():
     assert rate in seen and meets(rate)
     assert all(meets(r) for r in seen if r <= rate)
     assert any(not meets(r) for r in seen if r > rate)  # the search bracketed the limit
-    assert all(seen[r].meets_sla == meets(r) for r in seen)
+    assert all(seen[r].meets == meets(r) for r in seen)
     assert all(0.0 <= p.prefix_hits <= 1.0 and 0.0 <= p.prefill_busy <= 1.0 for p in seen.values())
     # past the limit prefill is the bottleneck: busier than at the first (lightest) rate
     assert max(p.prefill_busy for r, p in seen.items() if r > rate) > seen[min(seen)].prefill_busy

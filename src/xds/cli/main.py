@@ -268,21 +268,94 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     console.print(kernels)
 
 
+def _trace_options(f):
+    """The options that say which workload to replay (shared by replay and capacity)."""
+    for option in reversed(
+        [
+            click.argument("trace", required=False),
+            click.option(
+                "--format",
+                "fmt",
+                type=click.Choice(["mooncake", "azure", "request-csv", "lengths"]),
+                default=None,
+                help="Trace format (default: guessed from the first line).",
+            ),
+            click.option(
+                "--deployment",
+                default="production-4p1d",
+                show_default=True,
+                help="A PD preset name or a .toml/.json file of PDConfig fields.",
+            ),
+            click.option(
+                "--limit", type=click.IntRange(min=1), default=None, help="First N requests only."
+            ),
+            click.option(
+                "--unique-prompts",
+                is_flag=True,
+                help="Built-in workload: no multi-turn conversations (no prompt shares a prefix).",
+            ),
+            click.option(
+                "--columns",
+                default="prompt_tokens,completion_tokens",
+                show_default=True,
+                help="--format lengths: the input and output length columns.",
+            ),
+            click.option(
+                "--cv",
+                type=click.FloatRange(min=0, min_open=True),
+                default=1.0,
+                show_default=True,
+                help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
+            ),
+            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def _load_trace(trace: str, fmt: str | None, columns: str, rate: float, cv: float, seed: int):
+    """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``)."""
+    import numpy as np
+
+    from xds.trace import load, load_lengths
+
+    if fmt != "lengths":
+        return load(trace, fmt)
+    cols = [c.strip() for c in columns.split(",")]
+    if len(cols) != 2 or not all(cols):
+        raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
+    workload = load_lengths(
+        trace,
+        input_column=cols[0],
+        output_column=cols[1],
+        rng=np.random.default_rng(seed),
+        rate_per_s=rate,
+        cv=cv,
+        invalid="drop",
+    )
+    if workload.dropped:
+        click.echo(
+            f"xds: dropped {len(workload.dropped):,} rows with unusable lengths "
+            f"(first: line {workload.dropped[0][0]}, {workload.dropped[0][1]})",
+            err=True,
+        )
+    return workload
+
+
+def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
+    from xds.trace.production import (
+        MOONCAKE_CONVERSATIONS,
+        NO_CONVERSATIONS,
+        production_workload,
+    )
+
+    conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
+    return production_workload(n, rate_per_s=rate, seed=seed, conversations=conv)
+
+
 @app.command()
-@click.argument("trace", required=False)
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["mooncake", "azure", "request-csv", "lengths"]),
-    default=None,
-    help="Trace format (default: guessed from the first line).",
-)
-@click.option(
-    "--deployment",
-    default="production-4p1d",
-    show_default=True,
-    help="A PD preset name or a .toml/.json file of PDConfig fields.",
-)
+@_trace_options
 @click.option(
     "--rate-scale",
     type=click.FloatRange(min=0, min_open=True),
@@ -290,7 +363,6 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     show_default=True,
     help="Arrivals this many times as dense (2 halves every gap).",
 )
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="First N requests only.")
 @click.option(
     "--synthetic",
     "synthetic_n",
@@ -306,27 +378,8 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     show_default=True,
     help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
 )
-@click.option(
-    "--unique-prompts",
-    is_flag=True,
-    help="Built-in workload: no multi-turn conversations (no prompt shares a prefix).",
-)
-@click.option(
-    "--columns",
-    default="prompt_tokens,completion_tokens",
-    show_default=True,
-    help="--format lengths: the input and output length columns.",
-)
-@click.option(
-    "--cv",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
-)
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay(
     trace: str | None,
@@ -346,45 +399,19 @@ def replay(
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
-    import numpy as np
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xds.serve.presets import pd_config
     from xds.serve.replay import replay as run_replay
-    from xds.trace import load, load_lengths, write
-    from xds.trace.production import (
-        MOONCAKE_CONVERSATIONS,
-        NO_CONVERSATIONS,
-        production_workload,
-    )
+    from xds.trace import write
 
     cfg = pd_config(deployment)
     if unique_prompts and trace is not None:
         raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
     if trace is None:
-        conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
-        workload = production_workload(synthetic_n, rate_per_s=rate, seed=seed, conversations=conv)
-    elif fmt == "lengths":
-        cols = [c.strip() for c in columns.split(",")]
-        if len(cols) != 2 or not all(cols):
-            raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
-        workload = load_lengths(
-            trace,
-            input_column=cols[0],
-            output_column=cols[1],
-            rng=np.random.default_rng(seed),
-            rate_per_s=rate,
-            cv=cv,
-            invalid="drop",
-        )
-        if workload.dropped:
-            click.echo(
-                f"xds: dropped {len(workload.dropped):,} rows with unusable lengths "
-                f"(first: line {workload.dropped[0][0]}, {workload.dropped[0][1]})",
-                err=True,
-            )
+        workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = load(trace, fmt)
+        workload = _load_trace(trace, fmt, columns, rate, cv, seed)
     workload = workload.scaled(rate_scale).limited(limit)
     with Progress(
         TextColumn("replay"),
@@ -438,6 +465,170 @@ def replay(
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))
     console.print(totals)
+
+
+@app.command()
+@_trace_options
+@click.option(
+    "--window",
+    "window_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Without TRACE: seconds of arrivals replayed at each rate.",
+)
+@click.option(
+    "--start",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="First rate tried: req/s without TRACE (default 1), else a rate scale (default 1).",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="--format lengths: the arrival rate (req/s) at scale 1.",
+)
+@click.option(
+    "--criterion",
+    type=click.Choice(["mean", "goodput"]),
+    default="mean",
+    show_default=True,
+    help="mean: mean TPOT and TTFT within the SLA; goodput: enough requests within it.",
+)
+@click.option(
+    "--goodput",
+    "goodput_target",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=0.9,
+    show_default=True,
+    help="--criterion goodput: the share of requests that must meet the SLA.",
+)
+@click.option(
+    "--ttft-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="TTFT target (default: the deployment's SLA, 2,000 ms).",
+)
+@click.option(
+    "--tpot-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="TPOT target (default: the deployment's SLA, 35 ms).",
+)
+@click.option("--bisections", type=click.IntRange(min=0), default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def capacity(
+    trace: str | None,
+    fmt: str | None,
+    deployment: str,
+    limit: int | None,
+    unique_prompts: bool,
+    columns: str,
+    cv: float,
+    seed: int,
+    window_s: float,
+    start: float | None,
+    rate: float,
+    criterion: str,
+    goodput_target: float,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    bisections: int,
+    as_json: bool,
+) -> None:
+    """Find the highest arrival rate at which a PD deployment meets its SLA.
+
+    Replays the workload at a sequence of rates (doubling, then bisecting) and judges each on
+    the requests arriving in the middle half of its window. Without TRACE the built-in SPEC
+    12.4 workload is generated at each rate (--window seconds of arrivals); with a TRACE its
+    arrivals are compressed or stretched (the rate scale is searched)."""
+    import msgspec
+
+    from xds.serve.capacity import search_capacity
+    from xds.serve.presets import pd_config
+    from xds.trace.metrics import SLA
+
+    cfg = pd_config(deployment)
+    sla = SLA(
+        ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
+        tpot_ms=cfg.sla.tpot_ms if tpot_ms is None else tpot_ms,
+    )
+    cfg = msgspec.structs.replace(cfg, sla=sla)
+    if unique_prompts and trace is not None:
+        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
+    if trace is None:
+        unit, knob = "req/s", "rate (req/s)"
+
+        def workload_at(x: float):
+            return _built_in(max(20, round(x * window_s)), x, seed, unique_prompts).limited(limit)
+    else:
+        unit, knob = "x trace rate", "rate scale"
+        base = _load_trace(trace, fmt, columns, rate, cv, seed).limited(limit)
+
+        def workload_at(x: float):
+            return base.scaled(x)
+
+    def show(p) -> None:
+        if not as_json:
+            verdict = "meets" if p.meets else "misses: " + "; ".join(p.misses)
+            click.echo(
+                f"  {p.scale:g} {unit} ({p.rate_per_s:,.2f} req/s): TPOT {p.tpot_ms:,.2f} ms, "
+                f"TTFT {p.ttft_ms:,.0f} ms, goodput {p.goodput:.1%}: {verdict}",
+                err=True,
+            )
+
+    res = search_capacity(
+        workload_at,
+        cfg,
+        start=start or 1.0,
+        bisections=bisections,
+        criterion=criterion,  # type: ignore[arg-type]
+        goodput_target=goodput_target,
+        seed=seed,
+        on_point=show,
+    )
+    if as_json:
+        print(msgspec.json.encode(res).decode())
+        return
+    what = "mean TPOT and mean TTFT" if criterion == "mean" else f"{goodput_target:.0%} of requests"
+    table = Table(
+        title=f"capacity of {deployment}: {what} within TTFT {sla.ttft_ms:g} ms, "
+        f"TPOT {sla.tpot_ms:g} ms"
+    )
+    for col in (
+        knob,
+        "arrivals/s",
+        "mean TPOT ms",
+        "mean TTFT ms",
+        "goodput",
+        "decode seqs/die",
+        "prefill busy",
+        "meets",
+    ):
+        table.add_column(col, justify="right")
+    for p in res.points:
+        table.add_row(
+            f"{p.scale:g}",
+            f"{p.rate_per_s:,.2f}",
+            f"{p.tpot_ms:,.2f}",
+            f"{p.ttft_ms:,.0f}",
+            f"{p.goodput:.1%}",
+            f"{p.decode_seqs_per_die:.1f}",
+            f"{p.prefill_busy:.0%}",
+            "yes" if p.meets else "no",
+        )
+    console.print(table)
+    if res.found is None:
+        console.print(f"no rate met the SLA; the lowest tried missed: {escape(res.binding)}")
+    elif res.binding == "cap":
+        console.print(f"every rate up to {res.found.scale:g} {unit} met the SLA (search cap)")
+    else:
+        console.print(
+            f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
+            f"the next rate up missed: {escape(res.binding)}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,6 +166,9 @@ class DecodeModel:
         """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
         placements on skewed routing); None means uniform routing drawn per pass."""
         self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
+        self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
+        """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
+        sequence, INT8 attention): a pass looks up each distinct DP shape once."""
         self._dense_cache: dict[float, int] = {}
         self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
         self._expert_cache: dict[float, int] = {}
@@ -358,16 +361,20 @@ class DecodeModel:
         )
 
         def parts(layer: int | None) -> tuple[np.ndarray, ...]:
-            table = np.array(
-                [
-                    (
+            cache = self._parts_cache
+            int8 = self.cost.precision.int8_attention(layer)
+            rows = []
+            for k in keys.tolist():
+                row = cache.get((k, tokens_per_seq, int8))
+                if row is None:
+                    if len(cache) >= 65_536:
+                        cache.clear()
+                    row = cache[(k, tokens_per_seq, int8)] = (
                         *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
                         self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
                     )
-                    for k in keys.tolist()
-                ],
-                dtype=np.int64,
-            )[which]
+                rows.append(row)
+            table = np.array(rows, dtype=np.int64)[which]
             return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
 
         attn, other, gate, dense_mlp = parts(None)

@@ -220,6 +220,38 @@ def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
     return best.dp
 
 
+class _Backlog:
+    """A Prefill TE's pool as its first-token estimate sees it: the longest prompt that runs
+    batched, their tokens, and the steps of the prompts that run sequence-parallel alone."""
+
+    __slots__ = ("longest", "sp_ns", "stale", "tokens")
+
+    def __init__(self) -> None:
+        self.longest = self.tokens = self.sp_ns = 0
+        self.stale = False
+        """The longest batched prompt left the pool: ``longest`` must be recounted."""
+
+    def add(self, te: PrefillTE, input_tokens: int) -> None:
+        if te._is_sp(input_tokens):
+            self.sp_ns += te._predicted_step(input_tokens, sp=True)
+        else:
+            self.longest = max(self.longest, input_tokens)
+            self.tokens += input_tokens
+
+    def remove(self, te: PrefillTE, input_tokens: int) -> None:
+        if te._is_sp(input_tokens):
+            self.sp_ns -= te._predicted_step(input_tokens, sp=True)
+        else:
+            self.tokens -= input_tokens
+            self.stale = self.stale or input_tokens == self.longest
+
+    def recount(self, te: PrefillTE) -> None:
+        if self.stale:
+            batched = (j.input_tokens for j, _ in te.pool if not te._is_sp(j.input_tokens))
+            self.longest = max(batched, default=0)
+            self.stale = False
+
+
 class PrefillTE:
     """One Prefill TE: the shared request pool and the leader's cooperative scheduler."""
 
@@ -246,6 +278,8 @@ class PrefillTE:
         self.pool: list[tuple[PrefillJob, anyio.Event]] = []
         self.queued_tokens = 0
         """Prompt tokens waiting or running: the load the Job Executor sees."""
+        self._backlog = _Backlog()
+        """The pool summed up as the Job Executor's estimate reads it (kept with the pool)."""
         self._wake = anyio.Event()
         self.steps = 0
         self.busy_ns = 0
@@ -283,13 +317,13 @@ class PrefillTE:
         backlog fills, each as long as a step holding the longest pending prompt (lockstep
         groups wait for their longest input, P096) - spread over every group when the leader
         balances its steps, but never shorter than the backlog's per-group share."""
-        longest = backlog = sp_ns = 0
-        for tokens in (new_tokens, *(job.input_tokens for job, _ in self.pool)):
-            if self._is_sp(tokens):  # a step of its own
-                sp_ns += self._predicted_step(tokens, sp=True)
-            else:
-                longest = max(longest, tokens)
-                backlog += tokens
+        pool = self._backlog
+        longest, backlog, sp_ns = pool.longest, pool.tokens, pool.sp_ns
+        if self._is_sp(new_tokens):  # a step of its own
+            sp_ns += self._predicted_step(new_tokens, sp=True)
+        else:
+            longest = max(longest, new_tokens)
+            backlog += new_tokens
         capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
         steps = -(-backlog // capacity)
         if self.config.balance_split:  # the leader spreads a step's work over every group
@@ -319,6 +353,7 @@ class PrefillTE:
         """Put ``job`` in the pool and wait until its prefill (first token) is done."""
         done = anyio.Event()
         self.pool.append((job, done))
+        self._backlog.add(self, job.input_tokens)
         self.queued_tokens += job.input_tokens
         self._wake.set()
         await done.wait()
@@ -383,6 +418,9 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
+        for job, _ in placed:
+            self._backlog.remove(self, job.input_tokens)
+        self._backlog.recount(self)
         if cfg.balance_split and placed and not sp_step:
             self._balance(groups)
         return groups, placed

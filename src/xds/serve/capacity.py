@@ -1,0 +1,267 @@
+"""Capacity search: the highest arrival rate at which a PD deployment meets its SLA.
+
+A deployment's capacity is not one replay's output: TTFT and TPOT at a given rate say little
+until you know how far that rate is from the knee. :func:`search_capacity` replays a workload
+at a sequence of arrival rates and brackets the knee: from ``start`` it doubles the rate while
+the SLA holds (or halves it while it does not), then bisects between the last rate that met the
+SLA and the first that missed it. Each rate is a full replay in virtual time (same seed, same
+decode communication grid), so the search is deterministic.
+
+The knob is whatever ``workload_at(x)`` makes of ``x``: an absolute rate in requests/s for a
+generated workload (:func:`~xds.trace.production.production_workload`), or a rate scale for a
+recorded trace (``trace.scaled(x)``).
+
+Each rate is judged on its **steady window**: the requests that arrive in the middle half of
+its arrivals, so that neither the empty start nor the drain at the end counts. Two criteria:
+
+* ``"mean"`` (SPEC 12.4's reading of "TTFT < 2 s, TPOT 35 ms"): mean TPOT <= the SLA's TPOT
+  and mean TTFT <= the SLA's TTFT over the window's completed requests;
+* ``"goodput"``: the share of the window's requests (failed ones included) with TTFT and TPOT
+  both under the SLA is at least ``goodput_target``.
+
+A finite replay "meets" any mean-TPOT target at any rate if prefill is the bottleneck (requests
+just queue in front of prefill, and decode sees a trickle), which is why the TTFT bound is part
+of both criteria.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from ..errors import ConfigError
+from ..trace.metrics import SLA, RequestRecord, prefix_hit_ratio
+from ..trace.workload import Workload
+from .decode_te import comm_grid
+from .replay import PDConfig, replay
+
+Criterion = Literal["mean", "goodput"]
+CRITERIA: tuple[str, ...] = ("mean", "goodput")
+
+
+class CapacityPoint(msgspec.Struct, frozen=True):
+    """One rate the search replayed, measured over its steady window."""
+
+    scale: float
+    """The searched knob: requests/s of a generated workload, or a trace's rate scale."""
+    rate_per_s: float
+    """Arrivals per second of the replayed workload (requests over its arrival span)."""
+    requests: int
+    steady_requests: int
+    """Requests arriving in the middle half of the arrival window (the ones judged)."""
+    failed: int
+    """Failed requests in the steady window (they count against goodput)."""
+    tpot_ms: float
+    ttft_ms: float
+    goodput: float
+    decode_seqs_per_die: float
+    prefix_hits: float
+    prefill_busy: float
+    """Mean over Prefill TEs of their busy share of the prefill phase (the whole replay)."""
+    misses: tuple[str, ...]
+    """What this rate missed, e.g. ``("mean TTFT 4,260 ms > 2,000 ms",)``; empty if it met."""
+
+    @property
+    def meets(self) -> bool:
+        return not self.misses
+
+
+class CapacityResult(msgspec.Struct, frozen=True):
+    found: CapacityPoint | None
+    """The highest rate that met the SLA; None if even the lowest rate tried missed."""
+    points: tuple[CapacityPoint, ...]
+    """Every rate tried, by increasing scale."""
+    binding: str
+    """What stopped the search: the first rate above ``found`` missed this (or ``"cap"`` when
+    every rate up to ``max_scale`` met the SLA)."""
+    criterion: str
+    sla: SLA
+    goodput_target: float
+
+
+def _middle_half(records: list[RequestRecord]) -> tuple[float, float]:
+    lo, hi = np.percentile(np.array([r.arrival_ns for r in records]), [25, 75])
+    return float(lo), float(hi)
+
+
+def steady_window(records: list[RequestRecord]) -> list[RequestRecord]:
+    """The requests (completed or failed) arriving in the middle half of the arrival window."""
+    if not records:
+        return []
+    lo, hi = _middle_half(records)
+    return [r for r in records if lo <= r.arrival_ns <= hi]
+
+
+def steady(records: list[RequestRecord]) -> list[RequestRecord]:
+    """Completed requests arriving in the middle half of the arrival window."""
+    return [r for r in steady_window(records) if r.outcome == "completed"]
+
+
+def decoding_per_die(records: list[RequestRecord], dies: int) -> float:
+    """Mean sequences in decode per decode die over the middle half of the arrival window
+    (each request counts from its first token to its last)."""
+    if not records:
+        return 0.0
+    lo, hi = _middle_half(records)
+    busy = sum(
+        max(0.0, min(hi, r.finish_ns) - max(lo, r.first_token_ns))
+        for r in records
+        if r.outcome == "completed"
+    )
+    return busy / max(1.0, hi - lo) / dies
+
+
+def _arrival_rate(workload: Workload) -> float:
+    span = workload.duration_ns / 1e9
+    return (len(workload) - 1) / span if span > 0 else 0.0
+
+
+def measure_point(
+    workload: Workload,
+    scale: float,
+    records: list[RequestRecord],
+    config: PDConfig,
+    prefill_busy: list[float],
+    *,
+    criterion: Criterion = "mean",
+    goodput_target: float = 0.9,
+) -> CapacityPoint:
+    """Judge one replay's records against ``config.sla`` (see the module docstring)."""
+    sla = config.sla
+    window = steady_window(records)
+    done = [r for r in window if r.outcome == "completed"]
+    decoded = [r for r in done if r.output_tokens > 1]
+    tpot = float(np.mean([r.tpot_ns for r in decoded])) / 1e6 if decoded else float("nan")
+    ttft = float(np.mean([r.ttft_ns for r in done])) / 1e6 if done else float("nan")
+    good = sum(1 for r in done if r.ttft_ns / 1e6 < sla.ttft_ms and r.tpot_ns / 1e6 < sla.tpot_ms)
+    goodput = good / len(window) if window else 0.0
+    misses: list[str] = []
+    if not done:
+        misses.append("no request of the steady window completed")
+    elif criterion == "mean":
+        if tpot > sla.tpot_ms:
+            misses.append(f"mean TPOT {tpot:,.2f} ms > {sla.tpot_ms:g} ms")
+        if ttft > sla.ttft_ms:
+            misses.append(f"mean TTFT {ttft:,.0f} ms > {sla.ttft_ms:,.0f} ms")
+    elif goodput < goodput_target:
+        misses.append(f"goodput {goodput:.1%} < {goodput_target:.1%}")
+    return CapacityPoint(
+        scale=scale,
+        rate_per_s=_arrival_rate(workload),
+        requests=len(records),
+        steady_requests=len(window),
+        failed=len(window) - len(done),
+        tpot_ms=tpot,
+        ttft_ms=ttft,
+        goodput=goodput,
+        decode_seqs_per_die=decoding_per_die(records, config.decode_tes * config.decode.dies),
+        prefix_hits=prefix_hit_ratio(done),
+        prefill_busy=float(np.mean(prefill_busy)) if prefill_busy else 0.0,
+        misses=tuple(misses),
+    )
+
+
+def _check(
+    start: float, max_scale: float, min_scale: float, bisections: int, criterion: str, target: float
+) -> None:
+    if not start > 0:
+        raise ConfigError(f"start must be positive, got {start}", field="start")
+    if not max_scale >= start:
+        raise ConfigError(f"max_scale ({max_scale}) must be >= start ({start})", field="max_scale")
+    if not 0 < min_scale <= start:
+        raise ConfigError(
+            f"min_scale ({min_scale}) must be in (0, start={start}]", field="min_scale"
+        )
+    if bisections < 0:
+        raise ConfigError(f"bisections must be >= 0, got {bisections}", field="bisections")
+    if criterion not in CRITERIA:
+        raise ConfigError(
+            f"unknown criterion {criterion!r}: one of {', '.join(CRITERIA)}", field="criterion"
+        )
+    if not 0 < target <= 1:
+        raise ConfigError(f"goodput_target must be in (0, 1], got {target}", field="goodput_target")
+
+
+def search_capacity(
+    workload_at: Callable[[float], Workload],
+    config: PDConfig | None = None,
+    *,
+    start: float = 1.0,
+    max_scale: float = 256.0,
+    min_scale: float | None = None,
+    bisections: int = 4,
+    criterion: Criterion = "mean",
+    goodput_target: float = 0.9,
+    seed: int = 0,
+    on_point: Callable[[CapacityPoint], None] | None = None,
+) -> CapacityResult:
+    """The highest ``x`` (within the search's resolution) at which replaying ``workload_at(x)``
+    on ``config`` meets ``config.sla`` by ``criterion``.
+
+    Doubles ``x`` from ``start`` while the SLA holds, up to ``max_scale`` (reached: the result's
+    ``binding`` is ``"cap"``), or halves it while it does not, down to ``min_scale`` (default
+    ``start / 256``; reached: ``found`` is None). Then ``bisections`` midpoints between the last
+    rate that met and the first that missed. ``on_point`` sees every point as it is measured
+    (a progress hook)."""
+    cfg = config or PDConfig()
+    cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
+    floor = start / 256 if min_scale is None else min_scale
+    _check(start, max_scale, floor, bisections, criterion, goodput_target)
+    grid = comm_grid(cfg.decode, seed=seed)
+    seen: dict[float, CapacityPoint] = {}
+
+    def probe(x: float) -> bool:
+        workload = workload_at(x)
+        if not isinstance(workload, Workload) or not len(workload):
+            raise ConfigError(
+                f"workload_at({x:g}) must return a non-empty Workload", field="workload_at"
+            )
+        res = replay(workload, cfg, seed=seed, grid=grid)
+        point = seen[x] = measure_point(
+            workload,
+            x,
+            res.records,
+            cfg,
+            res.prefill_busy,
+            criterion=criterion,
+            goodput_target=goodput_target,
+        )
+        if on_point is not None:
+            on_point(point)
+        return point.meets
+
+    def result(found: float | None) -> CapacityResult:
+        points = tuple(seen[x] for x in sorted(seen))
+        above = [p for p in points if found is None or p.scale > found]
+        if found is not None and not above:
+            binding = "cap"
+        else:
+            binding = "; ".join(above[0].misses) if above else "cap"
+        return CapacityResult(
+            found=None if found is None else seen[found],
+            points=points,
+            binding=binding,
+            criterion=criterion,
+            sla=cfg.sla,
+            goodput_target=goodput_target,
+        )
+
+    if probe(start):
+        lo, hi = start, start * 2
+        while hi <= max_scale and probe(hi):
+            lo, hi = hi, hi * 2
+        if hi > max_scale:  # every rate up to the cap met the SLA
+            return result(lo)
+    else:
+        lo, hi = start / 2, start
+        while lo >= floor and not probe(lo):
+            lo, hi = lo / 2, lo
+        if lo < floor:  # not even the floor met it
+            return result(None)
+    for _ in range(bisections):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    return result(lo)

@@ -1,0 +1,153 @@
+"""Capacity search (xds.serve.capacity, ``xds capacity``): bracketing, criteria, errors."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from test_replay import SMALL
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.serve.capacity import measure_point, search_capacity, steady_window
+from xds.trace.metrics import SLA, RequestRecord
+from xds.trace.production import production_workload
+from xds.trace.workload import Request, Workload
+
+MS = 1_000_000
+
+
+def built_in(window_s: float = 5.0):
+    def at(rate: float) -> Workload:
+        return production_workload(max(20, round(rate * window_s)), rate_per_s=rate, seed=0)
+
+    return at
+
+
+def with_sla(ttft_ms: float = 2000.0, tpot_ms: float = 35.0):
+    return msgspec.structs.replace(SMALL, sla=SLA(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+
+
+def test_search_brackets_the_knee_and_is_deterministic():
+    res = search_capacity(built_in(), SMALL, start=4.0, bisections=2)
+    scales = [p.scale for p in res.points]
+    assert scales == sorted(scales) and len(set(scales)) == len(scales)
+    assert res.found is not None and res.found.meets
+    above = [p for p in res.points if p.scale > res.found.scale]
+    assert above and not above[0].meets  # the rate just above the one found missed
+    assert res.binding == "; ".join(above[0].misses)
+    # doubling from 4 then two bisections: the bracket is a quarter of the last doubling step
+    fails = [p.scale for p in res.points if not p.meets]
+    assert min(fails) - res.found.scale <= res.found.scale / 2
+    for p in res.points:  # the verdict is the mean criterion, recomputed
+        assert p.meets == (p.tpot_ms <= 35.0 and p.ttft_ms <= 2000.0)
+        assert 0 < p.steady_requests <= p.requests and p.failed == 0
+    again = search_capacity(built_in(), SMALL, start=4.0, bisections=2)
+    assert msgspec.json.encode(again) == msgspec.json.encode(res)
+
+
+def test_search_halves_from_a_start_that_misses():
+    seen = []
+    res = search_capacity(built_in(), SMALL, start=64.0, bisections=1, on_point=seen.append)
+    assert [p.scale for p in seen][:2] == [64.0, 32.0]  # measured in search order
+    assert not seen[0].meets
+    assert res.found is not None and res.found.scale < 64.0
+    assert all(not p.meets for p in res.points if p.scale >= 2 * res.found.scale)
+
+
+def test_no_rate_meets_an_impossible_sla():
+    res = search_capacity(built_in(), with_sla(tpot_ms=1.0), start=2.0, min_scale=0.5)
+    assert res.found is None
+    assert [p.scale for p in res.points] == [0.5, 1.0, 2.0]
+    assert res.binding.startswith("mean TPOT") and "> 1 ms" in res.binding
+
+
+def test_every_rate_up_to_the_cap_met_the_sla():
+    res = search_capacity(built_in(), SMALL, start=1.0, max_scale=2.0, bisections=3)
+    assert res.binding == "cap"
+    assert res.found is not None and res.found.scale == 2.0
+    assert [p.scale for p in res.points] == [1.0, 2.0]
+
+
+def test_goodput_criterion_judges_the_share_within_the_sla():
+    loose = search_capacity(
+        built_in(), SMALL, start=8.0, bisections=0, criterion="goodput", goodput_target=0.5
+    )
+    strict = search_capacity(
+        built_in(), SMALL, start=8.0, bisections=0, criterion="goodput", goodput_target=0.99
+    )
+    for res, target in ((loose, 0.5), (strict, 0.99)):
+        assert all(p.meets == (p.goodput >= target) for p in res.points)
+    assert loose.found is not None and strict.found is not None
+    assert loose.found.scale >= strict.found.scale
+
+
+def _record(i: int, arrival_ms: int, ttft_ms: int, tpot_ms: int, out: int = 11) -> RequestRecord:
+    first = (arrival_ms + ttft_ms) * MS
+    return RequestRecord(
+        i,
+        arrival_ms * MS,
+        100,
+        out,
+        first_token_ns=first,
+        finish_ns=first + tpot_ms * MS * (out - 1),
+    )
+
+
+def test_point_metrics_by_hand():
+    """Eight arrivals 0..7 s: the steady window is the middle half (1.75 s .. 5.25 s)."""
+    recs = [_record(i, 1000 * i, ttft_ms=500 * (i + 1), tpot_ms=10 * (i + 1)) for i in range(8)]
+    recs[4] = RequestRecord(4, 4000 * MS, 100, 11, outcome="failed", reason="too long")
+    assert [r.request_id for r in steady_window(recs)] == [2, 3, 4, 5]
+    wl = Workload(tuple(Request(r.request_id, r.arrival_ns, 100, 11) for r in recs))
+    p = measure_point(wl, 1.0, recs, SMALL, [0.5, 0.7])
+    assert p.steady_requests == 4 and p.failed == 1 and p.requests == 8
+    assert p.ttft_ms == pytest.approx((1500 + 2000 + 3000) / 3)  # completed: ids 2, 3, 5
+    assert p.tpot_ms == pytest.approx((30 + 40 + 60) / 3)
+    assert p.goodput == pytest.approx(1 / 4)  # only id 2 has TTFT < 2 s and TPOT < 35 ms
+    assert p.rate_per_s == pytest.approx(7 / 7)
+    assert p.prefill_busy == pytest.approx(0.6)
+    assert p.misses == ("mean TPOT 43.33 ms > 35 ms", "mean TTFT 2,167 ms > 2,000 ms")
+    g = measure_point(wl, 1.0, recs, SMALL, [], criterion="goodput", goodput_target=0.25)
+    assert g.meets and g.misses == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"start": 0.0}, "start"),
+        ({"start": 4.0, "max_scale": 2.0}, "max_scale"),
+        ({"min_scale": 2.0}, "min_scale"),
+        ({"bisections": -1}, "bisections"),
+        ({"criterion": "p99"}, "criterion"),
+        ({"goodput_target": 1.5}, "goodput_target"),
+    ],
+)
+def test_bad_arguments_name_their_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        search_capacity(built_in(), SMALL, **kwargs)
+    assert err.value.field == field
+
+
+def test_a_workload_function_returning_nothing_is_an_error():
+    with pytest.raises(ConfigError, match="non-empty Workload"):
+        search_capacity(lambda x: Workload(()), SMALL)
+
+
+def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
+    toml = tmp_path / "small.toml"
+    toml.write_text(
+        "[prefill]\ntes = 2\nlong_pool_tes = 0\n"
+        "[decode]\ndies = 32\nbatch_per_die = 4\nshared_expert_dies = 4\n"
+    )
+    argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "8"]
+    assert main([*argv, "--bisections", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["criterion"] == "mean" and out["found"]["scale"] == 8.0
+    assert [p["scale"] for p in out["points"]] == [8.0, 16.0]
+    assert out["binding"] == "; ".join(out["points"][1]["misses"])
+    assert main([*argv, "--goodput", "0"]) == 2
+    assert main([*argv, "--criterion", "p99"]) == 2
+    assert main(["capacity", str(tmp_path / "t.jsonl"), "--unique-prompts"]) == 2
+    assert "--unique-prompts applies" in capsys.readouterr().err
