@@ -917,3 +917,24 @@ def test_int8_attention_layers_are_checked_against_the_deployments_model(tmp_pat
     assert main(["replay", "--deployment", str(bad), "--limit", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.toml" in err[0] and "names [70]" in err[0]
+
+
+def test_first_token_estimates_read_the_pool_as_it_stands(monkeypatch):
+    """The Prefill TE keeps its pool summed up for the Job Executor's estimates; under a load
+    that queues requests, every estimate sees the same sums as a fresh count of the pool."""
+    from xds.serve.prefill import PrefillTE, _Backlog
+
+    original = PrefillTE.predicted_first_token_ns
+    seen = {"calls": 0, "queued": 0}
+
+    def checked(self, new_tokens, now):
+        fresh, kept = _Backlog.of(self), self._backlog
+        assert (kept.longest, kept.tokens, kept.sp_ns) == (fresh.longest, fresh.tokens, fresh.sp_ns)
+        seen["calls"] += 1
+        seen["queued"] = max(seen["queued"], len(self.pool))
+        return original(self, new_tokens, now)
+
+    monkeypatch.setattr(PrefillTE, "predicted_first_token_ns", checked)
+    res = replay(production_workload(80, rate_per_s=40.0, seed=3), SMALL)
+    assert res.summary.completed == 80
+    assert seen["calls"] >= 80 and seen["queued"] >= 5  # the pools did fill up

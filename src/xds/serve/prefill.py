@@ -222,14 +222,13 @@ def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
 
 class _Backlog:
     """A Prefill TE's pool as its first-token estimate sees it: the longest prompt that runs
-    batched, their tokens, and the steps of the prompts that run sequence-parallel alone."""
+    batched, their tokens, and the steps of the prompts that run sequence-parallel alone.
+    Kept up to date as jobs join the pool and counted afresh from the pool at every step."""
 
-    __slots__ = ("longest", "sp_ns", "stale", "tokens")
+    __slots__ = ("longest", "sp_ns", "tokens")
 
     def __init__(self) -> None:
         self.longest = self.tokens = self.sp_ns = 0
-        self.stale = False
-        """The longest batched prompt left the pool: ``longest`` must be recounted."""
 
     def add(self, te: PrefillTE, input_tokens: int) -> None:
         if te._is_sp(input_tokens):
@@ -238,18 +237,12 @@ class _Backlog:
             self.longest = max(self.longest, input_tokens)
             self.tokens += input_tokens
 
-    def remove(self, te: PrefillTE, input_tokens: int) -> None:
-        if te._is_sp(input_tokens):
-            self.sp_ns -= te._predicted_step(input_tokens, sp=True)
-        else:
-            self.tokens -= input_tokens
-            self.stale = self.stale or input_tokens == self.longest
-
-    def recount(self, te: PrefillTE) -> None:
-        if self.stale:
-            batched = (j.input_tokens for j, _ in te.pool if not te._is_sp(j.input_tokens))
-            self.longest = max(batched, default=0)
-            self.stale = False
+    @classmethod
+    def of(cls, te: PrefillTE) -> _Backlog:
+        b = cls()
+        for job, _ in te.pool:
+            b.add(te, job.input_tokens)
+        return b
 
 
 class PrefillTE:
@@ -278,6 +271,7 @@ class PrefillTE:
         self.pool: list[tuple[PrefillJob, anyio.Event]] = []
         self.queued_tokens = 0
         """Prompt tokens waiting or running: the load the Job Executor sees."""
+        self._predicted: dict[tuple[int, bool], int] = {}
         self._backlog = _Backlog()
         """The pool summed up as the Job Executor's estimate reads it (kept with the pool)."""
         self._wake = anyio.Event()
@@ -340,9 +334,16 @@ class PrefillTE:
 
     def _predicted_step(self, tokens: int, *, sp: bool) -> int:
         """A step of one ``tokens``-token prompt, alone on a group or sequence-parallel over
-        every group (in 256-token steps: :meth:`PrefillCost.step_ns` remembers each)."""
+        every group (in 256-token steps; remembered per size)."""
         tokens = -(-tokens // 256) * 256
-        return self.cost.step_ns(self.cost.sp_step(tokens, 0) if sp else [[(tokens, 0)]])
+        hit = self._predicted.get((tokens, sp))
+        if hit is None:
+            if len(self._predicted) >= 8_192:
+                self._predicted.clear()
+            hit = self._predicted[(tokens, sp)] = self.cost.step_ns(
+                self.cost.sp_step(tokens, 0) if sp else [[(tokens, 0)]]
+            )
+        return hit
 
     def _predicted_spread(self, share: int) -> int:
         """A step with ``share`` new tokens on every DP group (in 32-token steps)."""
@@ -418,9 +419,7 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
-        for job, _ in placed:
-            self._backlog.remove(self, job.input_tokens)
-        self._backlog.recount(self)
+        self._backlog = _Backlog.of(self)
         if cfg.balance_split and placed and not sp_step:
             self._balance(groups)
         return groups, placed
