@@ -42,7 +42,7 @@ def main() -> None:
         res = measure(window_s=args.window, bisections=args.bisections, config=cfg)
         found = res.found or res.points[0]
         rate = found.scale
-        bound = "none below the cap" if res.binding == "cap" else res.binding
+        bound = "none below the cap" if res.capped else res.binding
         print(
             f"{f'{tes}P1D':>10} {cfg.chips:>5} {rate:>6g} {rate / cfg.chips:>10.3f} "
             f"{found.tpot_ms:>8.2f} {found.ttft_ms:>8,.0f} {found.decode_seqs_per_die:>8.1f} "

@@ -64,10 +64,54 @@ def test_no_rate_meets_an_impossible_sla():
 
 
 def test_every_rate_up_to_the_cap_met_the_sla():
-    res = search_capacity(built_in(), SMALL, start=1.0, max_scale=2.0, bisections=3)
-    assert res.binding == "cap"
-    assert res.found is not None and res.found.scale == 2.0
-    assert [p.scale for p in res.points] == [1.0, 2.0]
+    res = search_capacity(built_in(), SMALL, start=1.0, max_scale=3.0, bisections=3)
+    assert res.capped and res.binding == ""
+    assert res.found is not None and res.found.scale == 3.0  # the last step lands on the cap
+    assert [p.scale for p in res.points] == [1.0, 2.0, 3.0]
+
+
+def test_the_steps_land_on_the_bounds_and_no_rate_is_replayed_twice(monkeypatch):
+    """A stub replay whose SLA holds up to x = 2.9."""
+    import xds.serve.capacity as capacity
+
+    asked: list[float] = []
+
+    class Result(msgspec.Struct):
+        records: list
+        prefill_busy: list
+
+    def fake_replay(workload, cfg, *, seed, grid):
+        tpot = 10 if asked[-1] <= 2.9 else 50
+        return Result(
+            [
+                RequestRecord(
+                    i,
+                    i * MS,
+                    100,
+                    11,
+                    first_token_ns=(i + 1) * MS,
+                    finish_ns=(i + 1 + 10 * tpot) * MS,
+                )
+                for i in range(4)
+            ],
+            [0.5],
+        )
+
+    def stub(x):
+        asked.append(x)
+        return Workload(tuple(Request(i, i * MS, 100, 11) for i in range(4)))
+
+    monkeypatch.setattr(capacity, "replay", fake_replay)
+    res = search_capacity(stub, SMALL, start=1.0, max_scale=3.0, bisections=80)
+    assert res.found is not None and not res.capped
+    assert res.found.scale == pytest.approx(2.9) and res.found.scale <= 2.9
+    assert asked[:3] == [1.0, 2.0, 3.0]  # the last doubling lands on the cap (3, not 4)
+    assert len(asked) == len(set(asked)) == len(res.points) < 83  # resolution stops it
+    assert res.binding == "mean TPOT 50.00 ms > 35 ms"
+    asked.clear()
+    down = search_capacity(stub, SMALL, start=100.0, min_scale=2.5, bisections=0)
+    assert asked == [100.0, 50.0, 25.0, 12.5, 6.25, 3.125, 2.5]  # lands on the floor
+    assert down.found is not None and down.found.scale == 2.5
 
 
 def test_goodput_criterion_judges_the_share_within_the_sla():
@@ -130,9 +174,29 @@ def test_bad_arguments_name_their_field(kwargs, field):
     assert err.value.field == field
 
 
-def test_a_workload_function_returning_nothing_is_an_error():
-    with pytest.raises(ConfigError, match="non-empty Workload"):
-        search_capacity(lambda x: Workload(()), SMALL)
+@pytest.mark.parametrize("requests", [(), ((0, 0), (1, 0))])
+def test_a_workload_the_rate_cannot_change_is_an_error(requests):
+    fixed = Workload(tuple(Request(i, a, 100, 11) for i, a in requests))
+    with pytest.raises(ConfigError, match="at least two requests") as err:
+        search_capacity(lambda x: fixed, SMALL)
+    assert err.value.field == "workload_at"
+
+
+def test_infinite_bounds_and_overflowing_rates_are_errors():
+    with pytest.raises(ConfigError) as err:
+        search_capacity(built_in(), SMALL, max_scale=float("inf"))
+    assert err.value.field == "max_scale"
+    with pytest.raises(ConfigError, match="beyond the clock's range") as err:
+        production_workload(20, rate_per_s=1e-9)
+    assert err.value.field == "rate_per_s"
+
+
+def test_cli_criteria_are_the_library_criteria():
+    from xds.cli.main import capacity
+    from xds.serve.capacity import CRITERIA
+
+    choice = next(p for p in capacity.params if p.name == "criterion").type
+    assert tuple(choice.choices) == CRITERIA
 
 
 def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
@@ -151,3 +215,8 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     assert main([*argv, "--criterion", "p99"]) == 2
     assert main(["capacity", str(tmp_path / "t.jsonl"), "--unique-prompts"]) == 2
     assert "--unique-prompts applies" in capsys.readouterr().err
+    assert main(["capacity", str(tmp_path / "t.jsonl"), "--window", "60"]) == 2
+    assert main(["capacity", "--rate", "3"]) == 2
+    assert main([*argv, "--max-scale", "4"]) == 2  # below --start
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("xds: error:") for line in err)

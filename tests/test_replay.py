@@ -922,14 +922,13 @@ def test_int8_attention_layers_are_checked_against_the_deployments_model(tmp_pat
 def test_first_token_estimates_read_the_pool_as_it_stands(monkeypatch):
     """The Prefill TE keeps its pool summed up for the Job Executor's estimates; under a load
     that queues requests, every estimate sees the same sums as a fresh count of the pool."""
-    from xds.serve.prefill import PrefillTE, _Backlog
+    from xds.serve.prefill import PrefillTE
 
     original = PrefillTE.predicted_first_token_ns
     seen = {"calls": 0, "queued": 0}
 
     def checked(self, new_tokens, now):
-        fresh, kept = _Backlog.of(self), self._backlog
-        assert (kept.longest, kept.tokens, kept.sp_ns) == (fresh.longest, fresh.tokens, fresh.sp_ns)
+        assert self._backlog == self.backlog_of(job.input_tokens for job, _ in self.pool)
         seen["calls"] += 1
         seen["queued"] = max(seen["queued"], len(self.pool))
         return original(self, new_tokens, now)

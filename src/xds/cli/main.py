@@ -6,6 +6,7 @@ give one clear line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -467,6 +468,11 @@ def replay(
     console.print(totals)
 
 
+def _ms(value: float, digits: int) -> str:
+    """A millisecond figure for a table; "-" when there is none (nothing completed)."""
+    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
 @app.command()
 @_trace_options
 @click.option(
@@ -480,19 +486,31 @@ def replay(
 @click.option(
     "--start",
     type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="First rate tried: req/s without TRACE, else a rate scale of the trace.",
+)
+@click.option(
+    "--max-scale",
+    type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="First rate tried: req/s without TRACE (default 1), else a rate scale (default 1).",
+    help="Highest rate (or scale) tried [default: 256 x start].",
+)
+@click.option(
+    "--min-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Lowest rate (or scale) tried [default: start / 256].",
 )
 @click.option(
     "--rate",
     type=click.FloatRange(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    help="--format lengths: the arrival rate (req/s) at scale 1.",
+    default=None,
+    help="--format lengths: the arrival rate (req/s) at scale 1 [default: 2].",
 )
 @click.option(
     "--criterion",
-    type=click.Choice(["mean", "goodput"]),
+    type=click.Choice(["mean", "goodput"]),  # xds.serve.capacity.CRITERIA (a test checks)
     default="mean",
     show_default=True,
     help="mean: mean TPOT and TTFT within the SLA; goodput: enough requests within it.",
@@ -509,17 +527,25 @@ def replay(
     "--ttft-ms",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="TTFT target (default: the deployment's SLA, 2,000 ms).",
+    help="TTFT target [default: the deployment's SLA, 2,000 ms].",
 )
 @click.option(
     "--tpot-ms",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="TPOT target (default: the deployment's SLA, 35 ms).",
+    help="TPOT target [default: the deployment's SLA, 35 ms].",
 )
-@click.option("--bisections", type=click.IntRange(min=0), default=4, show_default=True)
+@click.option(
+    "--bisections",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Midpoints tried between the last rate that met the SLA and the first that missed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
 def capacity(
+    ctx: click.Context,
     trace: str | None,
     fmt: str | None,
     deployment: str,
@@ -529,8 +555,10 @@ def capacity(
     cv: float,
     seed: int,
     window_s: float,
-    start: float | None,
-    rate: float,
+    start: float,
+    max_scale: float | None,
+    min_scale: float | None,
+    rate: float | None,
     criterion: str,
     goodput_target: float,
     ttft_ms: float | None,
@@ -540,24 +568,32 @@ def capacity(
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
 
-    Replays the workload at a sequence of rates (doubling, then bisecting) and judges each on
-    the requests arriving in the middle half of its window. Without TRACE the built-in SPEC
-    12.4 workload is generated at each rate (--window seconds of arrivals); with a TRACE its
-    arrivals are compressed or stretched (the rate scale is searched)."""
+    Replays the workload at a sequence of rates (doubling or halving from --start, then
+    bisecting) and judges each on the requests arriving in the middle half of its window.
+    Without TRACE the built-in SPEC 12.4 workload is generated at each rate (--window seconds
+    of arrivals, a fresh Poisson sample per rate); with a TRACE its arrivals are compressed or
+    stretched (the rate scale is searched)."""
     import msgspec
 
     from xds.serve.capacity import search_capacity
     from xds.serve.presets import pd_config
     from xds.trace.metrics import SLA
 
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+    if trace is not None and unique_prompts:
+        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
+    if trace is not None and given("window_s"):
+        raise click.UsageError("--window applies to the built-in workload; a TRACE brings its own")
+    if rate is not None and fmt != "lengths":
+        raise click.UsageError("--rate applies to --format lengths (the search sets the rate)")
     cfg = pd_config(deployment)
     sla = SLA(
         ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
         tpot_ms=cfg.sla.tpot_ms if tpot_ms is None else tpot_ms,
     )
     cfg = msgspec.structs.replace(cfg, sla=sla)
-    if unique_prompts and trace is not None:
-        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
 
@@ -565,7 +601,7 @@ def capacity(
             return _built_in(max(20, round(x * window_s)), x, seed, unique_prompts).limited(limit)
     else:
         unit, knob = "x trace rate", "rate scale"
-        base = _load_trace(trace, fmt, columns, rate, cv, seed).limited(limit)
+        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed).limited(limit)
 
         def workload_at(x: float):
             return base.scaled(x)
@@ -574,15 +610,17 @@ def capacity(
         if not as_json:
             verdict = "meets" if p.meets else "misses: " + "; ".join(p.misses)
             click.echo(
-                f"  {p.scale:g} {unit} ({p.rate_per_s:,.2f} req/s): TPOT {p.tpot_ms:,.2f} ms, "
-                f"TTFT {p.ttft_ms:,.0f} ms, goodput {p.goodput:.1%}: {verdict}",
+                f"  {p.scale:g} {unit} ({p.rate_per_s:,.2f} req/s): TPOT {_ms(p.tpot_ms, 2)} "
+                f"ms, TTFT {_ms(p.ttft_ms, 0)} ms, goodput {p.goodput:.1%}: {verdict}",
                 err=True,
             )
 
     res = search_capacity(
         workload_at,
         cfg,
-        start=start or 1.0,
+        start=start,
+        max_scale=max_scale,
+        min_scale=min_scale,
         bisections=bisections,
         criterion=criterion,  # type: ignore[arg-type]
         goodput_target=goodput_target,
@@ -612,8 +650,8 @@ def capacity(
         table.add_row(
             f"{p.scale:g}",
             f"{p.rate_per_s:,.2f}",
-            f"{p.tpot_ms:,.2f}",
-            f"{p.ttft_ms:,.0f}",
+            _ms(p.tpot_ms, 2),
+            _ms(p.ttft_ms, 0),
             f"{p.goodput:.1%}",
             f"{p.decode_seqs_per_die:.1f}",
             f"{p.prefill_busy:.0%}",
@@ -622,7 +660,7 @@ def capacity(
     console.print(table)
     if res.found is None:
         console.print(f"no rate met the SLA; the lowest tried missed: {escape(res.binding)}")
-    elif res.binding == "cap":
+    elif res.capped:
         console.print(f"every rate up to {res.found.scale:g} {unit} met the SLA (search cap)")
     else:
         console.print(

@@ -26,8 +26,9 @@ of both criteria.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 import numpy as np
@@ -39,7 +40,7 @@ from .decode_te import comm_grid
 from .replay import PDConfig, replay
 
 Criterion = Literal["mean", "goodput"]
-CRITERIA: tuple[str, ...] = ("mean", "goodput")
+CRITERIA: tuple[str, ...] = get_args(Criterion)
 
 
 class CapacityPoint(msgspec.Struct, frozen=True):
@@ -48,7 +49,7 @@ class CapacityPoint(msgspec.Struct, frozen=True):
     scale: float
     """The searched knob: requests/s of a generated workload, or a trace's rate scale."""
     rate_per_s: float
-    """Arrivals per second of the replayed workload (requests over its arrival span)."""
+    """Arrivals per second of the replayed workload: (requests - 1) / (last - first arrival)."""
     requests: int
     steady_requests: int
     """Requests arriving in the middle half of the arrival window (the ones judged)."""
@@ -74,9 +75,11 @@ class CapacityResult(msgspec.Struct, frozen=True):
     """The highest rate that met the SLA; None if even the lowest rate tried missed."""
     points: tuple[CapacityPoint, ...]
     """Every rate tried, by increasing scale."""
+    capped: bool
+    """Every rate up to ``max_scale`` met the SLA (``found`` is the cap)."""
     binding: str
-    """What stopped the search: the first rate above ``found`` missed this (or ``"cap"`` when
-    every rate up to ``max_scale`` met the SLA)."""
+    """What the first rate above ``found`` missed (the lowest rate's misses when ``found`` is
+    None; empty when ``capped``)."""
     criterion: str
     sla: SLA
     goodput_target: float
@@ -93,11 +96,6 @@ def steady_window(records: list[RequestRecord]) -> list[RequestRecord]:
         return []
     lo, hi = _middle_half(records)
     return [r for r in records if lo <= r.arrival_ns <= hi]
-
-
-def steady(records: list[RequestRecord]) -> list[RequestRecord]:
-    """Completed requests arriving in the middle half of the arrival window."""
-    return [r for r in steady_window(records) if r.outcome == "completed"]
 
 
 def decoding_per_die(records: list[RequestRecord], dies: int) -> float:
@@ -167,13 +165,15 @@ def measure_point(
 def _check(
     start: float, max_scale: float, min_scale: float, bisections: int, criterion: str, target: float
 ) -> None:
-    if not start > 0:
-        raise ConfigError(f"start must be positive, got {start}", field="start")
-    if not max_scale >= start:
-        raise ConfigError(f"max_scale ({max_scale}) must be >= start ({start})", field="max_scale")
+    if not 0 < start < math.inf:
+        raise ConfigError(f"start must be positive and finite, got {start}", field="start")
+    if not start <= max_scale < math.inf:
+        raise ConfigError(
+            f"max_scale must be finite and >= start ({start}), got {max_scale}", field="max_scale"
+        )
     if not 0 < min_scale <= start:
         raise ConfigError(
-            f"min_scale ({min_scale}) must be in (0, start={start}]", field="min_scale"
+            f"min_scale must be in (0, start={start}], got {min_scale}", field="min_scale"
         )
     if bisections < 0:
         raise ConfigError(f"bisections must be >= 0, got {bisections}", field="bisections")
@@ -190,7 +190,7 @@ def search_capacity(
     config: PDConfig | None = None,
     *,
     start: float = 1.0,
-    max_scale: float = 256.0,
+    max_scale: float | None = None,
     min_scale: float | None = None,
     bisections: int = 4,
     criterion: Criterion = "mean",
@@ -201,23 +201,29 @@ def search_capacity(
     """The highest ``x`` (within the search's resolution) at which replaying ``workload_at(x)``
     on ``config`` meets ``config.sla`` by ``criterion``.
 
-    Doubles ``x`` from ``start`` while the SLA holds, up to ``max_scale`` (reached: the result's
-    ``binding`` is ``"cap"``), or halves it while it does not, down to ``min_scale`` (default
-    ``start / 256``; reached: ``found`` is None). Then ``bisections`` midpoints between the last
-    rate that met and the first that missed. ``on_point`` sees every point as it is measured
-    (a progress hook)."""
+    Doubles ``x`` from ``start`` while the SLA holds, up to ``max_scale`` (default
+    ``256 * start``; the last step lands on it, and if it meets too the result is ``capped``),
+    or halves it while it does not, down to ``min_scale`` (default ``start / 256``; if that
+    misses too, ``found`` is None). Then ``bisections`` midpoints between the last rate that
+    met and the first that missed; a rate is never replayed twice. ``on_point`` sees every
+    point as it is measured (a progress hook)."""
     cfg = config or PDConfig()
     cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
+    cap = 256 * start if max_scale is None else max_scale
     floor = start / 256 if min_scale is None else min_scale
-    _check(start, max_scale, floor, bisections, criterion, goodput_target)
+    _check(start, cap, floor, bisections, criterion, goodput_target)
     grid = comm_grid(cfg.decode, seed=seed)
     seen: dict[float, CapacityPoint] = {}
 
     def probe(x: float) -> bool:
+        if x in seen:
+            return seen[x].meets
         workload = workload_at(x)
-        if not isinstance(workload, Workload) or not len(workload):
+        if not isinstance(workload, Workload) or len(workload) < 2 or not workload.duration_ns:
             raise ConfigError(
-                f"workload_at({x:g}) must return a non-empty Workload", field="workload_at"
+                f"workload_at({x:g}) must return a Workload of at least two requests whose "
+                "arrivals span some time (the rate cannot change a workload that arrives at once)",
+                field="workload_at",
             )
         res = replay(workload, cfg, seed=seed, grid=grid)
         point = seen[x] = measure_point(
@@ -233,35 +239,40 @@ def search_capacity(
             on_point(point)
         return point.meets
 
-    def result(found: float | None) -> CapacityResult:
+    def result(found: float | None, capped: bool = False) -> CapacityResult:
         points = tuple(seen[x] for x in sorted(seen))
         above = [p for p in points if found is None or p.scale > found]
-        if found is not None and not above:
-            binding = "cap"
-        else:
-            binding = "; ".join(above[0].misses) if above else "cap"
         return CapacityResult(
             found=None if found is None else seen[found],
             points=points,
-            binding=binding,
+            capped=capped,
+            binding="" if capped else "; ".join(above[0].misses),
             criterion=criterion,
             sla=cfg.sla,
             goodput_target=goodput_target,
         )
 
-    if probe(start):
-        lo, hi = start, start * 2
-        while hi <= max_scale and probe(hi):
-            lo, hi = hi, hi * 2
-        if hi > max_scale:  # every rate up to the cap met the SLA
-            return result(lo)
-    else:
-        lo, hi = start / 2, start
-        while lo >= floor and not probe(lo):
-            lo, hi = lo / 2, lo
-        if lo < floor:  # not even the floor met it
-            return result(None)
+    if probe(start):  # up: lo met; stop at the first rate that misses, or at the cap
+        lo = start
+        while True:
+            if lo >= cap:
+                return result(lo, capped=True)
+            hi = min(2 * lo, cap)
+            if not probe(hi):
+                break
+            lo = hi
+    else:  # down: hi missed; stop at the first rate that meets, or at the floor
+        hi = start
+        while True:
+            if hi <= floor:
+                return result(None)
+            lo = max(hi / 2, floor)
+            if probe(lo):
+                break
+            hi = lo
     for _ in range(bisections):
         mid = (lo + hi) / 2
+        if not lo < mid < hi:  # floating-point resolution reached
+            break
         lo, hi = (mid, hi) if probe(mid) else (lo, mid)
     return result(lo)

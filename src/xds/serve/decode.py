@@ -185,6 +185,8 @@ class DecodeModel:
         if hit is not None:
             return hit
         c = self.cost
+        if len(self._attn_cache) >= 65_536:
+            self._attn_cache.clear()
         tokens = seqs * tokens_per_seq
         attn = c.mla_attention(seqs, tokens_per_seq, context, layer=layer).time_ns if seqs else 0
         other = (

@@ -46,7 +46,7 @@ A sequence-parallel prompt is cached by its leader group, the group given a job 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Literal
 
 import anyio
@@ -203,6 +203,8 @@ class GroupView(msgspec.Struct, frozen=True):
 
 
 PrefillPlacement = Callable[[PrefillJob, Sequence[GroupView]], int]
+Backlog = tuple[int, int, int]
+"""(longest batched prompt, batched tokens, ns of sequence-parallel steps) of a pool."""
 """A prefill placement policy (SPEC 6.6: the leader's pluggable cost model): the job (a copy)
 and the DP groups that can take it this step (KV and token budget allow) -> the chosen group's
 ``dp``. It places batched jobs; a prompt over ``sp_threshold`` runs sequence-parallel on every
@@ -218,31 +220,6 @@ def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
         key=lambda g: (g.step_tokens + g.new_tokens, -g.hit_tokens, g.last_assigned, g.dp),
     )
     return best.dp
-
-
-class _Backlog:
-    """A Prefill TE's pool as its first-token estimate sees it: the longest prompt that runs
-    batched, their tokens, and the steps of the prompts that run sequence-parallel alone.
-    Kept up to date as jobs join the pool and counted afresh from the pool at every step."""
-
-    __slots__ = ("longest", "sp_ns", "tokens")
-
-    def __init__(self) -> None:
-        self.longest = self.tokens = self.sp_ns = 0
-
-    def add(self, te: PrefillTE, input_tokens: int) -> None:
-        if te._is_sp(input_tokens):
-            self.sp_ns += te._predicted_step(input_tokens, sp=True)
-        else:
-            self.longest = max(self.longest, input_tokens)
-            self.tokens += input_tokens
-
-    @classmethod
-    def of(cls, te: PrefillTE) -> _Backlog:
-        b = cls()
-        for job, _ in te.pool:
-            b.add(te, job.input_tokens)
-        return b
 
 
 class PrefillTE:
@@ -272,8 +249,11 @@ class PrefillTE:
         self.queued_tokens = 0
         """Prompt tokens waiting or running: the load the Job Executor sees."""
         self._predicted: dict[tuple[int, bool], int] = {}
-        self._backlog = _Backlog()
-        """The pool summed up as the Job Executor's estimate reads it (kept with the pool)."""
+        """Step predictions per prompt size: the Job Executor's hot path skips building the
+        step-cost memo's key (a tuple of every group's pieces)."""
+        self._backlog: Backlog = (0, 0, 0)
+        """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
+        at every step and added to as jobs join."""
         self._wake = anyio.Event()
         self.steps = 0
         self.busy_ns = 0
@@ -311,13 +291,7 @@ class PrefillTE:
         backlog fills, each as long as a step holding the longest pending prompt (lockstep
         groups wait for their longest input, P096) - spread over every group when the leader
         balances its steps, but never shorter than the backlog's per-group share."""
-        pool = self._backlog
-        longest, backlog, sp_ns = pool.longest, pool.tokens, pool.sp_ns
-        if self._is_sp(new_tokens):  # a step of its own
-            sp_ns += self._predicted_step(new_tokens, sp=True)
-        else:
-            longest = max(longest, new_tokens)
-            backlog += new_tokens
+        longest, backlog, sp_ns = self._with(self._backlog, new_tokens)
         capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
         steps = -(-backlog // capacity)
         if self.config.balance_split:  # the leader spreads a step's work over every group
@@ -327,6 +301,21 @@ class PrefillTE:
             step = self._predicted_step(longest, sp=False)
         wait = steps * step if backlog else 0
         return max(now, self.step_end_ns) + wait + sp_ns
+
+    def backlog_of(self, prompts: Iterable[int]) -> Backlog:
+        """Prompts of these sizes as the first-token estimate reads them: (the longest that
+        runs batched, the tokens that run batched, the steps of those that run
+        sequence-parallel alone)."""
+        backlog: Backlog = (0, 0, 0)
+        for tokens in prompts:
+            backlog = self._with(backlog, tokens)
+        return backlog
+
+    def _with(self, backlog: Backlog, tokens: int) -> Backlog:
+        longest, batched, sp_ns = backlog
+        if self._is_sp(tokens):  # a step of its own
+            return longest, batched, sp_ns + self._predicted_step(tokens, sp=True)
+        return max(longest, tokens), batched + tokens, sp_ns
 
     def _is_sp(self, new_tokens: int) -> bool:
         threshold = self.config.sp_threshold
@@ -354,7 +343,7 @@ class PrefillTE:
         """Put ``job`` in the pool and wait until its prefill (first token) is done."""
         done = anyio.Event()
         self.pool.append((job, done))
-        self._backlog.add(self, job.input_tokens)
+        self._backlog = self._with(self._backlog, job.input_tokens)
         self.queued_tokens += job.input_tokens
         self._wake.set()
         await done.wait()
@@ -419,7 +408,7 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
-        self._backlog = _Backlog.of(self)
+        self._backlog = self.backlog_of(j.input_tokens for j, _ in keep)
         if cfg.balance_split and placed and not sp_step:
             self._balance(groups)
         return groups, placed

@@ -99,19 +99,36 @@ def fixed(
     )
 
 
+_MAX_ARRIVAL_NS = 2**62
+"""Arrival times stay well inside int64 nanoseconds (about 146 years)."""
+
+
+def _arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
+    times = np.cumsum(gaps_ns)
+    if len(times) and not times[-1] < _MAX_ARRIVAL_NS:
+        raise ConfigError(
+            f"rate {rate_per_s:g}/s spreads {len(times)} arrivals beyond the clock's range "
+            f"(int64 nanoseconds); use a higher rate",
+            field="rate_per_s",
+        )
+    return times.astype(np.int64)
+
+
 def poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
-    if rate_per_s <= 0:
-        raise ConfigError("rate must be positive", field="rate_per_s")
-    return np.cumsum(rng.exponential(S / rate_per_s, n)).astype(np.int64)
+    if not 0 < rate_per_s < float("inf"):
+        raise ConfigError(f"rate must be positive and finite, got {rate_per_s}", field="rate_per_s")
+    return _arrival_times(rng.exponential(S / rate_per_s, n), rate_per_s)
 
 
 def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: float) -> np.ndarray:
     """Gamma inter-arrival times with mean ``1/rate`` and coefficient of variation ``cv``
     (cv = 1 is Poisson; > 1 is bursty)."""
-    if rate_per_s <= 0 or cv <= 0:
-        raise ConfigError("rate and cv must be positive", field="cv")
+    if not 0 < rate_per_s < float("inf"):
+        raise ConfigError(f"rate must be positive and finite, got {rate_per_s}", field="rate_per_s")
+    if cv <= 0:
+        raise ConfigError(f"cv must be positive, got {cv}", field="cv")
     shape = 1.0 / cv**2
-    return np.cumsum(rng.gamma(shape, S / rate_per_s / shape, n)).astype(np.int64)
+    return _arrival_times(rng.gamma(shape, S / rate_per_s / shape, n), rate_per_s)
 
 
 def synthetic(
