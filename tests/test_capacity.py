@@ -205,12 +205,20 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
         "[prefill]\ntes = 2\nlong_pool_tes = 0\n"
         "[decode]\ndies = 32\nbatch_per_die = 4\nshared_expert_dies = 4\n"
     )
+    bigger = tmp_path / "bigger.toml"  # one more Prefill TE in front of the same decode
+    bigger.write_text(toml.read_text().replace("tes = 2", "tes = 3"))
     argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "8"]
-    assert main([*argv, "--bisections", "0", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--deployment", str(bigger), "--bisections", "0", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["deployment"], d["chips"]) for d in lines] == [(str(toml), 48), (str(bigger), 64)]
+    out = lines[0]
     assert out["criterion"] == "mean" and out["found"]["scale"] == 8.0
     assert [p["scale"] for p in out["points"]] == [8.0, 16.0]
     assert out["binding"] == "; ".join(out["points"][1]["misses"])
+    assert lines[1]["found"]["scale"] >= 8.0  # more prefill never sustains less here
+    assert main([*argv, "--deployment", str(bigger), "--bisections", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "capacity compared" in text and "req/s per chip" in text
     assert main([*argv, "--goodput", "0"]) == 2
     assert main([*argv, "--criterion", "p99"]) == 2
     assert main(["capacity", str(tmp_path / "t.jsonl"), "--unique-prompts"]) == 2

@@ -282,12 +282,6 @@ def _trace_options(f):
                 help="Trace format (default: guessed from the first line).",
             ),
             click.option(
-                "--deployment",
-                default="production-4p1d",
-                show_default=True,
-                help="A PD preset name or a .toml/.json file of PDConfig fields.",
-            ),
-            click.option(
                 "--limit", type=click.IntRange(min=1), default=None, help="First N requests only."
             ),
             click.option(
@@ -357,6 +351,12 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 
 @app.command()
 @_trace_options
+@click.option(
+    "--deployment",
+    default="production-4p1d",
+    show_default=True,
+    help="A PD preset name or a .toml/.json file of PDConfig fields.",
+)
 @click.option(
     "--rate-scale",
     type=click.FloatRange(min=0, min_open=True),
@@ -468,6 +468,12 @@ def replay(
     console.print(totals)
 
 
+def _bounds(binding: str) -> str:
+    """What a missed point missed, in a word per miss: "TPOT, TTFT", "goodput"..."""
+    words = [m.split()[1] if m.startswith("mean ") else m.split()[0] for m in binding.split("; ")]
+    return ", ".join(words)
+
+
 def _ms(value: float, digits: int) -> str:
     """A millisecond figure for a table; "-" when there is none (nothing completed)."""
     return "-" if math.isnan(value) else f"{value:,.{digits}f}"
@@ -475,6 +481,15 @@ def _ms(value: float, digits: int) -> str:
 
 @app.command()
 @_trace_options
+@click.option(
+    "--deployment",
+    "deployments",
+    multiple=True,
+    default=["production-4p1d"],
+    show_default=True,
+    help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
+    "deployments on the same workload.",
+)
 @click.option(
     "--window",
     "window_s",
@@ -548,7 +563,7 @@ def capacity(
     ctx: click.Context,
     trace: str | None,
     fmt: str | None,
-    deployment: str,
+    deployments: tuple[str, ...],
     limit: int | None,
     unique_prompts: bool,
     columns: str,
@@ -572,7 +587,8 @@ def capacity(
     bisecting) and judges each on the requests arriving in the middle half of its window.
     Without TRACE the built-in SPEC 12.4 workload is generated at each rate (--window seconds
     of arrivals, a fresh Poisson sample per rate); with a TRACE its arrivals are compressed or
-    stretched (the rate scale is searched)."""
+    stretched (the rate scale is searched). Repeat --deployment to compare several on the
+    same workload: a table of capacity per chip ends the output (--json: one line each)."""
     import msgspec
 
     from xds.serve.capacity import search_capacity
@@ -588,12 +604,7 @@ def capacity(
         raise click.UsageError("--window applies to the built-in workload; a TRACE brings its own")
     if rate is not None and fmt != "lengths":
         raise click.UsageError("--rate applies to --format lengths (the search sets the rate)")
-    cfg = pd_config(deployment)
-    sla = SLA(
-        ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
-        tpot_ms=cfg.sla.tpot_ms if tpot_ms is None else tpot_ms,
-    )
-    cfg = msgspec.structs.replace(cfg, sla=sla)
+    configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
 
@@ -615,58 +626,111 @@ def capacity(
                 err=True,
             )
 
-    res = search_capacity(
-        workload_at,
-        cfg,
-        start=start,
-        max_scale=max_scale,
-        min_scale=min_scale,
-        bisections=bisections,
-        criterion=criterion,  # type: ignore[arg-type]
-        goodput_target=goodput_target,
-        seed=seed,
-        on_point=show,
-    )
-    if as_json:
-        print(msgspec.json.encode(res).decode())
-        return
     what = "mean TPOT and mean TTFT" if criterion == "mean" else f"{goodput_target:.0%} of requests"
-    table = Table(
-        title=f"capacity of {deployment}: {what} within TTFT {sla.ttft_ms:g} ms, "
-        f"TPOT {sla.tpot_ms:g} ms"
-    )
+    found = []
+    for name, cfg in configs:
+        sla = SLA(
+            ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
+            tpot_ms=cfg.sla.tpot_ms if tpot_ms is None else tpot_ms,
+        )
+        cfg = msgspec.structs.replace(cfg, sla=sla)
+        if not as_json and len(configs) > 1:
+            click.echo(f"{name}:", err=True)
+        res = search_capacity(
+            workload_at,
+            cfg,
+            start=start,
+            max_scale=max_scale,
+            min_scale=min_scale,
+            bisections=bisections,
+            criterion=criterion,  # type: ignore[arg-type]
+            goodput_target=goodput_target,
+            seed=seed,
+            on_point=show,
+        )
+        found.append((name, cfg.chips, res))
+        if as_json:
+            line = {"deployment": name, "chips": cfg.chips, **msgspec.to_builtins(res)}
+            print(msgspec.json.encode(line).decode(), flush=True)
+            continue
+        table = Table(
+            title=f"capacity of {name}: {what} within TTFT {sla.ttft_ms:g} ms, "
+            f"TPOT {sla.tpot_ms:g} ms"
+        )
+        for col in (
+            knob,
+            "arrivals/s",
+            "mean TPOT ms",
+            "mean TTFT ms",
+            "goodput",
+            "decode seqs/die",
+            "prefill busy",
+            "meets",
+        ):
+            table.add_column(col, justify="right")
+        for p in res.points:
+            table.add_row(
+                f"{p.scale:g}",
+                f"{p.rate_per_s:,.2f}",
+                _ms(p.tpot_ms, 2),
+                _ms(p.ttft_ms, 0),
+                f"{p.goodput:.1%}",
+                f"{p.decode_seqs_per_die:.1f}",
+                f"{p.prefill_busy:.0%}",
+                "yes" if p.meets else "no",
+            )
+        console.print(table)
+        if res.found is None:
+            console.print(f"no rate met the SLA; the lowest tried missed: {escape(res.binding)}")
+        elif res.capped:
+            console.print(f"every rate up to {res.found.scale:g} {unit} met the SLA (search cap)")
+        else:
+            console.print(
+                f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
+                f"the next rate up missed: {escape(res.binding)}"
+            )
+    if as_json or len(found) < 2:
+        return
+    compare = Table(title=f"capacity compared: {what} within the SLA")
     for col in (
+        "deployment",
+        "chips",
         knob,
-        "arrivals/s",
+        "req/s",
+        "req/s per chip",
         "mean TPOT ms",
         "mean TTFT ms",
         "goodput",
-        "decode seqs/die",
-        "prefill busy",
-        "meets",
+        "bound",
     ):
-        table.add_column(col, justify="right")
-    for p in res.points:
-        table.add_row(
+        compare.add_column(col, justify="left" if col[0] in "dt" else "right")
+    for name, chips, res in found:
+        p = res.found
+        if p is None:
+            compare.add_row(
+                escape(name),
+                str(chips),
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "missed at the lowest rate: " + _bounds(res.binding),
+            )
+            continue
+        compare.add_row(
+            escape(name),
+            str(chips),
             f"{p.scale:g}",
             f"{p.rate_per_s:,.2f}",
+            f"{p.rate_per_s / chips:,.3f}",
             _ms(p.tpot_ms, 2),
             _ms(p.ttft_ms, 0),
             f"{p.goodput:.1%}",
-            f"{p.decode_seqs_per_die:.1f}",
-            f"{p.prefill_busy:.0%}",
-            "yes" if p.meets else "no",
+            "search cap" if res.capped else _bounds(res.binding),
         )
-    console.print(table)
-    if res.found is None:
-        console.print(f"no rate met the SLA; the lowest tried missed: {escape(res.binding)}")
-    elif res.capped:
-        console.print(f"every rate up to {res.found.scale:g} {unit} met the SLA (search cap)")
-    else:
-        console.print(
-            f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
-            f"the next rate up missed: {escape(res.binding)}"
-        )
+    console.print(compare)
 
 
 def main(argv: list[str] | None = None) -> int:
