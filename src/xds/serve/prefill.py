@@ -203,13 +203,14 @@ class GroupView(msgspec.Struct, frozen=True):
 
 
 PrefillPlacement = Callable[[PrefillJob, Sequence[GroupView]], int]
-Backlog = tuple[int, int, int]
-"""(longest batched prompt, batched tokens, ns of sequence-parallel steps) of a pool."""
 """A prefill placement policy (SPEC 6.6: the leader's pluggable cost model): the job (a copy)
 and the DP groups that can take it this step (KV and token budget allow) -> the chosen group's
 ``dp``. It places batched jobs; a prompt over ``sp_threshold`` runs sequence-parallel on every
 group (its leader, which caches its hashes, is the group given a job least recently), and
 ``balance_split`` may spread a placed job over more groups afterwards."""
+
+Backlog = tuple[int, int, int]
+"""(longest batched prompt, batched tokens, ns of sequence-parallel steps) of a pool."""
 
 
 def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
