@@ -80,7 +80,7 @@ def test_the_steps_land_on_the_bounds_and_no_rate_is_replayed_twice(monkeypatch)
         records: list
         prefill_busy: list
 
-    def fake_replay(workload, cfg, *, seed, grid):
+    def fake_replay(workload, cfg, *, seed, grid, **policies):
         tpot = 10 if asked[-1] <= 2.9 else 50
         return Result(
             [
@@ -112,6 +112,21 @@ def test_the_steps_land_on_the_bounds_and_no_rate_is_replayed_twice(monkeypatch)
     down = search_capacity(stub, SMALL, start=100.0, min_scale=2.5, bisections=0)
     assert asked == [100.0, 50.0, 25.0, 12.5, 6.25, 3.125, 2.5]  # lands on the floor
     assert down.found is not None and down.found.scale == 2.5
+
+
+def test_your_policies_run_in_every_replay_of_the_search():
+    calls = {"n": 0}
+
+    def first_fit(eligible, dps, reserve_blocks):  # pack: the lowest-numbered DP with room
+        calls["n"] += 1
+        return min(eligible)
+
+    res = search_capacity(built_in(), SMALL, start=8.0, bisections=0, decode_routing=first_fit)
+    default = search_capacity(built_in(), SMALL, start=8.0, bisections=0)
+    assert calls["n"] >= sum(p.requests for p in res.points)  # every request was routed by it
+    assert [p.scale for p in res.points] == [p.scale for p in default.points]
+    # packing leaves most decode DPs idle at these rates: a different decode picture
+    assert res.points[0].tpot_ms != default.points[0].tpot_ms
 
 
 def test_goodput_criterion_judges_the_share_within_the_sla():

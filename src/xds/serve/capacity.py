@@ -37,7 +37,15 @@ from ..errors import ConfigError
 from ..trace.metrics import SLA, RequestRecord, prefix_hit_ratio
 from ..trace.workload import Workload
 from .decode_te import comm_grid
+from .job_executor import (
+    DecodeTESelection,
+    PrefillTESelection,
+    earliest_first_token,
+    fewest_sequences,
+)
+from .prefill import PrefillPlacement, least_work
 from .replay import PDConfig, replay
+from .routing import DecodeRouting, lowest_kv
 
 Criterion = Literal["mean", "goodput"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -197,6 +205,10 @@ def search_capacity(
     goodput_target: float = 0.9,
     seed: int = 0,
     on_point: Callable[[CapacityPoint], None] | None = None,
+    prefill_placement: PrefillPlacement = least_work,
+    decode_routing: DecodeRouting = lowest_kv,
+    prefill_te_selection: PrefillTESelection = earliest_first_token,
+    decode_te_selection: DecodeTESelection = fewest_sequences,
 ) -> CapacityResult:
     """The highest ``x`` (within the search's resolution) at which replaying ``workload_at(x)``
     on ``config`` meets ``config.sla`` by ``criterion``.
@@ -206,7 +218,8 @@ def search_capacity(
     or halves it while it does not, down to ``min_scale`` (default ``start / 256``; if that
     misses too, ``found`` is None). Then ``bisections`` midpoints between the last rate that
     met and the first that missed; a rate is never replayed twice. ``on_point`` sees every
-    point as it is measured (a progress hook)."""
+    point as it is measured (a progress hook). The policy keywords plug your own policies into
+    every replay, as in :func:`~xds.serve.replay.replay`: the capacity of your router."""
     cfg = config or PDConfig()
     cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
     cap = 256 * start if max_scale is None else max_scale
@@ -225,7 +238,16 @@ def search_capacity(
                 "arrivals span some time (the rate cannot change a workload that arrives at once)",
                 field="workload_at",
             )
-        res = replay(workload, cfg, seed=seed, grid=grid)
+        res = replay(
+            workload,
+            cfg,
+            seed=seed,
+            grid=grid,
+            prefill_placement=prefill_placement,
+            decode_routing=decode_routing,
+            prefill_te_selection=prefill_te_selection,
+            decode_te_selection=decode_te_selection,
+        )
         point = seen[x] = measure_point(
             workload,
             x,
