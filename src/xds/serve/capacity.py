@@ -142,7 +142,7 @@ def measure_point(
     decoded = [r for r in done if r.output_tokens > 1]
     tpot = float(np.mean([r.tpot_ns for r in decoded])) / 1e6 if decoded else float("nan")
     ttft = float(np.mean([r.ttft_ns for r in done])) / 1e6 if done else float("nan")
-    good = sum(1 for r in done if r.ttft_ns / 1e6 < sla.ttft_ms and r.tpot_ns / 1e6 < sla.tpot_ms)
+    good = sum(1 for r in done if sla.met_by(r))
     goodput = good / len(window) if window else 0.0
     misses: list[str] = []
     if not done:

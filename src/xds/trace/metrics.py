@@ -75,6 +75,10 @@ class SLA(msgspec.Struct, frozen=True):
     ttft_ms: float = 2000.0
     tpot_ms: float = 35.0
 
+    def met_by(self, record: RequestRecord) -> bool:
+        """A completed request's TTFT and TPOT are both under the targets (goodput counts it)."""
+        return record.ttft_ns / 1e6 < self.ttft_ms and record.tpot_ns / 1e6 < self.tpot_ms
+
 
 class Summary(msgspec.Struct):
     requests: int
@@ -120,7 +124,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
     end = max((r.finish_ns for r in done), default=start)
     duration = max(end - start, 1) / 1e9
     tokens = sum(r.output_tokens for r in done)
-    good = sum(1 for r in done if r.ttft_ns / 1e6 < sla.ttft_ms and r.tpot_ns / 1e6 < sla.tpot_ms)
+    good = sum(1 for r in done if sla.met_by(r))
     return Summary(
         requests=len(records),
         completed=len(done),
