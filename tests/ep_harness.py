@@ -60,6 +60,7 @@ def run_moe(
     n_aiv: int = 8,
     capacity: int = 256,
     pod: CloudMatrix384 | None = None,
+    pull_order: str = "static",
 ) -> MoERun:
     shape = shape or TinyMoE()
     rng = np.random.default_rng(seed)
@@ -102,6 +103,7 @@ def run_moe(
                 dispatch_dtype=dispatch_dtype,
                 combine_dtype=combine_dtype,
                 n_aiv=n_aiv,
+                pull_order=pull_order,
             ),
             tier=tier,
         )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import anyio
+import msgspec
 import numpy as np
 import pytest
 
 import xds
+from xds.errors import ConfigError
 from xds.serve.decode import CommCosts, DecodeConfig, DecodeInstance, measure_comm
 from xds.serve.jitter import JitterConfig
 from xds.serve.mtp import MTPConfig
@@ -101,6 +103,17 @@ def test_comm_costs_come_from_the_collective_tier():
     large = measure_comm(cfg, 32)
     assert 0 < small.dispatch_ns < large.dispatch_ns
     assert large.combine_ns > large.dispatch_ns  # BF16 combine moves twice the bytes
+
+
+def test_the_deployments_pull_order_reaches_its_dispatch_and_combine():
+    cfg = DecodeConfig(dies=64, batch_per_die=32, shared_expert_dies=0)
+    static = measure_comm(cfg, 32)
+    staggered = measure_comm(msgspec.structs.replace(cfg, pull_order="staggered"), 32)
+    # 64 peers, 48 AIVs: the static order's shared first peers queue; staggered spreads them
+    assert staggered.combine_ns < static.combine_ns
+    assert staggered.dispatch_ns < static.dispatch_ns
+    with pytest.raises(ConfigError, match="pull_order"):
+        DecodeConfig(pull_order="zigzag")
 
 
 def test_too_many_requests_is_a_clear_error():

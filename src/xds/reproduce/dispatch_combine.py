@@ -33,7 +33,7 @@ EP = 128
 
 
 async def _one_batch(
-    fabric: UBFabric, ep: int, batch: int, round_: int, tier: str
+    fabric: UBFabric, ep: int, batch: int, round_: int, tier: str, pull_order: str = "static"
 ) -> tuple[int, int]:
     """Dispatch then combine once on every rank from common starts; the two latencies."""
     model = DEEPSEEK_V3
@@ -47,6 +47,7 @@ async def _one_batch(
             max_tokens_per_rank=batch,
             dispatch_dtype="int8",
             combine_dtype="bf16",
+            pull_order=pull_order,  # type: ignore[arg-type]
         ),
         tier=tier,  # type: ignore[arg-type]
     )
@@ -76,14 +77,21 @@ async def _one_batch(
 
 
 def measure(
-    batches: list[int] = BATCHES, *, ep: int = EP, seed: int = 0, tier: str = "collective"
+    batches: list[int] = BATCHES,
+    *,
+    ep: int = EP,
+    seed: int = 0,
+    tier: str = "collective",
+    pull_order: str = "static",
 ) -> dict[int, tuple[int, int]]:
     """Per batch: (dispatch latency, combine latency) in ns."""
     pod = CloudMatrix384(servers=max(1, ep // 16))
 
     async def main() -> dict[int, tuple[int, int]]:
         fabric = UBFabric(pod, payload_mode="size")
-        return {b: await _one_batch(fabric, ep, b, i, tier) for i, b in enumerate(batches)}
+        return {
+            b: await _one_batch(fabric, ep, b, i, tier, pull_order) for i, b in enumerate(batches)
+        }
 
     return run(main, seed=seed, event_log=False)
 
@@ -126,7 +134,8 @@ def reproduce() -> tuple[list[Row], list[TableData]]:
         ],
         notes=[
             f"crossover at per-die batch {cross:.1f} (paper: 32); "
-            f"batch 96: dispatch {d96 / 1e3:.1f} us, combine {c96 / 1e3:.1f} us"
+            f"batch 96: dispatch {d96 / 1e3:.1f} us, combine {c96 / 1e3:.1f} us",
+            "static pull order (SPEC 4.3 leaves it open; benchmarks/a2a_pull_order.py runs both)",
         ],
     )
     return rows, [table]

@@ -7,9 +7,10 @@ Iterations run on the iteration tier (the layer tier agrees exactly, see the tes
 
 Costs: kernel times from :mod:`xds.model.costs` (efficiencies measured by CloudMatrix-Infer
 on the same chip), dispatch/combine from the collective tier of :mod:`xds.fabric.xccl.ep`
-(all-to-all efficiency fitted on DeepEP-Ascend), graph launch 0.7 ms per graph (CMI), the
-2 ms scheduler gap (P123), jitter sources with the paper's mitigations on. Nothing here was
-fitted to the rows below.
+(all-to-all efficiency fitted on DeepEP-Ascend; the static pull order, see
+:data:`xds.fabric.xccl.moe.PullOrder`: the staggered one gives 76.5 ms iterations), graph
+launch 0.7 ms per graph (CMI), the 2 ms scheduler gap (P123), jitter sources with the paper's
+mitigations on. Nothing here was fitted to the rows below.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def reproduce(quick: bool = False) -> tuple[list[Row], list[TableData]]:
             f"{res.mean_tokens_per_step:.3f} tokens/step, TPOT {tpot_ms:.1f} ms",
             f"virtual time {res.elapsed_ns / 1e9:.1f} s, {res.tokens:,} tokens; "
             f"iteration p50 {np.percentile(res.iteration_ns, 50) / 1e6:.1f} ms",
+            f"dispatch/combine pull order: {cfg.pull_order} (SPEC 4.3 leaves it open; "
+            "benchmarks/a2a_pull_order.py runs both)",
         ],
     )
     return rows, [table]

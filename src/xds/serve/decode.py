@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..config import check_fields
 from ..errors import ConfigError
-from ..fabric.xccl.moe import ExpertMap
+from ..fabric.xccl.moe import ExpertMap, PullOrder
 from ..hw import CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
@@ -56,6 +56,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shared_expert_dies: int = 32
     dispatch_dtype: str = "int8"
     combine_dtype: str = "bf16"
+    pull_order: PullOrder = "static"
+    """Dispatch/combine pull order over the AIVs (:data:`xds.fabric.xccl.moe.PullOrder`)."""
     scheduler_gap_ns: int = 2 * MS
     jitter: JitterConfig = JitterConfig(enabled=True)
     precision: Precision = Precision()
@@ -458,6 +460,7 @@ def measure_comm(
                 max_tokens_per_rank=max(1, tokens_per_die),
                 dispatch_dtype=config.dispatch_dtype,  # type: ignore[arg-type]
                 combine_dtype=config.combine_dtype,
+                pull_order=config.pull_order,
             ),  # type: ignore[arg-type]
             tier="collective",
         )

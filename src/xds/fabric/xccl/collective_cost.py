@@ -17,6 +17,7 @@ import numpy as np
 
 from ...hw import collective_efficiency
 from ..ub import UBFabric
+from .moe import PullOrder, pull_lanes
 
 
 def exchange_completion(
@@ -24,6 +25,7 @@ def exchange_completion(
     ranks: list[int],
     *,
     n_aiv: int,
+    pull_order: PullOrder = "static",
     arrival_ns: np.ndarray,
     counts: np.ndarray,
     row_bytes: int,
@@ -52,7 +54,6 @@ def exchange_completion(
             fabric.meta_visible_ns(ranks[s], ranks[d], int(issued[s])) for s in range(n)
         )
     # pulls: per rank, its sources spread over lanes; replay them in issue order
-    lanes = min(n_aiv, n)
     end = barrier.astype(np.float64)
     heap: list[tuple[int, int, int, int]] = []  # (issue time, rank, lane, position)
     plan: dict[tuple[int, int], list[int]] = {}
@@ -61,8 +62,8 @@ def exchange_completion(
         incoming = counts[:, r]
         fan_in = int(np.count_nonzero(incoming)) - (1 if incoming[r] else 0)
         eta[r] = collective_efficiency(e, fan_in)
-        for lane in range(lanes):
-            sources = [s for s in range(lane, n, lanes) if incoming[s]]
+        for lane, peers in enumerate(pull_lanes(r, n, n_aiv, pull_order)):
+            sources = [s for s in peers if incoming[s]]
             if sources:
                 plan[(r, lane)] = sources
                 heapq.heappush(heap, (int(barrier[r]), r, lane, 0))

@@ -45,11 +45,13 @@ from .collective_cost import exchange_completion
 from .moe import (
     ExpertMap,
     Layout,
+    PullOrder,
     Routed,
     WireDtype,
     combine_row_bytes,
     dispatch_row_bytes,
     layout,
+    pull_lanes,
     route,
 )
 
@@ -65,6 +67,8 @@ class EPConfig(msgspec.Struct, frozen=True, kw_only=True):
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
     n_aiv: int = 48
+    pull_order: PullOrder = "static"
+    """Which peers each AIV pulls from first (:data:`xds.fabric.xccl.moe.PullOrder`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -425,10 +429,10 @@ class EPGroup:
         received: list[_Block] = [
             self._blocks[(src, phase, parity, rank)] for src in range(self.R)
         ]  # replaced by each pulled block when its pull completes
-        lanes: list[list[int]] = [[] for _ in range(min(cfg.n_aiv, self.R))]
-        for src in range(self.R):
-            if incoming[src]:
-                lanes[src % len(lanes)].append(src)
+        lanes = [
+            [src for src in peers if incoming[src]]
+            for peers in pull_lanes(rank, self.R, cfg.n_aiv, cfg.pull_order)
+        ]
         # congestion: this die pulls from this many peers at once
         fan_in = int(np.count_nonzero(incoming)) - (1 if incoming[rank] else 0)
         efficiency = collective_efficiency(e, fan_in)
@@ -496,6 +500,7 @@ class EPGroup:
                 self.fabric,
                 self.ranks,
                 n_aiv=self.config.n_aiv,
+                pull_order=self.config.pull_order,
                 arrival_ns=np.array([a.t_ns for a in ordered], dtype=np.int64),
                 counts=count_matrix,
                 row_bytes=row_bytes,

@@ -8,6 +8,7 @@
   for slots routed to no expert (never sent).
 * :class:`Layout` - per destination rank, the tokens it receives (each token once per
   destination rank, in source order), as DeepEP's ``get_dispatch_layout``.
+* :func:`pull_lanes` - which peers each AIV of a rank pulls from, and in what order (step 6).
 * Wire formats: bytes per row for each payload dtype, with the side information that travels
   with a row.
 """
@@ -25,6 +26,30 @@ from ...errors import ConfigError
 WireDtype = Literal["fp32", "bf16", "int8"]
 PAYLOAD_BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "int8": 1}
 SCALE_BYTES = 4  # one float32 scale per INT8 row (token-wise)
+
+
+PullOrder = Literal["static", "staggered"]
+"""How a rank spreads its pulls over its AIVs (SPEC 4.3 step 6 pulls "every peer in parallel"
+and leaves the order open once peers outnumber AIVs):
+
+* ``static`` (default): AIV ``a`` pulls peers ``a, a + n_aiv, ...`` in rank order, the
+  pseudocode's ``for peer in 0 .. world_size - 1`` with a fixed AIV-to-peer map. Every rank
+  starts on the same ``n_aiv`` peers, whose egress then serves all the pullers at once
+  (incast) while the other peers wait for a later round.
+* ``staggered``: rank ``r`` takes its own block first, then ``r+1, r+2, ...`` (mod the group),
+  dealt to its AIVs in turn: the rank-rotated schedule all-to-all libraries use, so the
+  ranks' first pulls spread over every peer.
+
+The two differ only when the group is larger than the AIVs that pull (EP > 48 on 910C)."""
+
+
+def pull_lanes(rank: int, n_ranks: int, n_aiv: int, order: PullOrder) -> list[list[int]]:
+    """Per AIV (lane) of ``rank``, the peers it pulls from, in issue order."""
+    lanes: list[list[int]] = [[] for _ in range(min(n_aiv, n_ranks))]
+    for i in range(n_ranks):
+        peer = i if order == "static" else (rank + i) % n_ranks
+        lanes[i % len(lanes)].append(peer)
+    return lanes
 
 
 def payload_bytes(hidden: int, dtype: WireDtype) -> int:
