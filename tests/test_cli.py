@@ -49,3 +49,53 @@ def test_console_script_is_installed():
         [sys.executable, "-m", "xds.cli.main", "--help"], capture_output=True, text=True, check=True
     )
     assert "demo" in out.stdout and "info" in out.stdout
+
+
+def test_options_that_would_be_ignored_are_usage_errors(tmp_path, capsys):
+    trace = tmp_path / "r.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,2\n")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, says in (
+        (["replay", "--synthetic", "2", "--csv"], "--csv"),
+        (["replay", "--synthetic", "2", "--out", str(afile)], "not a directory"),
+        (["replay", "--synthetic", "2", "--out", str(afile / "sub")], "--out"),
+        (["replay", str(trace), "--synthetic", "5"], "--synthetic applies"),
+        (["replay", str(trace), "--rate", "3"], "--rate applies"),
+        (["replay", "--format", "azure"], "--format applies to a TRACE"),
+        (["replay", "--sort"], "--sort applies to a TRACE"),
+        (["replay", str(trace), "--cv", "2"], "--cv applies to --format lengths"),
+        (["replay", str(trace), "--columns", "a,b"], "--columns applies"),
+        (["capacity", "--sort"], "--sort applies to a TRACE"),
+        (["info", "--servers", "49"], "--servers"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("xds: error:") and says in err[0], (argv, err)
+
+
+def test_sort_lets_a_trace_with_timestamps_out_of_order_replay(tmp_path, capsys):
+    trace = tmp_path / "b.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1,10,2\n0,10,2\n")
+    assert main(["replay", str(trace), "--json"]) == 2
+    assert "--sort" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--sort", "--json"]) == 0
+    assert '"completed":2' in capsys.readouterr().out
+
+
+def test_deployment_errors_name_the_file_and_the_field_written(tmp_path, capsys):
+    for text, says in (
+        ("[decode]\ndies = 4\nshared_expert_dies = 0\n", "decode.dies: with 4 dies"),
+        ("[decode]\ndies = 2000\nshared_expert_dies = 0\n", "decode.dies: 2000 dies"),
+        ("[decode.mtp]\nk = -1\n", "decode.mtp.k:"),
+        ("[sla]\nttft_ms = -1\n", "sla.ttft_ms:"),
+    ):
+        dep = tmp_path / "dep.toml"
+        dep.write_text(text)
+        assert main(["replay", "--synthetic", "2", "--deployment", str(dep)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "dep.toml: " + says in err[0], (text, err)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"[decode]\n\xff = 1\n")
+    assert main(["replay", "--synthetic", "2", "--deployment", str(binary)]) == 2
+    assert "bin.toml: line 2: not UTF-8" in capsys.readouterr().err

@@ -811,7 +811,10 @@ def test_a_policy_that_answers_outside_its_offer_fails_with_a_clear_error():
             return 99
 
         replay(wl, SMALL, prefill_placement=nowhere)
-    with pytest.raises(ProtocolError, match=r"chose decode DP .* -1 .* one of the 32 offered"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"chose decode DP -1 .* one of the 32 offered \(the DPs below their batch limit\)",
+    ):
         replay(wl, SMALL, decode_routing=lambda eligible, dps, reserve: -1)
     with pytest.raises(ProtocolError, match="chose prefill DP group True"):  # not DP 1
         replay(wl, SMALL, prefill_placement=lambda job, groups: True)

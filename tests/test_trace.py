@@ -204,3 +204,72 @@ def test_generic_csv_hashes_and_physical_line_numbers(tmp_path):
 
     with pytest.raises(ConfigError, match="rate"):
         t.fixed(10, 10, n=2, rate_per_s=0)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e300"])
+def test_arrivals_must_be_finite_and_fit_the_clock(tmp_path, value):
+    p = write(
+        tmp_path, "r.csv", f"arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n{value},2,2\n"
+    )
+    with pytest.raises(TraceError, match=r"r\.csv:line 3 field 'arrived_at'"):
+        t.load(p)
+    g = write(tmp_path, "g.csv", f"t,i,o\n{value},1,1\n")
+    with pytest.raises(TraceError, match=r"g\.csv:line 2 field 't'"):
+        t.load_generic(g, mapping={"arrival": "t", "input": "i", "output": "o"})
+
+
+def test_files_that_are_not_utf8_name_the_line(tmp_path):
+    p = tmp_path / "l.csv"
+    p.write_bytes(b"arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1,\xff\xfe,2\n")
+    with pytest.raises(TraceError, match=r"l\.csv:line 3: not UTF-8"):
+        t.load(p)
+    j = tmp_path / "m.jsonl"
+    j.write_bytes(b'{"timestamp": 1, "input_length": 2, "output_length": 3, "x": "\xff"}\n')
+    with pytest.raises(TraceError, match=r"m\.jsonl:line 1"):
+        t.load(j)
+
+
+def test_a_byte_order_mark_and_timestamp_offsets_are_read(tmp_path):
+    p = tmp_path / "bom.csv"
+    p.write_bytes(b"\xef\xbb\xbfarrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n0.5,2,2\n")
+    assert [r.arrival_ns for r in t.load(p).requests] == [0, 500_000_000]
+    a = write(
+        tmp_path,
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900+00:00,10,5\n"
+        "2023-11-16 18:15:47.1Z,10,5\n"
+        "2023-11-16 20:15:48+02:00,10,5\n"  # 18:15:48 UTC
+        "2023-11-16 18:15:49.25,10,5\n",  # no offset: UTC
+    )
+    assert [r.arrival_ns for r in t.load(a).requests] == [
+        0,
+        419_410_000,
+        1_319_410_000,
+        2_569_410_000,
+    ]
+
+
+def test_a_file_without_requests_is_an_error(tmp_path):
+    p = write(tmp_path, "h.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n")
+    with pytest.raises(TraceError, match=r"h\.csv: no requests"):
+        t.load(p)
+    lengths = write(tmp_path, "l.csv", "in,out\n0,3\n")
+    with pytest.raises(TraceError, match=r"no requests in the file \(1 rows had unusable"):
+        t.load_lengths(
+            lengths,
+            input_column="in",
+            output_column="out",
+            rng=np.random.default_rng(0),
+            rate_per_s=1.0,
+            invalid="drop",
+        )
+
+
+def test_sla_targets_must_be_positive_numbers():
+    from xds.errors import ConfigError
+
+    for bad in (dict(ttft_ms=-1.0), dict(tpot_ms=0.0), dict(tpot_ms=float("nan"))):
+        with pytest.raises(ConfigError, match="_ms"):
+            t.SLA(**bad)
+    assert t.SLA(ttft_ms=float("inf")).ttft_ms == float("inf")  # no target on TTFT

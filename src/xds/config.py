@@ -29,7 +29,15 @@ _checking: ContextVar[type | None] = ContextVar("xds_config_checking", default=N
 def _read(path: Path) -> Any:
     if not path.is_file():
         raise ConfigError("file not found", source=str(path))
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8",
+            source=str(path),
+        ) from None
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text)
@@ -67,6 +75,12 @@ def _config_error(exc: msgspec.ValidationError, source: str | None) -> ConfigErr
     )
     field = match.group(1) if match else None
     message = str(exc).split(" - at ")[0]
+    inner = re.match(r"([A-Za-z_][\w.]*): (.*)", message, re.S)
+    if field and inner:  # a nested struct's own check named its field: one dotted path
+        outer, sub = field.split("."), inner.group(1).split(".")
+        if outer[-1] == sub[0]:
+            sub = sub[1:]
+        field, message = ".".join(outer + sub), inner.group(2)
     return ConfigError(message, field=field or None, source=source)
 
 

@@ -38,7 +38,7 @@ _backend_option = click.option(
 )
 _servers_option = click.option(
     "--servers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=48),
     default=48,
     show_default=True,
     help="Servers in the pod (48 in the real CloudMatrix384).",
@@ -302,6 +302,12 @@ def _trace_options(f):
                 show_default=True,
                 help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
             ),
+            click.option(
+                "--sort",
+                is_flag=True,
+                help="Sort the TRACE by arrival time (default: timestamps going backwards "
+                "are an error).",
+            ),
             click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
         ]
     ):
@@ -309,14 +315,36 @@ def _trace_options(f):
     return f
 
 
-def _load_trace(trace: str, fmt: str | None, columns: str, rate: float, cv: float, seed: int):
+def _given(name: str) -> bool:
+    """Whether the user passed option ``name`` (rather than getting its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not click.core.ParameterSource.DEFAULT
+
+
+def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None:
+    """Usage errors for workload options that would otherwise be ignored silently."""
+    if trace is None:
+        for name, flag in (("fmt", "--format"), ("sort", "--sort")):
+            if _given(name):
+                raise click.UsageError(f"{flag} applies to a TRACE")
+    if fmt != "lengths":
+        for name, flag in (("columns", "--columns"), ("cv", "--cv")):
+            if _given(name):
+                raise click.UsageError(f"{flag} applies to --format lengths")
+    elif sort:
+        raise click.UsageError("--sort applies to traces with timestamps, not --format lengths")
+
+
+def _load_trace(
+    trace: str, fmt: str | None, columns: str, rate: float, cv: float, seed: int, sort: bool
+):
     """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``)."""
     import numpy as np
 
     from xds.trace import load, load_lengths
 
     if fmt != "lengths":
-        return load(trace, fmt)
+        return load(trace, fmt, sort=sort)
     cols = [c.strip() for c in columns.split(",")]
     if len(cols) != 2 or not all(cols):
         raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
@@ -336,6 +364,26 @@ def _load_trace(trace: str, fmt: str | None, columns: str, rate: float, cv: floa
             err=True,
         )
     return workload
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Fail before a long replay, not after it, if ``--out`` cannot be a directory."""
+    from pathlib import Path
+
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise click.UsageError(f"--out {out_dir}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(f"--out {out_dir}: {exc.strerror or exc}") from None
+    probe = path / ".xds-write-check"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise click.UsageError(f"--out {out_dir}: cannot write there ({why})") from None
 
 
 def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
@@ -395,6 +443,7 @@ def replay(
     cv: float,
     out_dir: str | None,
     as_csv: bool,
+    sort: bool,
     seed: int,
     as_json: bool,
 ) -> None:
@@ -406,13 +455,23 @@ def replay(
     from xds.serve.replay import replay as run_replay
     from xds.trace import write
 
+    _check_trace_options(trace, fmt, sort)
+    if trace is not None:
+        if unique_prompts:
+            raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
+        if _given("synthetic_n"):
+            raise click.UsageError("--synthetic applies to the built-in workload, not a TRACE")
+        if _given("rate") and fmt != "lengths":
+            raise click.UsageError("--rate applies to the built-in workload and --format lengths")
+    if as_csv and out_dir is None:
+        raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
+    if out_dir is not None:
+        _check_out_dir(out_dir)
     cfg = pd_config(deployment)
-    if unique_prompts and trace is not None:
-        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = _load_trace(trace, fmt, columns, rate, cv, seed)
+        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort)
     workload = workload.scaled(rate_scale).limited(limit)
     with Progress(
         TextColumn("replay"),
@@ -558,9 +617,7 @@ def _ms(value: float, digits: int) -> str:
     help="Midpoints tried between the last rate that met the SLA and the first that missed.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.pass_context
 def capacity(
-    ctx: click.Context,
     trace: str | None,
     fmt: str | None,
     deployments: tuple[str, ...],
@@ -568,6 +625,7 @@ def capacity(
     unique_prompts: bool,
     columns: str,
     cv: float,
+    sort: bool,
     seed: int,
     window_s: float,
     start: float,
@@ -595,12 +653,10 @@ def capacity(
     from xds.serve.presets import pd_config
     from xds.trace.metrics import SLA
 
-    def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
-
+    _check_trace_options(trace, fmt, sort)
     if trace is not None and unique_prompts:
         raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
-    if trace is not None and given("window_s"):
+    if trace is not None and _given("window_s"):
         raise click.UsageError("--window applies to the built-in workload; a TRACE brings its own")
     if rate is not None and fmt != "lengths":
         raise click.UsageError("--rate applies to --format lengths (the search sets the rate)")
@@ -612,7 +668,7 @@ def capacity(
             return _built_in(max(20, round(x * window_s)), x, seed, unique_prompts).limited(limit)
     else:
         unit, knob = "x trace rate", "rate scale"
-        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed).limited(limit)
+        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed, sort).limited(limit)
 
         def workload_at(x: float):
             return base.scaled(x)

@@ -52,7 +52,9 @@ class DieLocation(msgspec.Struct, frozen=True):
 class PodConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Shape and parts of a CloudMatrix384 pod (defaults: the real one, SPEC 1.1)."""
 
-    servers: Annotated[int, Meta(ge=1)] = 48
+    servers: Annotated[int, Meta(ge=1, le=48)] = 48
+    """910C servers of the pod: a CloudMatrix384 has 48 (384 chips, 768 dies); fewer model
+    a slice of it."""
     chips_per_server: Annotated[int, Meta(ge=1)] = 8
     dies_per_chip: Annotated[int, Meta(ge=1)] = 2
     die: DieSpec = ASCEND_910C_DIE

@@ -32,14 +32,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..config import check_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap, PullOrder
-from ..hw import CloudMatrix384
+from ..hw import ASCEND_910C_DIE, CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns, sleep_until_ns
 from ..runtime.sync import task_group_raising_single
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
 from .jitter import JitterConfig, sample
-from .kv import KVBlockManager, kv_capacity_blocks
+from .kv import WORKSPACE_FRACTION, KVBlockManager, kv_capacity_blocks
 from .mtp import MTPConfig, tokens_per_step
 from .routing import DecodeRouter, DecodeRouting, lowest_kv
 
@@ -96,6 +96,23 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"{self.model}: the decode cost model covers MLA models only", field="model"
             )
         self.precision.check_layers(MODELS[self.model])
+        m = MODELS[self.model]
+        if self.dies > m.routed_experts + self.shared_expert_dies:
+            raise ConfigError(
+                f"{self.dies} dies, but {m.name} has {m.routed_experts} routed experts and "
+                f"{self.shared_expert_dies} shared-expert dies to place, at least one per die: "
+                f"use at most {m.routed_experts + self.shared_expert_dies} dies",
+                field="dies",
+            )
+        if self.kv_blocks_per_die == 0:
+            weights = decode_weight_bytes(self)
+            hbm = ASCEND_910C_DIE.hbm_bytes
+            if weights >= (1 - WORKSPACE_FRACTION) * hbm:
+                raise ConfigError(
+                    f"with {self.dies} dies each holds {weights / 2**30:.1f} GiB of weights, "
+                    f"no room for KV on a {hbm / 2**30:.0f} GiB die: use more dies",
+                    field="dies",
+                )
 
     @property
     def spec(self):
@@ -501,18 +518,23 @@ def measure_comm(
     return run(main, seed=seed, event_log=False)
 
 
+def decode_weight_bytes(config: DecodeConfig) -> int:
+    """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
+    routed experts + one redundant slot per MoE layer in INT8, embeddings and LM head in BF16."""
+    m = config.spec
+    routed_dies = max(1, config.dies - config.shared_expert_dies)
+    experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
+    return m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
+
+
 def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
     """KV blocks of one decode die: HBM left after the weights it holds (attention and dense
     layers replicated per DP, its routed experts + one redundant slot per MoE layer in INT8,
     embeddings and LM head in BF16) and the workspace."""
-    m = config.spec
-    routed_dies = max(1, config.dies - config.shared_expert_dies)
-    experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
-    weights = m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
     return kv_capacity_blocks(
-        m,
+        config.spec,
         pod.die_spec,
-        weight_bytes=weights,
+        weight_bytes=decode_weight_bytes(config),
         block_tokens=config.block_tokens,
         int8_nope=config.precision.kv_int8_nope,
     )

@@ -14,6 +14,9 @@ from ..errors import ConfigError
 from ..hw import DieSpec
 from ..model import ModelSpec
 
+WORKSPACE_FRACTION = 0.1
+"""HBM share kept for activations and communication buffers. [emulator choice]"""
+
 
 def kv_capacity_blocks(
     model: ModelSpec,
@@ -22,7 +25,7 @@ def kv_capacity_blocks(
     weight_bytes: int,
     block_tokens: int = 128,
     int8_nope: bool = True,
-    workspace_fraction: float = 0.1,
+    workspace_fraction: float = WORKSPACE_FRACTION,
 ) -> int:
     """Blocks that fit in one die's HBM after ``weight_bytes`` of weights and a workspace
     (activations, communication buffers: ``workspace_fraction`` of HBM, an emulator choice)."""

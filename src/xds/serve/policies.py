@@ -24,8 +24,10 @@ def offered_choice(
     offered: Sequence[int],
     what: str,
     request: object,
+    offered_as: str = "",
 ) -> int:
-    """``answer`` as one of ``offered`` (``what`` names the choice in the error)."""
+    """``answer`` as one of ``offered`` (``what`` names the choice in the error, and
+    ``offered_as`` says which ones were offered, e.g. "below their batch limit")."""
     try:
         if isinstance(answer, bool):
             raise TypeError
@@ -36,6 +38,7 @@ def offered_choice(
         shown = ", ".join(map(str, offered[:12])) + (", ..." if len(offered) > 12 else "")
         raise ProtocolError(
             f"policy {getattr(policy, '__name__', policy)!r} chose {what} {answer!r} for request "
-            f"{request!r}; it must pick one of the {len(offered)} offered: [{shown}]"
+            f"{request!r}, which was not offered; it must pick one of the {len(offered)} "
+            f"offered{f' ({offered_as})' if offered_as else ''}: [{shown}]"
         )
     return choice

@@ -97,6 +97,14 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 "over RoCE; use kv_transfer = 'closed-form')",
                 field="kv_transfer",
             )
+        p = self.prefill
+        dies = p.tes * p.dies_per_te + self.decode_tes * self.decode.dies
+        if self.kv_transfer == "xccl" and dies > 768:
+            raise ConfigError(
+                f"the xccl KV tier models one CloudMatrix384 (768 dies), but prefill.tes x "
+                f"prefill.dies_per_te + decode_tes x decode.dies = {dies} dies",
+                field="kv_transfer",
+            )
 
     @property
     def chips(self) -> int:

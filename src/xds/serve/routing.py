@@ -98,8 +98,9 @@ class DecodeRouter:
             self.routing,
             self.routing(eligible, loads, reserve),
             eligible,
-            "decode DP (below its batch limit)",
+            "decode DP",
             request,
+            "the DPs below their batch limit",
         )
         dp = self.dps[best]
         dp.pending += 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import itertools
+import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,47 @@ def _open(path: str | Path) -> Path:
     if not p.is_file():
         raise TraceError("file not found", path=str(p))
     return p
+
+
+MAX_ARRIVAL_NS = 2**63 - 1
+"""Arrivals are int64 nanoseconds (about 292 years)."""
+
+
+def _arrival_ns(value: Any, unit_ns: float, *, path: str, line: int, field: str) -> int:
+    """A finite, non-negative arrival time in ``unit_ns`` units, as integer nanoseconds."""
+    try:
+        t = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise TraceError(f"not a number: {value!r}", path=path, line=line, field=field) from None
+    if isinstance(value, bool) or not math.isfinite(t):
+        raise TraceError(
+            f"must be a finite number, got {value!r}", path=path, line=line, field=field
+        )
+    if t < 0:
+        raise TraceError(f"must be >= 0, got {value!r}", path=path, line=line, field=field)
+    ns = t * unit_ns
+    if ns > MAX_ARRIVAL_NS:
+        raise TraceError(
+            f"{value!r} is beyond the int64 nanosecond clock (about 292 years)",
+            path=path,
+            line=line,
+            field=field,
+        )
+    return round(ns)
+
+
+def _not_utf8(p: Path) -> TraceError:
+    """The error for a file that is not UTF-8, at the line of its first bad byte."""
+    raw = p.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return TraceError(
+            f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8",
+            path=str(p),
+            line=raw.count(b"\n", 0, exc.start) + 1,
+        )
+    return TraceError("not UTF-8 text; save the file as UTF-8", path=str(p))
 
 
 def _int_field(value: Any, *, path: str, line: int, field: str, minimum: int = 0) -> int:
@@ -56,11 +99,14 @@ def _finish(
     rows: list[tuple[int, int, int, tuple[int, ...], int]], path: str, sort: bool
 ) -> Workload:
     """Order by arrival (or check the order), rebase arrivals to 0, number the requests."""
+    if not rows:
+        raise TraceError("no requests in the file", path=path)
     if not sort:
         for (a, *_), (b, *rest) in itertools.pairwise(rows):
             if b < a:
                 raise TraceError(
-                    "timestamps go backwards (pass sort=True to sort them)",
+                    "timestamps go backwards (sort the file, or let xds sort it: "
+                    "sort=True, or --sort on the command line)",
                     path=path,
                     line=rest[-1],
                     field="timestamp",
@@ -92,6 +138,7 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
                 if key not in obj:
                     raise TraceError("missing", path=str(p), line=line_no, field=key)
             ts = _int_field(obj["timestamp"], path=str(p), line=line_no, field="timestamp")
+            ts_ns = _arrival_ns(ts, 1_000_000, path=str(p), line=line_no, field="timestamp")
             x = _int_field(
                 obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
             )
@@ -105,27 +152,37 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
                 raise TraceError(
                     "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
                 )
-            rows.append((ts * 1_000_000, x, y, tuple(int(h) for h in hashes), line_no))
+            rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
     return _finish(rows, str(p), sort)
 
 
 def _csv_rows(p: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
-    with p.open(newline="") as f:
+    """The rows of a UTF-8 CSV (a leading byte-order mark is fine) with ``required`` columns."""
+    with p.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        for col in required:
-            if col not in header:
-                raise TraceError(
-                    f"missing column (header has {', '.join(header)})",
-                    path=str(p),
-                    line=1,
-                    field=col,
-                )
-        for row in reader:
-            line_no = reader.line_num  # the physical line (blank lines are skipped)
-            if None in row or any(v is None for v in row.values()):
-                raise TraceError("wrong number of fields", path=str(p), line=line_no)
-            yield line_no, row
+        try:
+            yield from _checked_rows(p, reader, required)
+        except UnicodeDecodeError:
+            raise _not_utf8(p) from None
+
+
+def _checked_rows(
+    p: Path, reader: csv.DictReader, required: list[str]
+) -> Iterator[tuple[int, dict[str, str]]]:
+    header = reader.fieldnames or []
+    for col in required:
+        if col not in header:
+            raise TraceError(
+                f"missing column (header has {', '.join(header)})",
+                path=str(p),
+                line=1,
+                field=col,
+            )
+    for row in reader:
+        line_no = reader.line_num  # the physical line (blank lines are skipped)
+        if None in row or any(v is None for v in row.values()):
+            raise TraceError("wrong number of fields", path=str(p), line=line_no)
+        yield line_no, row
 
 
 def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
@@ -136,9 +193,7 @@ def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
     for line_no, row in _csv_rows(p, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]):
         raw = row["TIMESTAMP"].strip()
         try:
-            head, _, frac = raw.partition(".")
-            stamp = dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC)
-            ns = int(stamp.timestamp()) * 1_000_000_000 + int((frac + "0" * 9)[:9] or 0)
+            ns = _timestamp_ns(raw)
         except ValueError:
             raise TraceError(
                 f"not a timestamp: {raw!r}", path=str(p), line=line_no, field="TIMESTAMP"
@@ -153,20 +208,30 @@ def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
     return _finish(rows, str(p), sort)
 
 
+_STAMP = re.compile(r"(?P<head>[^.]*?)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
+
+
+def _timestamp_ns(raw: str) -> int:
+    """An ISO date-time with up to nanosecond digits (Azure writes 7) and an optional UTC
+    offset (none means UTC), as nanoseconds since the epoch."""
+    m = _STAMP.fullmatch(raw)
+    if m is None or not m["head"]:
+        raise ValueError(raw)
+    tz = m["tz"] or ""
+    stamp = dt.datetime.fromisoformat(m["head"] + ("+00:00" if tz == "Z" else tz))
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    frac = int(((m["frac"] or "") + "0" * 9)[:9])
+    return int(stamp.timestamp()) * 1_000_000_000 + frac
+
+
 def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
     """The request CSV of Vidur and Frontier: ``arrived_at`` (s), ``num_prefill_tokens``,
     ``num_decode_tokens``."""
     p = _open(path)
     rows = []
     for line_no, row in _csv_rows(p, ["arrived_at", "num_prefill_tokens", "num_decode_tokens"]):
-        try:
-            t = float(row["arrived_at"])
-        except ValueError:
-            raise TraceError(
-                "not a number", path=str(p), line=line_no, field="arrived_at"
-            ) from None
-        if t < 0:
-            raise TraceError("must be >= 0", path=str(p), line=line_no, field="arrived_at")
+        arrival = _arrival_ns(row["arrived_at"], 1e9, path=str(p), line=line_no, field="arrived_at")
         x = _int_field(
             row["num_prefill_tokens"],
             path=str(p),
@@ -181,7 +246,7 @@ def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
             field="num_decode_tokens",
             minimum=1,
         )
-        rows.append((round(t * 1e9), x, y, (), line_no))
+        rows.append((arrival, x, y, (), line_no))
     return _finish(rows, str(p), sort)
 
 
@@ -221,6 +286,9 @@ def load_lengths(
         lengths.append((x, y))
         lines.append(line_no)
     n = len(lengths)
+    if not n:
+        why = f" ({len(dropped):,} rows had unusable lengths)" if dropped else ""
+        raise TraceError(f"no requests in the file{why}", path=str(p))
     arrivals = (
         poisson_arrivals(rng, n, rate_per_s)
         if cv == 1.0
@@ -266,15 +334,13 @@ def load_generic(
     get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
     rows = []
     for line_no, row in records:
-        a = get(row, mapping["arrival"], line_no)
-        try:
-            arrival = round(float(a) * time_unit_ns)
-        except (TypeError, ValueError):
-            raise TraceError(
-                "not a number", path=str(p), line=line_no, field=mapping["arrival"]
-            ) from None
-        if arrival < 0:
-            raise TraceError("must be >= 0", path=str(p), line=line_no, field=mapping["arrival"])
+        arrival = _arrival_ns(
+            get(row, mapping["arrival"], line_no),
+            time_unit_ns,
+            path=str(p),
+            line=line_no,
+            field=mapping["arrival"],
+        )
         x = _int_field(
             get(row, mapping["input"], line_no),
             path=str(p),
@@ -324,7 +390,8 @@ def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
     """Load a trace, guessing the format from its first line when ``fmt`` is None."""
     p = _open(path)
     if fmt is None:
-        first = p.open().readline()
+        with p.open("rb") as f:
+            first = f.readline().decode("utf-8-sig", errors="replace")
         if first.lstrip().startswith("{") and "input_length" in first:
             fmt = "mooncake"
         elif first.startswith("TIMESTAMP"):
@@ -333,8 +400,9 @@ def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
             fmt = "request-csv"
         else:
             raise TraceError(
-                "cannot tell the trace format; pass fmt= (mooncake, azure, "
-                "request-csv) or use load_lengths / load_generic",
+                "cannot tell the trace format from its first line; name it (--format on "
+                "the command line, fmt= in Python: mooncake, azure, request-csv, or "
+                "lengths for a lengths-only CSV) or map its columns with load_generic",
                 path=str(p),
             )
     if fmt not in FORMATS:

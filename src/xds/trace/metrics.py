@@ -10,13 +10,16 @@ and TPOT < 35 ms, P126) and queueing / KV-transfer times.
 from __future__ import annotations
 
 import csv as csv_module
+import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
+from ..config import check_fields
 from ..errors import ConfigError
 
 Outcome = Literal["completed", "failed"]
@@ -71,9 +74,18 @@ class Stat(msgspec.Struct):
         return cls(float(v.mean()), float(p50), float(p90), float(p99))
 
 
-class SLA(msgspec.Struct, frozen=True):
-    ttft_ms: float = 2000.0
-    tpot_ms: float = 35.0
+class SLA(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-request latency targets (default: SPEC 12.4's production SLA). ``inf`` means no
+    target on that metric."""
+
+    ttft_ms: Annotated[float, Meta(gt=0)] = 2000.0
+    tpot_ms: Annotated[float, Meta(gt=0)] = 35.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("ttft_ms", "tpot_ms"):
+            if math.isnan(getattr(self, name)):
+                raise ConfigError("must be a number > 0, got nan", field=name)
 
     def met_by(self, record: RequestRecord) -> bool:
         """A completed request's TTFT and TPOT are both under the targets (goodput counts it)."""
