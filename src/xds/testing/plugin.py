@@ -2,49 +2,169 @@
 
 Mark a coroutine test with ``@pytest.mark.xds`` (optionally ``seed=``, ``backend=``) and it runs
 under :func:`xds.run`: ``anyio.sleep(3600)`` takes no wall time, and the same seed gives the same
-run. A test that takes the ``xds_backend`` fixture runs once per backend (asyncio and trio)::
+run. A test that takes the ``xds_backend`` fixture runs once per backend (asyncio and trio), or
+only on the marker's ``backend=`` if it names one::
 
     @pytest.mark.xds(seed=7)
     async def test_barrier(xds_backend):
         ...
+
+The marker takes keywords only (those of :class:`xds.Runtime`). Misuse -- a positional argument,
+an unknown keyword or backend, the marker written on a plain ``def`` test, an async fixture --
+is reported as that test's error at setup, in one line, before its fixtures run. A marker
+inherited from a class or module (``pytestmark``) applies to the ``async def`` tests there and
+leaves plain tests alone.
 
 The plugin is registered through the ``pytest11`` entry point when xds is installed.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
-from typing import Any
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import pytest
 
 from xds.runtime import BACKENDS, Runtime
 
+MARKER = "xds"
+FIXTURE = "xds_backend"
+#: The marker's keywords: those of :class:`xds.Runtime`.
+MARKER_KEYWORDS: tuple[str, ...] = tuple(
+    name
+    for name, param in inspect.signature(Runtime.__init__).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "xds(seed=0, backend='asyncio', event_log=True): run this async test in xds virtual time",
+        "xds(seed=0, backend='asyncio', event_log=True, schedule_seed=None, "
+        "livelock_limit=1000000): run this async def test in xds virtual time "
+        "(keywords only; the xds_backend fixture parametrises over the backends)",
     )
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture
 def xds_backend(request: pytest.FixtureRequest) -> str:
-    """Parametrises a test over xds's backends (asyncio, trio)."""
-    return str(request.param)
+    """The xds backend this test runs on.
+
+    The plugin parametrises a test that takes this fixture over xds's backends (asyncio, trio),
+    or over the marker's ``backend=`` only if it names one.
+    """
+    param = getattr(request, "param", None)
+    if param is not None:
+        return str(param)
+    marker = request.node.get_closest_marker(MARKER)
+    backend = marker.kwargs.get("backend") if marker is not None else None
+    return str(backend or "asyncio")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    definition = metafunc.definition
+    if FIXTURE not in metafunc.fixturenames or _parametrized_directly(definition, FIXTURE):
+        return
+    marker = definition.get_closest_marker(MARKER)
+    backend = marker.kwargs.get("backend") if marker is not None else None
+    metafunc.parametrize(FIXTURE, [backend] if backend else list(BACKENDS), indirect=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Report misuse of the marker as this test's error, before any of its fixtures run."""
+    if isinstance(item, pytest.Function) and item.get_closest_marker(MARKER) is not None:
+        _check_markers(item)
+        if _is_async_test(item.obj):
+            _check_fixtures(item)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    marker = pyfuncitem.get_closest_marker("xds")
-    if marker is None or not inspect.iscoroutinefunction(pyfuncitem.obj):
+    marker = pyfuncitem.get_closest_marker(MARKER)
+    if marker is None or not _is_async_test(pyfuncitem.obj):
         return None
     options: dict[str, Any] = dict(marker.kwargs)
     funcargs = pyfuncitem.funcargs
-    argnames = pyfuncitem._fixtureinfo.argnames
-    kwargs = {name: funcargs[name] for name in argnames}
-    backend = options.pop("backend", None) or funcargs.get("xds_backend", "asyncio")
-    runtime = Runtime(backend=backend, **options)
-    runtime.run(functools.partial(pyfuncitem.obj, **kwargs))
+    kwargs = {name: funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    backend = funcargs.get(FIXTURE) or options.pop("backend", None) or "asyncio"
+    options.pop("backend", None)  # the fixture's value, itself parametrised from the marker
+    result = Runtime(backend=backend, **options).run(functools.partial(pyfuncitem.obj, **kwargs))
+    if result is not None:
+        warnings.warn(
+            pytest.PytestReturnNotNoneWarning(
+                f"Test functions should return None, but {pyfuncitem.nodeid} returned "
+                f"{type(result)!r}.\nDid you mean to use `assert` instead of `return`?"
+            ),
+            stacklevel=1,
+        )
     return True
+
+
+def _is_async_test(obj: object) -> bool:
+    return inspect.iscoroutinefunction(obj)
+
+
+def _check_markers(item: pytest.Function) -> None:
+    """Fail (one line, no traceback) on any misuse of the xds marker on this test."""
+    for marker in item.iter_markers(MARKER):
+        if marker.args:
+            args = ", ".join(repr(arg) for arg in marker.args)
+            hint = (
+                f"; write @pytest.mark.xds(seed={marker.args[0]!r})"
+                if len(marker.args) == 1 and isinstance(marker.args[0], int)
+                else ""
+            )
+            _fail(f"takes keywords only, got positional {args}{hint}")
+        for key in marker.kwargs:
+            if key not in MARKER_KEYWORDS:
+                close = difflib.get_close_matches(key, MARKER_KEYWORDS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                _fail(
+                    f"got an unknown keyword {key!r}{hint}; "
+                    f"it accepts {', '.join(MARKER_KEYWORDS)}",
+                )
+        backend = marker.kwargs.get("backend")
+        if backend is not None and backend not in BACKENDS:
+            _fail(f"got an unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    own = any(marker.name == MARKER for marker in item.own_markers)
+    if own and not _is_async_test(item.obj):
+        _fail(
+            "needs an `async def` test, but this is a plain function; "
+            "make it `async def` or remove the marker",
+        )
+
+
+def _check_fixtures(item: pytest.Function) -> None:
+    """Fail on async fixtures: each xds test is its own ``xds.run``, set up inside the test."""
+    name2fixturedefs = item._fixtureinfo.name2fixturedefs
+    for name in item.fixturenames:
+        fixturedefs = name2fixturedefs.get(name)
+        if not fixturedefs:
+            continue
+        func = fixturedefs[-1].func
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            _fail(
+                f"does not support async fixtures, and {name!r} is one; make it a plain "
+                "fixture (returning, say, a factory) and await the setup inside the test",
+            )
+
+
+def _parametrized_directly(definition: pytest.Function, argname: str) -> bool:
+    """Whether the test's own ``@pytest.mark.parametrize`` names ``argname`` (it then wins)."""
+    for marker in definition.iter_markers("parametrize"):
+        argnames: str | Sequence[str] = (
+            marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        )
+        names = argnames.split(",") if isinstance(argnames, str) else argnames
+        if argname in (name.strip() for name in names):
+            return True
+    return False
+
+
+def _fail(message: str) -> NoReturn:
+    pytest.fail(f"@pytest.mark.xds {message}", pytrace=False)

@@ -1,0 +1,256 @@
+"""The pytest plugin (`@pytest.mark.xds`, `xds_backend`): what it runs and how it reports misuse.
+
+Each test writes a small test file and runs pytest on it in-process (``pytester``); the plugin is
+loaded there through its ``pytest11`` entry point, as for any user.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from xds.testing.plugin import MARKER_KEYWORDS
+
+pytest_plugins = ["pytester"]
+
+HEADER = "import pytest, xds\n\n"
+
+
+def run(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(HEADER + body)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA", *args)
+
+
+def test_marker_keywords_are_the_runtimes():
+    assert MARKER_KEYWORDS == ("seed", "backend", "event_log", "schedule_seed", "livelock_limit")
+
+
+def test_marked_async_tests_run_in_virtual_time_with_the_markers_seed(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(seed=7)
+async def test_seed():
+    await xds.sleep_ns(3_600 * 10**9)
+    assert xds.now_ns() == 3_600 * 10**9
+    assert xds.current_runtime().seed == 7
+    assert xds.current_runtime().backend == "asyncio"
+
+@pytest.mark.xds(backend="trio", event_log=False)
+async def test_trio():
+    assert xds.current_runtime().backend == "trio"
+
+class TestClass:
+    @pytest.mark.xds(seed=3)
+    async def test_method(self):
+        assert xds.current_runtime().seed == 3
+
+@pytest.mark.xds
+@pytest.mark.parametrize("n", [1, 2])
+async def test_param(n):
+    await xds.sleep_ns(n)
+    assert xds.now_ns() == n
+""",
+    )
+    result.assert_outcomes(passed=5)
+
+
+def test_xds_backend_fixture_runs_a_test_on_each_backend(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds
+async def test_both(xds_backend):
+    assert xds.current_runtime().backend == xds_backend
+""",
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["PASSED *test_both[[]asyncio[]]", "PASSED *test_both[[]trio[]]"])
+
+
+def test_markers_backend_restricts_the_xds_backend_parametrisation(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(seed=7, backend="trio")
+async def test_trio_only(xds_backend):
+    assert xds_backend == "trio"
+    assert xds.current_runtime().backend == "trio"
+
+@pytest.mark.xds
+@pytest.mark.parametrize("xds_backend", ["trio"])
+async def test_own_parametrize_wins(xds_backend):
+    assert xds.current_runtime().backend == "trio"
+""",
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["PASSED *test_trio_only[[]trio[]]", "PASSED *test_own_parametrize_wins[[]trio[]]"]
+    )
+    result.stdout.no_fnmatch_line("*asyncio*")
+
+
+def test_positional_argument_is_an_error_naming_the_keyword(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(7)
+async def test_positional():
+    pass
+""",
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.xds takes keywords only, got positional 7; write @pytest.mark.xds(seed=7)"]
+    )
+
+
+def test_unknown_keyword_is_an_error_listing_the_accepted_ones(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(sede=1)
+async def test_typo():
+    pass
+""",
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.xds got an unknown keyword 'sede' (did you mean 'seed'?); "
+            f"it accepts {', '.join(MARKER_KEYWORDS)}"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*TypeError*")
+
+
+def test_unknown_backend_is_an_error(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(backend="curio")
+async def test_curio():
+    pass
+""",
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.xds got an unknown backend 'curio'; choose one of asyncio, trio"]
+    )
+
+
+def test_marker_on_a_plain_test_is_an_error(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.fixture
+def side_effect():
+    raise AssertionError("fixtures must not run for a misused marker")
+
+@pytest.mark.xds
+def test_sync(side_effect):
+    pass
+""",
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["@pytest.mark.xds needs an `async def` test, but this is a *"])
+    result.stdout.no_fnmatch_line("*must not run*")
+
+
+def test_marker_inherited_from_module_or_class_leaves_plain_tests_alone(pytester):
+    result = run(
+        pytester,
+        """
+pytestmark = pytest.mark.xds(seed=5)
+
+def test_plain_module():
+    pass
+
+async def test_async_module():
+    assert xds.current_runtime().seed == 5
+
+@pytest.mark.xds(seed=6)
+class TestClass:
+    def test_plain_method(self):
+        pass
+
+    async def test_async_method(self):
+        assert xds.current_runtime().seed == 6
+""",
+    )
+    result.assert_outcomes(passed=4)
+
+
+def test_module_marker_is_still_checked(pytester):
+    result = run(
+        pytester,
+        """
+pytestmark = pytest.mark.xds(seeed=1)
+
+async def test_one():
+    pass
+""",
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*unknown keyword 'seeed' (did you mean 'seed'?)*"])
+
+
+def test_async_fixtures_are_an_error(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.fixture
+async def async_fix():
+    return 1
+
+@pytest.fixture
+async def async_gen_fix():
+    yield 1
+
+@pytest.fixture
+def sync_on_async(async_gen_fix):
+    return async_gen_fix
+
+@pytest.mark.xds
+async def test_direct(async_fix):
+    pass
+
+@pytest.mark.xds
+async def test_transitive(sync_on_async):
+    pass
+""",
+    )
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.xds does not support async fixtures, and 'async_fix' is one; *",
+            "@pytest.mark.xds does not support async fixtures, and 'async_gen_fix' is one; *",
+        ]
+    )
+
+
+def test_a_returned_value_warns_like_pytest(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds
+async def test_returns():
+    return 5
+""",
+    )
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*PytestReturnNotNoneWarning*"])
+
+
+def test_a_model_deadlock_fails_the_test_with_its_diagnosis(pytester):
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds
+async def test_deadlock():
+    await anyio.Event().wait()
+""",
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ModelDeadlock: model deadlock at t=0 ns*"])
