@@ -319,3 +319,127 @@ def test_acks_travel_back_over_the_link():
     roce_gap = send_time({"servers": 4, "attached_910b_servers": 1})
     assert ub_gap == POD.config.ub.latency_ns  # the ACK's one-way latency, not just t_meta
     assert roce_gap == POD.config.roce.latency_ns
+
+
+# -- cancellation mid-message and recovery -----------------------------------------------------
+
+
+@pytest.mark.xds
+async def test_reset_pair_after_a_cancelled_large_send_waits_for_its_in_flight_writes(
+    xds_backend,
+):
+    f = fabric(app_bytes=16 * MiB)
+    n = 4 * MiB
+    f.write_local(0, 0, os.urandom(n))
+    async with XCCL(f) as x:
+        with anyio.move_on_after(20e-6) as scope:  # the receiver is late: give up at 20 us
+            await x.send(0, 20, AppBuffer(0, n), 1)
+        assert scope.cancelled_caught
+        ready = x.reset_pair(0, 20)  # at once: the cancelled send's writes are still in flight
+        data = os.urandom(4 * KiB)
+        f.write_local(0, n, data)
+        times = {}
+
+        async def send():
+            times["send"] = await x.send(0, 20, AppBuffer(n, 4 * KiB), 2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 2)
+        assert f.read_local(20, 0, 4 * KiB) == data  # no stale chunk landed on the new message
+        assert x.monitor.violations == []
+        x.monitor.check()
+        assert ready > 20_000  # re-initialised once the in-flight writes had landed ...
+        assert times["send"] > ready  # ... and the new send waited for it
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_receive_cancelled_mid_message_fails_its_sender_promptly(xds_backend, mode):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        errors: list[tuple[int, str]] = []
+
+        async def send():
+            try:
+                await x.send(0, 20, AppBuffer(0, 4 * MiB), 1)
+            except ProtocolError as exc:
+                errors.append((xds.now_ns(), str(exc)))
+
+        async def receive():
+            with anyio.move_on_after(20e-6) as scope:  # mid-message: 4 MiB takes ~130 us
+                if mode == "sync":
+                    await x.receive(20, 0, AppBuffer(0, 4 * MiB), 1)
+                else:  # an async receive whose XCCL instance is torn down
+                    async with XCCL(x.fabric, protocol=x.p2p) as rx:
+                        await rx.receive_async(20, 0, AppBuffer(0, 4 * MiB), 1).wait()
+            assert scope.cancelled_caught
+
+        async def heartbeat():  # something else alive: a hang would not be a deadlock
+            for _ in range(1_000):
+                await xds.sleep_ns(1_000_000)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            tg.start_soon(send)
+            tg.start_soon(receive)
+            while not errors and xds.now_ns() < 10_000_000:
+                await xds.sleep_ns(1_000)
+            tg.cancel_scope.cancel()
+        assert len(errors) == 1
+        when, text = errors[0]
+        assert 20_000 < when < 30_000  # within a few microseconds of the cancel
+        assert "pair 0->20" in text and "cancelled receive" in text
+        assert "reset_pair(0, 20)" in text
+        with pytest.raises(ProtocolError, match="cancelled receive"):  # the pair stays poisoned
+            await x.send(0, 20, AppBuffer(0, 4 * KiB), 2)
+        with pytest.raises(ProtocolError, match="cancelled receive"):
+            await x.receive(20, 0, AppBuffer(0, 4 * KiB), 2)
+        x.reset_pair(0, 20)  # and reset_pair recovers it
+        await transfer(x, 0, 20, 64 * KiB, event_id=3)
+        assert x.p2p.aivs(0).free == x.p2p.aivs(20).free == 48
+        x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_a_send_cancelled_mid_message_fails_its_receiver_promptly(xds_backend):
+    async with XCCL(fabric()) as x:
+        errors: list[tuple[int, str]] = []
+
+        async def send():
+            with anyio.move_on_after(20e-6):
+                await x.send(0, 20, AppBuffer(0, 4 * MiB), 1)
+
+        async def receive():
+            try:
+                await x.receive(20, 0, AppBuffer(0, 4 * MiB), 1)
+            except ProtocolError as exc:
+                errors.append((xds.now_ns(), str(exc)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(receive)
+        assert len(errors) == 1
+        when, text = errors[0]
+        assert 20_000 < when < 30_000
+        assert "pair 0->20" in text and "cancelled send" in text and "reset_pair" in text
+        x.reset_pair(0, 20)
+        data = os.urandom(300 * KiB)
+        await transfer(x, 0, 20, data, event_id=2)
+        assert x.fabric.read_local(20, 2 * MiB, len(data)) == data
+        x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_reset_pair_leaves_the_reverse_direction_alone(xds_backend):
+    f = fabric(ring_slots=4, slot_bytes=4 * KiB, mte_chunk_bytes=4 * KiB)
+    async with XCCL(f) as x:
+        back = os.urandom(64 * KiB)  # 20 -> 0 fills its ring and waits for credits
+        f.write_local(20, 0, back)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(x.send, 20, 0, AppBuffer(0, 64 * KiB), 1)
+            with anyio.move_on_after(1e-4):  # 0 -> 20 is abandoned meanwhile
+                await x.send(0, 20, AppBuffer(0, 4 * KiB), 2)
+            x.reset_pair(0, 20)
+            tg.start_soon(x.receive, 0, 20, AppBuffer(2 * MiB, 64 * KiB), 1)
+        assert f.read_local(0, 2 * MiB, 64 * KiB) == back
+        x.monitor.check()

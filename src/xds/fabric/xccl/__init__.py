@@ -112,9 +112,17 @@ class XCCL:
         """Send and return when the receiver has ACKed (AIVs held throughout)."""
         return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
 
-    def reset_pair(self, src: int, dst: int) -> None:
-        """Re-initialise a pair abandoned by a cancelled or timed-out transfer."""
-        self.p2p.reset_pair(src, dst)
+    def reset_pair(self, src: int, dst: int) -> int:
+        """Re-initialise a pair abandoned by a cancelled or timed-out transfer.
+
+        Returns at once with the virtual time (ns) at which the pair is re-initialised: when
+        the last write the abandoned transfer had posted has landed (``now_ns()`` if none is in
+        flight). A ``send``/``receive`` on the pair waits until then, so it never sees a stale
+        write. Only the direction ``src -> dst`` is reset. Raises ``ProtocolError`` if a send
+        or receive on the pair is still running (a peer blocked on the abandoned message fails
+        shortly after the cancel; reset after that).
+        """
+        return self.p2p.reset_pair(src, dst)
 
     async def receive(
         self,

@@ -18,6 +18,15 @@ in ``chunkID``. The sender returns when it sees that ACK (steps 4, 8).
 Messages larger than the ring flow through it: a sender lane blocks on credits while the
 receiver drains. Sync mode holds the AIVs from launch to return; async mode releases them once
 the data has moved and does not hold them while waiting for the ACK.
+
+Cancellation. A send or receive cancelled in the middle of a message *abandons* its pair: the
+pair is poisoned (every later operation on it raises :class:`ProtocolError`) and the peer is
+told with an abort notice, a metadata write ordered after every write already posted on the pair
+(so it never overtakes in-flight data, tailPtrs or credits). A peer blocked on the abandoned
+message (a sender waiting for credits or the final ACK, a receiver waiting for a tailPtr) wakes
+on it and raises the same error. :meth:`P2P.reset_pair` re-initialises the pair once every
+write posted on it has landed (real in-flight writes still arrive after a cancel); operations on
+the pair wait until then.
 """
 
 from __future__ import annotations
@@ -80,6 +89,20 @@ class _Pair:
         self.posted: deque[Message] = deque()
         self.posted_event = anyio.Event()
         self.poisoned: str | None = None
+        self.aborted = False  # the abort notice of a poisoning has reached the peer
+        self.quiescent_ns = 0  # when the latest write posted on the pair becomes visible
+        self.ready: anyio.Event | None = None  # set when a deferred re-initialisation is done
+        self.ready_ns = 0  # when that re-initialisation happens
+
+    def posted_until(self, visible_ns: int) -> None:
+        """Record a write posted on the pair's behalf that becomes visible at ``visible_ns``."""
+        if visible_ns > self.quiescent_ns:
+            self.quiescent_ns = visible_ns
+
+    async def wait_ready(self) -> None:
+        """Wait until a deferred re-initialisation (:meth:`P2P.reset_pair`) has happened."""
+        if self.ready is not None:
+            await self.ready.wait()
 
 
 class P2P:
@@ -164,6 +187,7 @@ class P2P:
         start = now_ns()  # end to end, as P037 measures: queueing for the pair and AIVs counts
         pair = self.pair(src, dst)
         async with pair.send_lock:
+            await pair.wait_ready()
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(src)
@@ -197,15 +221,23 @@ class P2P:
                 try:
                     async with task_group_raising_single() as tg:
                         for lane in range(min(lanes, len(chunks))):
-                            tg.start_soon(self._send_lane, pair, msg, lane)
+                            tg.start_soon(
+                                self._send_lane,
+                                pair,
+                                msg,
+                                lane,
+                                name=f"xccl send {src}->{dst} lane {lane}",
+                            )
                     if not hold_aivs:
                         pool.release(n_aiv)
                         held = False
                     await self._await_final_ack(pair, msg)
                 except anyio.get_cancelled_exc_class():
-                    pair.poisoned = (
+                    self._abandon(
+                        pair,
                         f"pair {src}->{dst} was abandoned by a cancelled send (eventID "
-                        f"{event_id}): its ring holds an unfinished message"
+                        f"{event_id}): its ring holds an unfinished message",
+                        writer=src,
                     )
                     raise
             finally:
@@ -233,6 +265,8 @@ class P2P:
         first = True
         published = pair.published.get(lane, 0)
         for j in range(lane, len(msg.chunks), msg.lanes):
+            if pair.aborted:
+                return  # the receiver abandoned the message: send() reports it
             size = msg.chunks[j]
             chunk = msg.base + j
             slot = chunk % ring_slots
@@ -240,11 +274,15 @@ class P2P:
             # until the slot's previous chunk (one ring earlier) has been issued by its lane.
             previous = chunk - ring_slots
             while previous >= 0 and pair.slot_last[slot] < previous:
+                if pair.aborted:
+                    return
                 await pair.issued.wait()
             owner = pair.slot_owner[slot]
             if owner is not None:  # R2: wait for the credit of the slot's previous chunk
                 field = sender_mem.meta(dst, owner[0], Direction.TX)
                 while field.ack < owner[1]:
+                    if pair.aborted:
+                        return
                     await field.changed()
             await self.delay("sender", pair, lane)
             start = now_ns()
@@ -265,6 +303,7 @@ class P2P:
             offset = msg.offsets[j]
             data = msg.data[offset : offset + size] if msg.data is not None else None
             fabric.post(t.visible_ns, self._chunk_visible, pair, lane, slot, chunk, size, data)
+            pair.posted_until(t.visible_ns)
             self._post_tail(pair, msg, lane, chunk, published, t)
             await sleep_until_ns(t.end_ns)
             first = False
@@ -292,6 +331,7 @@ class P2P:
         self, pair: _Pair, msg: Message, lane: int, chunk: int, published: int, t: Transfer
     ) -> None:
         when = self.tail_visible_ns(t)
+        pair.posted_until(when)
         self.fabric.post(when, self.monitor.tail_visible, pair.src, pair.dst, lane, published)
         self.fabric.post_meta(
             when,
@@ -321,6 +361,10 @@ class P2P:
             and field.flags & 0x1
             and (field.event_id == msg.event_id or field.flags & NACK)
         ):
+            if pair.aborted:  # the receiver abandoned the message: no ACK will come
+                raise ProtocolError(
+                    f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}: {pair.poisoned}"
+                )
             await field.changed()
         if field.flags & NACK:
             raise ProtocolError(
@@ -345,6 +389,7 @@ class P2P:
         start = now_ns()
         pair = self.pair(src, dst)
         async with pair.recv_lock:
+            await pair.wait_ready()
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(dst)
@@ -370,24 +415,41 @@ class P2P:
                         f"receiver uses {engine}/{n_aiv} AIVs but the sender used "
                         f"{msg.engine}/{msg.n_aiv}"
                     )
+                consumed_before = sum(pair.consumed.values())
                 try:
                     async with task_group_raising_single() as tg:
                         for lane in range(min(msg.lanes, len(msg.chunks))):
                             tg.start_soon(
-                                self._receive_lane, pair, msg, lane, buf, event_id, problems
+                                self._receive_lane,
+                                pair,
+                                msg,
+                                lane,
+                                buf,
+                                event_id,
+                                problems,
+                                name=f"xccl receive {src}->{dst} lane {lane}",
                             )
                 except anyio.get_cancelled_exc_class():
-                    pair.poisoned = (
+                    self._abandon(
+                        pair,
                         f"pair {src}->{dst} was abandoned by a cancelled receive (eventID "
-                        f"{event_id}) in the middle of a message"
+                        f"{event_id}) in the middle of a message",
+                        writer=dst,
                     )
                     raise
+                if pair.aborted and sum(pair.consumed.values()) - consumed_before < msg.nbytes:
+                    # the sender abandoned the message before all of it arrived
+                    raise ProtocolError(
+                        f"die {dst} receiving eventID {event_id} from {src}: {pair.poisoned}"
+                    )
                 if not hold_aivs:
                     pool.release(n_aiv)
                     held = False
                 flags = 0x1 | (NACK if problems else 0)
+                ack_ns = self.ack_visible_ns(pair, now_ns())
+                pair.posted_until(ack_ns)
                 self.fabric.post_meta(
-                    self.ack_visible_ns(pair, now_ns()),
+                    ack_ns,
                     src,
                     dst,
                     0,
@@ -420,19 +482,88 @@ class P2P:
             pair.posted_event = anyio.Event()
             await pair.posted_event.wait()
 
-    def reset_pair(self, src: int, dst: int) -> None:
-        """Re-initialise the pair ``src -> dst`` after an abandoned transfer: drop its ring
-        contents, descriptors and credits on both sides (what re-establishing the pair's
-        managed ring and metadata does). Only call it when no transfer on the pair is running.
+    # -- cancellation and recovery ---------------------------------------------------------------
+    def _abandon(self, pair: _Pair, reason: str, *, writer: int) -> None:
+        """A send or receive was cancelled in the middle of a message: poison the pair (later
+        operations raise ``reason``) and post the abort notice that wakes a peer blocked on the
+        message. The notice is a metadata write from ``writer`` to its peer, ordered after
+        every write already posted on the pair, so the peer first sees whatever was in flight.
         """
-        old = self._pairs.pop((src, dst), None)
-        if old is not None and (old.send_lock.locked() or old.recv_lock.locked()):
-            self._pairs[(src, dst)] = old
-            raise ProtocolError(f"pair {src}->{dst} has a transfer in progress")
-        for die, peer in ((src, dst), (dst, src)):
+        if pair.poisoned is not None:
+            return  # already abandoned (both sides cancelled together): one notice is enough
+        pair.poisoned = (
+            f"{reason}; call xccl.reset_pair({pair.src}, {pair.dst}) to re-initialise the pair"
+        )
+        peer = pair.dst if writer == pair.src else pair.src
+        when = max(self.fabric.meta_visible_ns(writer, peer, now_ns()), pair.quiescent_ns)
+        pair.posted_until(when)
+        self.fabric.stats.meta_writes += 1
+        self.fabric.post(when, self._abort_visible, pair)
+
+    def _abort_visible(self, pair: _Pair) -> None:
+        """The abort notice lands: wake every task of the pair blocked on the abandoned message
+        (they see ``pair.aborted`` and give up)."""
+        pair.aborted = True
+        for die, peer, direction in (
+            (pair.src, pair.dst, Direction.TX),  # credits and the final ACK (sender side)
+            (pair.dst, pair.src, Direction.RX),  # tailPtrs (receiver side)
+        ):
             mem = self.fabric.memory(die)
-            for key in [k for k in mem._meta if k[0] == peer and k[2] != Direction.COLL]:
-                del mem._meta[key]
+            for key, field in list(mem._meta.items()):
+                if key[0] == peer and key[2] == direction:
+                    field.notify()
+        issued, pair.issued = pair.issued, anyio.Event()
+        issued.set()
+
+    def reset_pair(self, src: int, dst: int) -> int:
+        """Re-initialise the pair ``src -> dst`` after an abandoned (cancelled or timed-out)
+        transfer: drop its ring contents, descriptors, credits and poisoning on both sides (what
+        re-establishing the pair's managed ring and metadata does). The pair ``dst -> src`` is
+        not touched.
+
+        Writes the abandoned transfer already posted (ring data, tailPtrs, credits, ACKs) still
+        land at their modelled visibility times, so the re-initialisation happens once the last
+        of them is visible. This call returns at once with that virtual time (``now_ns()`` if
+        nothing is in flight); a ``send`` or ``receive`` on the pair started before then waits
+        for it, so it never sees a stale write.
+
+        Call it only when no send or receive on the pair is running (a peer still blocked on
+        the abandoned message fails with :class:`ProtocolError` shortly after the cancel);
+        otherwise it raises :class:`ProtocolError`.
+        """
+        key = (src, dst)
+        old = self._pairs.get(key)
+        if old is not None and (old.send_lock.locked() or old.recv_lock.locked()):
+            raise ProtocolError(
+                f"pair {src}->{dst} has a transfer in progress; reset it only when no send or "
+                "receive on it is running"
+            )
+        now = now_ns()
+        when = now if old is None else max(now, old.quiescent_ns, old.ready_ns)
+        new = self._pairs[key] = _Pair(src, dst, self.fabric.config.ring_slots)
+        new.ready_ns = when
+        if when <= now:
+            self._reinitialise(src, dst)
+        else:
+            new.ready = anyio.Event()
+            self.fabric.post(when, self._deferred_reinitialise, new)
+        return when
+
+    def _deferred_reinitialise(self, pair: _Pair) -> None:
+        self._reinitialise(pair.src, pair.dst)
+        assert pair.ready is not None
+        pair.ready.set()
+
+    def _reinitialise(self, src: int, dst: int) -> None:
+        """Clear the memory of pair ``src -> dst``: the receiver's ring and tailPtr fields, the
+        sender's credit/ACK fields, and the monitor's view of the pair."""
+        receiver, sender = self.fabric.memory(dst), self.fabric.memory(src)
+        for key in [k for k in receiver._meta if k[0] == src and k[2] == Direction.RX]:
+            del receiver._meta[key]
+        for key in [k for k in sender._meta if k[0] == dst and k[2] == Direction.TX]:
+            del sender._meta[key]
+        for slot_key in [k for k in receiver._slots if k[0] == src]:
+            del receiver._slots[slot_key]
         self.monitor.forget_pair(src, dst)
 
     async def _receive_lane(
@@ -456,6 +587,8 @@ class P2P:
             chunk = msg.base + j
             slot = chunk % ring_slots
             while field.tail_ptr < consumed + size:  # step 5: poll the local tailPtr
+                if pair.aborted:
+                    return  # the sender abandoned the message: receive() reports it
                 await field.changed()
             if field.event_id != event_id:  # R3
                 problems.append(
@@ -473,6 +606,7 @@ class P2P:
             self.monitor.read_end(src, dst, slot, chunk)
             pair.consumed[lane] = consumed
             self.after_copy_out(pair, lane, consumed, t)
+            pair.posted_until(self.ack_visible_ns(pair, now_ns()))  # the credit just posted
             first = False
 
     # Hooks a protocol variant may override (the tests keep deliberately broken ones).
