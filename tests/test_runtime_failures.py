@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 import xds
-from xds.errors import ModelDeadlock, ModelLivelock
+from xds.errors import ModelDeadlock, ModelLivelock, ModelTimeLimit
 
 
 def test_deadlock_names_every_waiting_task(xds_backend):
@@ -91,3 +91,41 @@ def test_busy_but_progressing_model_is_not_a_livelock():
         return n
 
     assert xds.run(main, livelock_limit=200) == 5000
+
+
+def test_a_hang_behind_a_periodic_task_stops_at_the_time_limit(xds_backend):
+    """A heartbeat keeps timers pending, so a lost wake-up is no deadlock; the virtual-time
+    limit ends the run there and names who waits."""
+
+    async def main() -> None:
+        never = anyio.Event()
+
+        async def heartbeat() -> None:
+            while True:
+                await xds.sleep_ns(1_000_000)
+
+        async def stuck() -> None:
+            await never.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat, name="heartbeat")
+            tg.start_soon(stuck, name="stuck")
+
+    with pytest.raises(ModelTimeLimit) as info:
+        xds.run(main, backend=xds_backend, time_limit_ns=10_500_000)
+    err = info.value
+    assert err.t_ns == 10_000_000  # the last beat before the limit; the next is past it
+    assert {"stuck", "heartbeat", "main"} <= {w.name for w in err.waiting}
+    assert "stuck" in str(err) and "10500000 ns" in str(err)
+
+
+def test_a_model_within_its_time_limit_is_unaffected(xds_backend):
+    async def main() -> int:
+        await xds.sleep_ns(5_000)
+        return xds.now_ns()
+
+    assert xds.run(main, backend=xds_backend, time_limit_ns=5_000) == 5_000
+    with pytest.raises(xds.errors.ConfigError, match="time_limit_ns"):
+        xds.run(main, time_limit_ns=-1)
+    with pytest.raises(ModelDeadlock):  # a real deadlock is still one, before the limit
+        xds.run(anyio.Event().wait, backend=xds_backend, time_limit_ns=10**12)

@@ -97,6 +97,26 @@ class ModelDeadlock(XdsError):
         super().__init__("\n".join(lines))
 
 
+class ModelTimeLimit(XdsError):
+    """The run reached its virtual-time limit (``xds.run(..., time_limit_ns=...)``) before
+    ``main`` returned: a hang that periodic tasks keep from being a deadlock, or a model
+    slower than expected. Names each task still waiting and where it waits."""
+
+    def __init__(self, t_ns: int, limit_ns: int, waiting: Sequence[WaitingTask]):
+        self.t_ns = t_ns
+        self.limit_ns = limit_ns
+        self.waiting = tuple(waiting)
+        lines = [
+            f"virtual-time limit of {limit_ns} ns reached (next event due after it): "
+            f"{len(self.waiting)} task(s) still waiting"
+        ]
+        shown = self.waiting[:40]
+        lines += [f"  - {w.describe()}" for w in shown]
+        if len(self.waiting) > len(shown):
+            lines.append(f"  ... and {len(self.waiting) - len(shown)} more")
+        super().__init__("\n".join(lines))
+
+
 class ModelLivelock(XdsError):
     """The model kept running at one virtual instant for too many loop iterations.
 

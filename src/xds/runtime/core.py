@@ -19,7 +19,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, WaitingTask
+from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, ModelTimeLimit, WaitingTask
 
 from . import determinism
 from .diagnose import interrupt_blocked_trio_tasks, waiting_asyncio_tasks, waiting_trio_tasks
@@ -54,6 +54,7 @@ class Runtime:
         event_log: bool = True,
         schedule_seed: int | None = None,
         livelock_limit: int = 1_000_000,
+        time_limit_ns: int | None = None,
     ):
         if backend not in BACKENDS:
             raise ConfigError(
@@ -62,6 +63,17 @@ class Runtime:
             )
         if not isinstance(livelock_limit, int) or livelock_limit < 1:
             raise ConfigError("livelock_limit must be a positive integer", field="livelock_limit")
+        if time_limit_ns is not None and (
+            isinstance(time_limit_ns, bool)
+            or not isinstance(time_limit_ns, numbers.Integral)
+            or time_limit_ns < 0
+        ):
+            raise ConfigError(
+                f"time_limit_ns must be a non-negative integer number of nanoseconds, got "
+                f"{time_limit_ns!r}",
+                field="time_limit_ns",
+            )
+        self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
         self.seed = seed
         self.backend: Backend = backend
         self.rng = RngStreams(seed)
@@ -161,6 +173,8 @@ class Runtime:
                 on_livelock=self._on_livelock,
                 on_callback_error=self._on_callback_error,
                 livelock_limit=self.livelock_limit,
+                time_limit_ns=self.time_limit_ns,
+                on_time_limit=self._on_time_limit,
             )
             return self._loop
 
@@ -187,7 +201,9 @@ class Runtime:
         from .trio_clock import virtual_mock_clock
 
         determinism.seed_trio_scheduler(self.schedule_seed)
-        self._trio_clock = virtual_mock_clock(self._on_deadlock)
+        self._trio_clock = virtual_mock_clock(
+            self._on_deadlock, self.time_limit_ns, self._on_time_limit
+        )
         try:
             return anyio.run(
                 self._root,
@@ -197,7 +213,7 @@ class Runtime:
                 backend_options={"clock": self._trio_clock},
             )
         except trio.TrioInternalError as exc:
-            if isinstance(exc.__cause__, (ModelDeadlock, ModelLivelock)):
+            if isinstance(exc.__cause__, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):
                 raise exc.__cause__ from None
             raise
 
@@ -227,6 +243,24 @@ class Runtime:
         self._failure = ModelDeadlock(self.now_ns(), self._waiting_tasks())
         self._root_scope.cancel()
 
+    def _on_time_limit(self) -> None:
+        """The next event is due after the virtual-time limit: fail the run there, naming the
+        waiting tasks (as a deadlock does)."""
+        if self._failure is not None and self._trio_clock is not None and not self._hard_stop:
+            self._hard_stop = True  # still stuck after cancelling: interrupt the shielded waits
+            failure = self._failure
+            interrupt_blocked_trio_tasks(lambda: failure)
+            return
+        if self._failure is not None or self._root_scope is None:
+            self._hard_stop = True
+            raise self._failure or ModelTimeLimit(
+                self.now_ns(), self.time_limit_ns or 0, self._waiting_tasks()
+            )
+        self._failure = ModelTimeLimit(
+            self.now_ns(), self.time_limit_ns or 0, self._waiting_tasks()
+        )
+        self._root_scope.cancel()
+
     def _on_callback_error(self, exc: BaseException) -> None:
         if self._failure is None and self._root_scope is not None:
             self._failure = exc
@@ -253,13 +287,16 @@ def run(
     event_log: bool = True,
     schedule_seed: int | None = None,
     livelock_limit: int = 1_000_000,
+    time_limit_ns: int | None = None,
 ) -> T:
     """Run ``main(*args)`` in virtual time and return its result.
 
     ``seed`` seeds every random stream of the run; ``backend`` is ``"asyncio"`` (xds's virtual
     loop, the default) or ``"trio"`` (``MockClock(autojump_threshold=0)``, deterministic
     scheduling seeded with ``schedule_seed``, default ``seed``). Raises
-    :class:`xds.errors.ModelDeadlock` if the model can make no further progress.
+    :class:`xds.errors.ModelDeadlock` if the model can make no further progress, and
+    :class:`xds.errors.ModelTimeLimit` if ``time_limit_ns`` is given and the next event is due
+    after it (a hang kept alive by periodic tasks); both name the waiting tasks.
     """
     rt = Runtime(
         seed=seed,
@@ -267,6 +304,7 @@ def run(
         event_log=event_log,
         schedule_seed=schedule_seed,
         livelock_limit=livelock_limit,
+        time_limit_ns=time_limit_ns,
     )
     return rt.run(main, *args)
 

@@ -13,7 +13,8 @@ clock (``time()``) to its exact deadline, so a caller comparing ``time()`` with 
 armed always finds it reached.
 
 When nothing is runnable and no timer is pending the model is deadlocked; the loop reports it to
-its owner (``on_deadlock``) instead of blocking forever. When the loop spins at one instant for
+its owner (``on_deadlock``) instead of blocking forever. With a ``time_limit_ns`` it reports
+(``on_time_limit``) instead of jumping past the limit. When the loop spins at one instant for
 ``livelock_limit`` iterations it reports a livelock.
 """
 
@@ -65,6 +66,9 @@ class _VirtualSelector(selectors.SelectSelector):
         # The head timer is in the future: jump to it. The float clock moves to the timer's
         # own deadline (never below it), the integer clock to its nanosecond.
         head = loop._scheduled[0]
+        if loop.time_limit_ns is not None and head._when_ns > loop.time_limit_ns:
+            loop._report_time_limit()
+            return []
         if head._when_ns > loop._now_ns:
             loop._now_ns = head._when_ns
         loop._time_s = max(loop._time_s, head._when, loop._now_ns / 1e9)
@@ -92,8 +96,12 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         on_livelock: Callable[[int, int], None] | None = None,
         on_callback_error: Callable[[BaseException], None] | None = None,
         livelock_limit: int = 1_000_000,
+        time_limit_ns: int | None = None,
+        on_time_limit: Callable[[], None] | None = None,
     ):
         self._now_ns = 0
+        self.time_limit_ns = time_limit_ns
+        self._on_time_limit = on_time_limit
         self._time_s = 0.0
         self._spins = 0
         self._timer_seq = itertools.count()
@@ -149,6 +157,13 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
 
             raise ModelDeadlock(self._now_ns, [])
         self._on_deadlock()
+
+    def _report_time_limit(self) -> None:
+        if self._on_time_limit is None:
+            from xds.errors import ModelTimeLimit
+
+            raise ModelTimeLimit(self._now_ns, self.time_limit_ns or 0, [])
+        self._on_time_limit()
 
     def _report_livelock(self) -> None:
         if self._on_livelock is None:

@@ -16,8 +16,13 @@ import trio
 from trio.testing import MockClock
 
 
-def virtual_mock_clock(on_deadlock: Callable[[], None]) -> MockClock:
-    """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``."""
+def virtual_mock_clock(
+    on_deadlock: Callable[[], None],
+    time_limit_ns: int | None = None,
+    on_time_limit: Callable[[], None] | None = None,
+) -> MockClock:
+    """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``
+    and, instead of jumping past ``time_limit_ns``, calls ``on_time_limit``."""
     clock = MockClock(rate=0.0, autojump_threshold=0)
 
     def current_time() -> float:
@@ -31,6 +36,11 @@ def virtual_mock_clock(on_deadlock: Callable[[], None]) -> MockClock:
             if statistics.tasks_runnable == 0:
                 on_deadlock()
         elif jump > 0:
+            limit = time_limit_ns
+            if limit is not None and round((clock._virtual_base + jump) * 1e9) > limit:
+                if on_time_limit is not None:
+                    on_time_limit()
+                return
             clock.jump(jump)
 
     clock.current_time = current_time  # type: ignore[method-assign]
