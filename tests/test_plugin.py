@@ -21,7 +21,14 @@ def run(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunResult:
 
 
 def test_marker_keywords_are_the_runtimes():
-    assert MARKER_KEYWORDS == ("seed", "backend", "event_log", "schedule_seed", "livelock_limit")
+    assert MARKER_KEYWORDS == (
+        "seed",
+        "backend",
+        "event_log",
+        "schedule_seed",
+        "livelock_limit",
+        "time_limit_ns",
+    )
 
 
 def test_marked_async_tests_run_in_virtual_time_with_the_markers_seed(pytester):
