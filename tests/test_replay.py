@@ -277,6 +277,24 @@ def test_a_failed_distflow_instance_fails_only_its_own_pair():
         r.inject_distflow_failure(0, prefill_te=5)
 
 
+def test_replay_takes_faults_and_keeps_the_event_log_on_request():
+    from xds.serve.replay import DistFlowFault
+
+    wl = _workload(*[(i * 100_000_000, 1500, 20) for i in range(12)])
+    res = replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=0)], event_log=True)
+    failed = [x for x in res.records if x.outcome == "failed"]
+    assert failed and all("DistFlow P0-D0" in x.reason for x in failed)
+    assert res.summary.failed == len(failed) and res.summary.completed == 12 - len(failed)
+    assert [e.fields for e in res.events.select("distflow", "instance-failed")] == [
+        {"prefill_te": 0, "decode_te": 0}
+    ]
+    assert replay(wl, SMALL).events is None  # off by default: long replays stay lean
+    with pytest.raises(ConfigError, match="faults"):
+        replay(wl, SMALL, faults=[(0, 0, 0)])
+    with pytest.raises(ConfigError, match="P3-D0"):
+        replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=3)])
+
+
 _GRID: list = []
 
 

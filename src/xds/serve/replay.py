@@ -19,7 +19,7 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import anyio
@@ -31,7 +31,8 @@ from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
-from ..runtime import emit, now_ns, run, sleep_until_ns
+from ..runtime import Runtime, emit, now_ns, sleep_until_ns
+from ..runtime.events import EventLog
 from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
@@ -115,6 +116,15 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return prefill + self.decode_tes * self.decode.dies // 2
 
 
+class DistFlowFault(msgspec.Struct, frozen=True):
+    """From virtual time ``at_ns`` the DistFlow instance of (``prefill_te``, ``decode_te``)
+    fails every transfer it completes (:meth:`Replay.inject_distflow_failure`)."""
+
+    at_ns: int
+    prefill_te: int
+    decode_te: int = 0
+
+
 class ReplayResult(msgspec.Struct):
     records: list[RequestRecord]
     summary: Summary
@@ -125,6 +135,8 @@ class ReplayResult(msgspec.Struct):
     prefill_busy: list[float] = []
     """Per Prefill TE, the share of the prefill phase (first arrival to last first token) it
     spent in steps: near 1 means prefill is the bottleneck."""
+    events: EventLog | None = None
+    """The run's event log, with ``replay(..., event_log=True)``."""
 
 
 class Replay:
@@ -459,14 +471,21 @@ def replay(
     decode_routing: DecodeRouting = lowest_kv,
     prefill_te_selection: PrefillTESelection = earliest_first_token,
     decode_te_selection: DecodeTESelection = fewest_sequences,
+    faults: Sequence[DistFlowFault] = (),
+    event_log: bool = False,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
     configuration (:func:`~xds.serve.decode_te.comm_grid`); the policy keywords plug in your
-    own (see :class:`Replay`)."""
+    own (see :class:`Replay`). ``faults`` are injected before the run starts; with
+    ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
     cfg = config or PDConfig()
     _check_workload(workload)
+    faults = list(faults)
+    for fault in faults:
+        if not isinstance(fault, DistFlowFault):
+            raise ConfigError(f"expected DistFlowFault entries, got {fault!r}", field="faults")
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
@@ -482,9 +501,12 @@ def replay(
             prefill_te_selection=prefill_te_selection,
             decode_te_selection=decode_te_selection,
         )
+        for fault in faults:
+            r.inject_distflow_failure(fault.at_ns, fault.prefill_te, fault.decode_te)
         return await r.run()
 
-    records = run(main, seed=seed, backend=backend, event_log=False)
+    runtime = Runtime(seed=seed, backend=backend, event_log=event_log)  # type: ignore[arg-type]
+    records = runtime.run(main)
     check_complete(records, len(workload))
     r = holder["r"]
     return ReplayResult(
@@ -495,4 +517,5 @@ def replay(
         decode_iterations=sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
         prefill_busy=[te.busy_ns / _prefill_phase_ns(records) for te in r.prefill],
+        events=runtime.events if event_log else None,
     )
