@@ -129,3 +129,20 @@ def test_a_model_within_its_time_limit_is_unaffected(xds_backend):
         xds.run(main, time_limit_ns=-1)
     with pytest.raises(ModelDeadlock):  # a real deadlock is still one, before the limit
         xds.run(anyio.Event().wait, backend=xds_backend, time_limit_ns=10**12)
+
+
+def test_a_wait_inside_xds_names_the_users_call_too():
+    from xds.fabric import UBFabric
+    from xds.fabric.xccl import XCCL, AppBuffer
+
+    async def main() -> None:
+        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1))
+        async with XCCL(fabric) as xccl:
+            await xccl.receive(1, 0, AppBuffer(0, 4096), event_id=1)  # nobody sends
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main)
+    (main_task,) = info.value.waiting
+    assert main_task.waiting_in.startswith("p2p.py:")  # where xds waits
+    assert main_task.called_from.startswith("test_runtime_failures.py:")  # the user's line
+    assert "called from test_runtime_failures.py" in str(info.value)

@@ -70,10 +70,13 @@ class WaitingTask(msgspec.Struct, frozen=True):
     """Innermost frame of the model's own code, as ``file:line in function``."""
     waiting_on: str
     """Innermost library call it is blocked in (e.g. ``Event.wait``), or ``""``."""
+    called_from: str = ""
+    """When ``waiting_in`` is inside xds: the innermost frame of the caller's own code."""
 
     def describe(self) -> str:
         on = f" (blocked in {self.waiting_on})" if self.waiting_on else ""
-        return f"{self.name}: {self.waiting_in}{on}"
+        caller = f", called from {self.called_from}" if self.called_from else ""
+        return f"{self.name}: {self.waiting_in}{on}{caller}"
 
 
 class ModelDeadlock(XdsError):

@@ -13,6 +13,7 @@ from xds.errors import WaitingTask
 
 _LIBRARY_PACKAGES = ("asyncio", "anyio", "trio", "outcome", "sniffio")
 _RUNTIME_DIR = os.path.dirname(__file__) + os.sep
+_XDS_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -28,11 +29,18 @@ def _is_library(filename: str, dirs: tuple[str, ...]) -> bool:
     return filename.startswith(dirs)
 
 
-def _describe_frames(frames: list[FrameType]) -> tuple[str, str]:
-    """(innermost model frame, innermost library call) for a task's await chain."""
+def _where(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}"
+
+
+def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str]:
+    """(innermost model frame, innermost library call, innermost frame of the user's own
+    code when the model frame is inside xds) for a task's await chain."""
     dirs = _library_dirs()
     waiting_in = "<unknown>"
     waiting_on = ""
+    user = ""
     for frame in frames:
         code = frame.f_code
         if _is_library(code.co_filename, dirs):
@@ -40,11 +48,12 @@ def _describe_frames(frames: list[FrameType]) -> tuple[str, str]:
                 continue  # keep the outermost library call below the model's frame
             waiting_on = code.co_qualname
         else:
-            waiting_in = (
-                f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}"
-            )
+            waiting_in = _where(frame)
             waiting_on = ""
-    return waiting_in, waiting_on
+            if not code.co_filename.startswith(_XDS_DIR):
+                user = waiting_in
+    called_from = user if user and user != waiting_in else ""
+    return waiting_in, waiting_on, called_from
 
 
 def _coroutine_frames(coro: Any) -> list[FrameType]:
@@ -71,8 +80,8 @@ def waiting_asyncio_tasks(loop: asyncio.AbstractEventLoop) -> list[WaitingTask]:
     for task in asyncio.all_tasks(loop):
         if task.done():
             continue
-        waiting_in, waiting_on = _describe_frames(_coroutine_frames(task.get_coro()))
-        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on))
+        waiting_in, waiting_on, called_from = _describe_frames(_coroutine_frames(task.get_coro()))
+        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on, called_from))
     return _model_tasks(out)
 
 
@@ -116,6 +125,6 @@ def waiting_trio_tasks() -> list[WaitingTask]:
         frames = [frame for frame, _ in task.iter_await_frames()]
         if not frames:
             continue
-        waiting_in, waiting_on = _describe_frames(frames)
-        out.append(WaitingTask(task.name, waiting_in, waiting_on))
+        waiting_in, waiting_on, called_from = _describe_frames(frames)
+        out.append(WaitingTask(task.name, waiting_in, waiting_on, called_from))
     return _model_tasks(out)
