@@ -1,0 +1,525 @@
+"""The cost of a colocated decode pass on FlowServe (SPEC 6, 8, 9, 12.2): the deployment's
+configuration, per-kernel times of one iteration on every die, dispatch/combine costs measured
+on the collective tier, the per-kernel breakdown, and the KV room a die has after its weights.
+
+:class:`DecodeModel` prices one iteration for all dies at once (the iteration tier): the MTP
+pass, then the main pass verifying ``1 + k`` tokens per sequence. Within a pass every die runs
+its dense layers and the first MoE layer's attention alone; the first dispatch is the first
+all-die barrier and absorbs the host jitter of every DP (SPEC 6.5); from there the dies move in
+lockstep: per MoE layer, dispatch, the slowest expert, combine, then the next layer's attention
+(the slowest DP). :mod:`xds.serve.decode` runs requests through it.
+"""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import numpy as np
+
+from ..config import check_fields
+from ..errors import ConfigError
+from ..fabric.xccl.moe import ExpertMap, PullOrder
+from ..hw import ASCEND_910C_DIE, CloudMatrix384
+from ..model import MODELS, CostModel, KernelEfficiency, Precision
+from ..runtime import now_ns, rng, sleep_until_ns
+from ..units import MS
+from .eplb.online import OnlineEPLB, OnlineEPLBConfig
+from .jitter import JitterConfig
+from .kv import WORKSPACE_FRACTION, kv_capacity_blocks
+from .mtp import MTPConfig
+
+
+class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A colocated decode deployment and its workload (defaults: SPEC 12.2's peak run)."""
+
+    model: str = "deepseek-r1"
+    dies: int = 288
+    batch_per_die: int = 60
+    input_tokens: int = 2048
+    output_tokens: int = 2048
+    mtp: MTPConfig = MTPConfig(k=1, acceptance=(0.9,))
+    shared_expert_dies: int = 32
+    dispatch_dtype: str = "int8"
+    combine_dtype: str = "bf16"
+    pull_order: PullOrder = "static"
+    """Dispatch/combine pull order over the AIVs (:data:`xds.fabric.xccl.moe.PullOrder`)."""
+    scheduler_gap_ns: int = 2 * MS
+    jitter: JitterConfig = JitterConfig(enabled=True)
+    precision: Precision = Precision()
+    efficiency: KernelEfficiency = KernelEfficiency()
+    block_tokens: int = 128
+    kv_blocks_per_die: int = 0
+    """0: derived from HBM left after the weights held by a die."""
+    eplb: OnlineEPLBConfig | None = None
+    """Skewed, drifting routing with online expert balancing (None: uniform routing)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        checks = [
+            ("dies", self.dies >= 1, "must be >= 1"),
+            ("batch_per_die", self.batch_per_die >= 1, "must be >= 1"),
+            ("input_tokens", self.input_tokens >= 1, "must be >= 1"),
+            ("output_tokens", self.output_tokens >= 1, "must be >= 1"),
+            (
+                "shared_expert_dies",
+                0 <= self.shared_expert_dies < self.dies,
+                f"must be >= 0 and below dies ({self.dies})",
+            ),
+            ("scheduler_gap_ns", self.scheduler_gap_ns >= 0, "must be >= 0"),
+            ("block_tokens", self.block_tokens >= 1, "must be >= 1"),
+            ("kv_blocks_per_die", self.kv_blocks_per_die >= 0, "must be >= 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"{rule}, got {getattr(self, name)!r}", field=name)
+        if self.model not in MODELS:
+            raise ConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
+            )
+        if MODELS[self.model].attention != "mla":
+            raise ConfigError(
+                f"{self.model}: the decode cost model covers MLA models only", field="model"
+            )
+        self.precision.check_layers(MODELS[self.model])
+        m = MODELS[self.model]
+        if self.dies > m.routed_experts + self.shared_expert_dies:
+            raise ConfigError(
+                f"{self.dies} dies, but {m.name} has {m.routed_experts} routed experts and "
+                f"{self.shared_expert_dies} shared-expert dies to place, at least one per die: "
+                f"use at most {m.routed_experts + self.shared_expert_dies} dies",
+                field="dies",
+            )
+        if self.kv_blocks_per_die == 0:
+            weights = decode_weight_bytes(self)
+            hbm = ASCEND_910C_DIE.hbm_bytes
+            if weights >= (1 - WORKSPACE_FRACTION) * hbm:
+                raise ConfigError(
+                    f"with {self.dies} dies each holds {weights / 2**30:.1f} GiB of weights, "
+                    f"no room for KV on a {hbm / 2**30:.0f} GiB die: use more dies",
+                    field="dies",
+                )
+
+    @property
+    def spec(self):
+        if self.model not in MODELS:
+            raise ConfigError(
+                f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
+            )
+        return MODELS[self.model]
+
+
+class CommCosts(msgspec.Struct, frozen=True):
+    """Dispatch/combine latency of one MoE layer at a given tokens-per-die (collective tier,
+    measured once from a common start: the barrier-free cost of the exchange)."""
+
+    tokens_per_die: int
+    dispatch_ns: int
+    combine_ns: int
+
+
+class Breakdown(msgspec.Struct):
+    """Per-kernel time of iterations (ns, summed), Figure 20 style."""
+
+    attention: int = 0
+    mla_other: int = 0
+    gating: int = 0
+    dispatch: int = 0
+    experts: int = 0
+    combine: int = 0
+    dense_mlp: int = 0
+    lm_head: int = 0
+    sampling: int = 0
+    launch: int = 0
+    jitter_wait: int = 0
+
+    def add(self, other: Breakdown) -> None:
+        for name in self.__struct_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def total(self) -> int:
+        return sum(getattr(self, n) for n in self.__struct_fields__)
+
+
+class IterationOutcome(msgspec.Struct):
+    time_ns: int
+    breakdown: Breakdown
+    first_dispatch_ns: np.ndarray  # per die: its first dispatch kernel's duration
+
+
+class DecodeModel:
+    """Per-iteration costs of the instance (shared by both tiers)."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        comm: CommCosts,
+        comm_mtp: CommCosts | None = None,
+        pod: CloudMatrix384 | None = None,
+    ):
+        self.config = config
+        self.model = config.spec
+        self.pod = pod or CloudMatrix384(servers=max(1, -(-config.dies // 16)))
+        self.cost = CostModel(
+            self.model, self.pod.die_spec, precision=config.precision, efficiency=config.efficiency
+        )
+        self.comm = comm
+        self.comm_mtp = comm_mtp or comm
+        self.online: OnlineEPLB | None = None
+        """Online EPLB: routing drawn from its popularity, loads under its mapping."""
+        self.routed_die_share: np.ndarray | None = None
+        """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
+        placements on skewed routing); None means uniform routing drawn per pass."""
+        self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
+        self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
+        """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
+        sequence, INT8 attention): a pass looks up each distinct DP shape once."""
+        self._dense_cache: dict[float, int] = {}
+        self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
+        self._expert_cache: dict[float, int] = {}
+
+    # pieces of one pass ------------------------------------------------------------------------
+    def attention_part(
+        self, seqs: int, tokens_per_seq: float, context: int, layer: int | None = None
+    ) -> tuple[int, int, int]:
+        """(attention, other MLA + norms, gating) of one layer on one die (``layer`` picks
+        BF16 or INT8 attention, :attr:`Precision.attention_int8_layers`)."""
+        int8 = self.cost.precision.int8_attention(layer)
+        key = (seqs, tokens_per_seq, context, int8)
+        hit = self._attn_cache.get(key)
+        if hit is not None:
+            return hit
+        c = self.cost
+        if len(self._attn_cache) >= 65_536:
+            self._attn_cache.clear()
+        tokens = seqs * tokens_per_seq
+        attn = c.mla_attention(seqs, tokens_per_seq, context, layer=layer).time_ns if seqs else 0
+        other = (
+            sum(k.time_ns for k in c.mla_prolog(tokens))
+            + sum(k.time_ns for k in c.mla_output(tokens))
+            + c.kernel(
+                "post_norm",
+                5.0 * tokens * self.model.hidden,
+                4.0 * tokens * self.model.hidden,
+                "vector",
+            ).time_ns
+            if seqs
+            else 0
+        )
+        gate = c.gating(tokens).time_ns if seqs else 0
+        self._attn_cache[key] = (attn, other, gate)
+        return attn, other, gate
+
+    def _int8_layout(
+        self, first_layer: int, dense: int, n_moe: int
+    ) -> tuple[int, bool, int, int | None]:
+        """For a pass over layers ``first_layer..`` (``dense`` dense, then ``n_moe`` MoE): the
+        INT8-attention dense layers, whether the first MoE layer is one, how many of the later
+        MoE layers are, and one such layer (None if none) - cached per pass shape."""
+        key = (first_layer, dense, n_moe)
+        hit = self._layouts.get(key)
+        if hit is None:
+            p = self.cost.precision
+            flags = [p.int8_attention(first_layer + i) for i in range(dense + n_moe)]
+            some = next((first_layer + i for i, q in enumerate(flags) if q), None)
+            first = bool(n_moe) and flags[dense]
+            hit = self._layouts[key] = (sum(flags[:dense]), first, sum(flags[dense + 1 :]), some)
+        return hit
+
+    def dense_mlp_ns(self, tokens: float) -> int:
+        hit = self._dense_cache.get(tokens)
+        if hit is None:
+            hit = self._dense_cache[tokens] = self.cost.dense_mlp(tokens).time_ns if tokens else 0
+        return hit
+
+    def expert_ns(self, tokens: float) -> int:
+        hit = self._expert_cache.get(tokens)
+        if hit is None:
+            hit = self._expert_cache[tokens] = self.cost.expert(tokens).time_ns
+        return hit
+
+    def head_ns(self, tokens: float) -> tuple[int, int]:
+        return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
+
+    def layer_expert_ns(self, gen: np.random.Generator, tokens_total: int) -> int:
+        """Expert time of the busiest die in one MoE layer: routed copies spread over the
+        routed experts (multinomial, uniform gating), experts placed contiguously on the
+        routed dies (each expert on a die costs its own weight read), the shared expert
+        split over its instances on the last dies."""
+        cfg, m = self.config, self.model
+        routed = gen.multinomial(
+            tokens_total * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
+        )
+        routed_dies = cfg.dies - cfg.shared_expert_dies
+        die_of = np.arange(m.routed_experts) * routed_dies // m.routed_experts
+        per_expert = np.array([self.expert_ns(float(t)) for t in routed])
+        die_ns = np.bincount(die_of, weights=per_expert, minlength=routed_dies)
+        busiest = float(die_ns.max())
+        if cfg.shared_expert_dies:
+            busiest = max(busiest, self.expert_ns(tokens_total / cfg.shared_expert_dies))
+        return round(busiest)
+
+    def draw_experts(
+        self, seqs: np.ndarray, gen: np.random.Generator
+    ) -> tuple[list[int], list[int]]:
+        """Expert-compute time of every MoE layer of this iteration: (MTP layer, main layers),
+        drawn in that order from the routing stream (both tiers draw through here)."""
+        m = self.model
+        total = int(seqs.sum())
+        k = self.config.mtp.k
+        moe_layers = m.layers - m.dense_layers
+        if self.online is not None:  # skewed routing under the current EPLB mapping
+            busiest = self.online.busiest_die_tokens(total * (1 + k), m.top_k)
+            main = [self.expert_ns(t) for t in busiest]
+            mtp_tokens = float(np.mean(busiest)) / (1 + k)  # the MTP layer: a typical layer
+            return [self.expert_ns(mtp_tokens)] * k, main
+        if self.routed_die_share is not None:  # a fixed placement on a measured load
+            mtp = [self.expert_ns(self.busiest_die(total, moe_layers // 2)) for _ in range(k)]
+            main = [
+                self.expert_ns(self.busiest_die(total * (1 + k), layer))
+                for layer in range(moe_layers)
+            ]
+            return mtp, main
+        mtp = [self.layer_expert_ns(gen, total) for _ in range(k)]
+        main = [self.layer_expert_ns(gen, total * (1 + k)) for _ in range(moe_layers)]
+        return mtp, main
+
+    def busiest_die(self, tokens: int, layer: int) -> float:
+        """Tokens on the busiest die of ``layer`` under ``routed_die_share`` (plus the shared
+        expert's instances on the last dies)."""
+        assert self.routed_die_share is not None
+        cfg = self.config
+        die = self.routed_die_share[layer] * tokens * self.model.top_k
+        if cfg.shared_expert_dies:
+            die = die.copy()
+            die[cfg.dies - cfg.shared_expert_dies :] += tokens / cfg.shared_expert_dies
+        return float(die.max())
+
+    def iteration(
+        self, seqs: np.ndarray, context: np.ndarray, jitter_ns: np.ndarray, gen: np.random.Generator
+    ) -> IterationOutcome:
+        """One iteration for all dies at once (iteration tier)."""
+        return self.account(seqs, context, jitter_ns, *self.draw_experts(seqs, gen))
+
+    def account(
+        self,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        jitter_ns: np.ndarray,
+        mtp_experts: list[int],
+        main_experts: list[int],
+    ) -> IterationOutcome:
+        """Time and per-kernel breakdown of one iteration given its expert-compute draws."""
+        m = self.model
+        eff = self.config.efficiency
+        k = self.config.mtp.k
+        bd = Breakdown()
+        t = 0
+        proj = self.cost.mtp_projection(float(seqs.max())).time_ns  # the MTP eh_proj
+        for draft in range(k):  # each draft depth is its own sequential MTP forward
+            mtp = self._pass(
+                seqs,
+                context,
+                1.0,
+                m.layers,
+                jitter=np.zeros_like(jitter_ns),
+                bd=bd,
+                experts=[mtp_experts[draft]],
+                comm=self.comm_mtp,
+            )
+            t += mtp.time_ns + eff.graph_launch_ns + proj
+            bd.mla_other += proj
+        main = self._pass(
+            seqs,
+            context,
+            1.0 + k,
+            0,
+            jitter=jitter_ns,
+            bd=bd,
+            experts=main_experts,
+            dense=m.dense_layers,
+            comm=self.comm,
+        )
+        t += main.time_ns + eff.graph_launch_ns
+        bd.launch += (k + 1) * eff.graph_launch_ns
+        return IterationOutcome(t, bd, main.first_dispatch_ns)
+
+    def _pass(
+        self,
+        seqs: np.ndarray,
+        context: np.ndarray,
+        tokens_per_seq: float,
+        first_layer: int,
+        *,
+        jitter: np.ndarray,
+        bd: Breakdown,
+        experts: list[int],
+        comm: CommCosts,
+        dense: int = 0,
+    ) -> IterationOutcome:
+        """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
+        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
+        d, c = comm.dispatch_ns, comm.combine_ns
+        n_moe = len(experts)
+        n8_dense, first8, n8_between, layer8 = self._int8_layout(first_layer, dense, n_moe)
+        # kernel times per distinct (batch, context): DPs mostly share a few shapes
+        keys, which = np.unique(
+            seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
+        )
+
+        def parts(layer: int | None) -> tuple[np.ndarray, ...]:
+            cache = self._parts_cache
+            int8 = self.cost.precision.int8_attention(layer)
+            rows = []
+            for k in keys.tolist():
+                row = cache.get((k, tokens_per_seq, int8))
+                if row is None:
+                    if len(cache) >= 65_536:
+                        cache.clear()
+                    row = cache[(k, tokens_per_seq, int8)] = (
+                        *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
+                        self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
+                    )
+                rows.append(row)
+            table = np.array(rows, dtype=np.int64)[which]
+            return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+
+        attn, other, gate, dense_mlp = parts(None)
+        attn8 = parts(layer8)[0] if layer8 is not None else attn
+        first_attn = attn8 if first8 else attn
+        # dies run alone until the first dispatch: dense layers + first MoE layer's attention
+        lead = (dense - n8_dense) * attn + n8_dense * attn8 + dense * (other + dense_mlp)
+        arrive = lead + first_attn + other + gate + jitter
+        barrier = int(arrive.max())
+        first_dispatch = barrier - arrive + d
+        slowest = int(np.argmax(arrive))
+        t = barrier
+        bd.jitter_wait += int(jitter[slowest])
+        bd.attention += int(
+            (dense - n8_dense) * attn[slowest] + n8_dense * attn8[slowest] + first_attn[slowest]
+        )
+        bd.mla_other += int((dense + 1) * other[slowest])
+        bd.gating += int(gate[slowest])
+        bd.dense_mlp += int(dense * dense_mlp[slowest])
+        # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
+        t += n_moe * (d + c) + sum(experts)
+        bd.dispatch += n_moe * d
+        bd.experts += sum(experts)
+        bd.combine += n_moe * c
+        between = max(0, n_moe - 1)
+        for a, count in ((attn, between - n8_between), (attn8, n8_between)):
+            if not count:  # the layers after the first MoE one, by attention precision
+                continue
+            per_layer = a + other + gate
+            i_max = int(np.argmax(per_layer))
+            t += count * int(per_layer[i_max])
+            bd.attention += count * int(a[i_max])
+            bd.mla_other += count * int(other[i_max])
+            bd.gating += count * int(gate[i_max])
+        head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
+        t += head + samp
+        bd.lm_head += head
+        bd.sampling += samp
+        return IterationOutcome(t, bd, first_dispatch)
+
+
+def measure_comm(
+    config: DecodeConfig,
+    tokens_per_die: int,
+    *,
+    seed: int = 0,
+    expert_map: ExpertMap | None = None,
+    popularity: np.ndarray | None = None,
+) -> CommCosts:
+    """Dispatch/combine cost of one MoE layer with ``tokens_per_die`` tokens on every die
+    (collective tier, common start). Routing is uniform over the routed experts unless
+    ``popularity`` gives their probabilities; each token also visits one shared-expert
+    instance. ``expert_map`` places logical experts (routed, then shared) on the dies,
+    replicas included (EPLB)."""
+    from ..fabric import UBFabric
+    from ..fabric.xccl.ep import EPConfig, EPGroup
+    from ..runtime import run
+
+    m = config.spec
+    n = config.dies
+    shared = config.shared_expert_dies
+    pod = CloudMatrix384(servers=max(1, -(-n // 16)))
+
+    async def main() -> CommCosts:
+        fabric = UBFabric(pod, payload_mode="size")
+        emap = expert_map or (
+            ExpertMap(m.routed_experts + shared, n)
+            if m.routed_experts + shared >= n
+            else ExpertMap(m.routed_experts, n)
+        )
+        width = m.top_k + (1 if shared else 0)
+        group = EPGroup(
+            fabric,
+            list(range(n)),
+            emap,
+            EPConfig(
+                hidden=m.hidden,
+                top_k=width,
+                max_tokens_per_rank=max(1, tokens_per_die),
+                dispatch_dtype=config.dispatch_dtype,  # type: ignore[arg-type]
+                combine_dtype=config.combine_dtype,
+                pull_order=config.pull_order,
+            ),  # type: ignore[arg-type]
+            tier="collective",
+        )
+        pick = rng("decode/comm-routing")
+        routes = []
+        for r in range(n):
+            idx = (
+                np.stack(
+                    [
+                        pick.choice(m.routed_experts, m.top_k, replace=False, p=popularity)
+                        for _ in range(tokens_per_die)
+                    ]
+                )
+                if tokens_per_die
+                else np.zeros((0, m.top_k), np.int64)
+            )
+            if shared:
+                col = m.routed_experts + (r + np.arange(tokens_per_die)) % shared
+                idx = np.concatenate([idx, col[:, None]], axis=1)
+            routes.append(idx)
+        ends = {"d": 0, "c": 0}
+        t0 = now_ns() + 1_000
+        t1 = t0 + 10 * MS
+
+        async def rank(r: int) -> None:
+            await sleep_until_ns(t0)
+            h = await group.dispatch(r, tokens_per_die, routes[r], 2)
+            ends["d"] = max(ends["d"], now_ns())
+            await sleep_until_ns(t1)
+            await group.combine(r, h, None, None, 3)
+            ends["c"] = max(ends["c"], now_ns())
+
+        async with anyio.create_task_group() as tg:
+            for r in range(n):
+                tg.start_soon(rank, r)
+        return CommCosts(tokens_per_die, ends["d"] - t0, ends["c"] - t1)
+
+    return run(main, seed=seed, event_log=False)
+
+
+def decode_weight_bytes(config: DecodeConfig) -> int:
+    """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
+    routed experts + one redundant slot per MoE layer in INT8, embeddings and LM head in BF16."""
+    m = config.spec
+    routed_dies = max(1, config.dies - config.shared_expert_dies)
+    experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
+    return m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
+
+
+def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
+    """KV blocks of one decode die: HBM left after the weights it holds (attention and dense
+    layers replicated per DP, its routed experts + one redundant slot per MoE layer in INT8,
+    embeddings and LM head in BF16) and the workspace."""
+    return kv_capacity_blocks(
+        config.spec,
+        pod.die_spec,
+        weight_bytes=decode_weight_bytes(config),
+        block_tokens=config.block_tokens,
+        int8_nope=config.precision.kv_int8_nope,
+    )
