@@ -11,8 +11,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import xds
-from xds.errors import ConfigError, TraceError
+from xds.errors import ConfigError, ProtocolError, TraceError
 from xds.fabric.xccl.moe import ExpertMap
+from xds.serve.decode import CommCosts, DecodeConfig, DecodeInstance
 from xds.serve.eplb import (
     POLICIES,
     DeepSeekEPLB,
@@ -20,9 +21,16 @@ from xds.serve.eplb import (
     LoadCollector,
     MappingTable,
     NoBalancing,
+    Plan,
     XdsGreedy,
+    checked_plan,
     policy,
+    policy_names,
+    register_policy,
+    unregister_policy,
 )
+from xds.serve.eplb.evaluate import forward_latency, plan_layers, score
+from xds.serve.eplb.online import OnlineEPLB, OnlineEPLBConfig
 from xds.serve.eplb.routing_model import (
     hottest_over_mean,
     load_counts,
@@ -64,28 +72,35 @@ def test_counts_load_from_npy_and_csv_with_clear_errors(tmp_path):
 LAYOUT = Layout.one_expert_per_die(16, 20, spare_slots=1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
-    budget=st.integers(0, 30),
+    budget=st.integers(0, 70),
     name=st.sampled_from(["xds-greedy", "deepseek-eplb", "none"]),
+    spare=st.integers(0, 3),
 )
 # every spare slot used, the last replica's only free slots on dies that hold its expert: a
 # placed replica moves over to make room (this one used to fail)
-@example(seed=219, budget=20, name="xds-greedy")
-def test_plans_respect_budget_slots_and_keep_every_expert(seed, budget, name):
+@example(seed=219, budget=20, name="xds-greedy", spare=1)
+@example(seed=219, budget=60, name="xds-greedy", spare=3)
+def test_plans_respect_budget_slots_and_keep_every_expert(seed, budget, name, spare):
     rng = np.random.default_rng(seed)
     counts = rng.lognormal(0, 1.5, (16, 5)).round().astype(np.int64) + 1
-    plan = policy(name).plan(counts, LAYOUT, budget)
+    layout = Layout.one_expert_per_die(16, 20, spare_slots=spare)
+    plan = policy(name).plan(counts, layout, budget)
     extra = int(plan.copies.sum()) - 16
-    assert extra <= min(budget, 20)  # never beyond the budget nor the slots
+    assert extra <= min(budget, 20 * spare)  # never beyond the budget nor the slots
     spare_used = np.zeros(20, int)
     for e, dies in enumerate(plan.replica_dies):
-        assert dies[0] == LAYOUT.primary_die[e] and len(dies) == plan.copies[e] >= 1
+        assert dies[0] == layout.primary_die[e] and len(dies) == plan.copies[e] >= 1
         assert len(set(dies)) == len(dies)  # no two replicas of an expert on one die
         for d in dies[1:]:
             spare_used[d] += 1
-    assert (spare_used <= 1).all()
+    assert (spare_used <= spare).all()
+    if name != "none" and spare:
+        assert extra == min(budget, 20 * spare)  # the slots get used (copies capped at dies)
+    # the built-ins pass the check every plan goes through
+    checked_plan(plan, policy=name, layer=0, layout=layout, budget=budget)
 
 
 def test_greedy_rounds_never_increase_the_sum_of_slice_maxima():
@@ -132,12 +147,12 @@ def test_rotation_spreads_tokens_within_one_per_replica(batch, copies):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 1000))
-def test_no_pass_routes_to_a_disabled_or_loading_slot(seed):
+@given(seed=st.integers(0, 1000), spare=st.integers(1, 3))
+def test_no_pass_routes_to_a_disabled_or_loading_slot(seed, spare):
     rng = np.random.default_rng(seed)
     layers, experts, dies = 3, 8, 10
-    table = MappingTable([list(range(experts)) for _ in range(layers)])
-    layout = Layout.one_expert_per_die(experts, dies, spare_slots=1)
+    table = MappingTable([list(range(experts)) for _ in range(layers)], spare_slots=spare)
+    layout = Layout.one_expert_per_die(experts, dies, spare_slots=spare)
     seen_versions: set[int] = set()
 
     async def passes() -> None:
@@ -153,7 +168,7 @@ def test_no_pass_routes_to_a_disabled_or_loading_slot(seed):
             await xds.sleep_ns(int(rng.integers(0, 2_000)))
             counts = rng.lognormal(0, 1.5, (layers, experts, 3))
             plans = [
-                XdsGreedy().plan(counts[layer], layout, int(rng.integers(0, 6)))
+                XdsGreedy().plan(counts[layer], layout, int(rng.integers(0, 6 * spare)))
                 for layer in range(layers)
             ]
             await table.reconfigure(
@@ -169,6 +184,10 @@ def test_no_pass_routes_to_a_disabled_or_loading_slot(seed):
     for mapping in table.history:
         for layer in mapping.replicas:
             assert all(len(dies) >= 1 for dies in layer)  # always an enabled replica
+    for layer in range(layers):  # each die holds at most `spare` replicas, one slot each
+        for d in range(dies):
+            held = [e for e, state in table.slot_states(layer, d) if state == "enabled"]
+            assert len(held) == len(set(held)) <= spare
     assert len(seen_versions) >= 1
 
 
@@ -193,7 +212,7 @@ def test_reconfiguration_rejects_slot_conflicts_and_serialises():
     clash = Plan(np.array([2, 2, 1]), [[0, 3], [1, 3], [2]])
 
     async def main() -> None:
-        with pytest.raises(ConfigError, match="both placed there"):
+        with pytest.raises(ConfigError, match="1 redundant slot, but experts 0 and 1 are all"):
             await table.reconfigure([clash], prefetch_ns=0, load_ns=10)
         a = Plan(np.array([2, 1, 1]), [[0, 3], [1], [2]])
         b = Plan(np.array([1, 2, 1]), [[0], [1, 3], [2]])
@@ -209,3 +228,249 @@ def test_reconfiguration_rejects_slot_conflicts_and_serialises():
         await main()
 
     xds.run(runner)
+
+
+def test_reconfiguration_with_several_slots_per_die_keeps_replicas_in_their_slots():
+    table = MappingTable([[0, 1, 2]], spare_slots=2)
+    a = Plan(np.array([2, 2, 1]), [[0, 3], [1, 3], [2]])  # two replicas share die 3
+    b = Plan(np.array([2, 1, 2]), [[0, 3], [1], [2, 3]])  # expert 0 stays, 1 gives way to 2
+
+    async def main() -> None:
+        await table.reconfigure([a], prefetch_ns=0, load_ns=10)
+        assert table.current.dies_of(0, 0) == (0, 3) and table.current.dies_of(0, 1) == (1, 3)
+        before = table.slots[(0, 3, 0)]
+        await table.reconfigure([b], prefetch_ns=0, load_ns=10)
+        assert table.slots[(0, 3, 0)] == before == (0, "enabled")  # untouched slot
+        assert table.slots[(0, 3, 1)] == (2, "enabled")
+        assert table.current.dies_of(0, 1) == (1,) and table.current.dies_of(0, 2) == (2, 3)
+        three = Plan(np.array([2, 2, 2]), [[0, 3], [1, 3], [2, 3]])
+        with pytest.raises(ConfigError, match="2 redundant slots, but experts 0, 1 and 2"):
+            await table.reconfigure([three], prefetch_ns=0, load_ns=10)
+
+    xds.run(main)
+    with pytest.raises(ConfigError, match="spare_slots"):
+        Layout.one_expert_per_die(4, 6, spare_slots=-1)
+
+
+class _Bad:
+    """A policy whose plan is wrong in one way (``kind``)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.name = "bad"
+
+    def plan(self, counts, layout, budget):
+        n = counts.shape[0]
+        dies: list[list[object]] = [[int(layout.primary_die[e])] for e in range(n)]
+        copies = np.ones(n, np.int64)
+        hot = int(np.argmax(counts.sum(axis=1)))
+        match self.kind:
+            case "returns_none":
+                return None
+            case "not_a_plan":
+                return {"copies": copies, "replica_dies": dies}
+            case "die_out_of_range":
+                dies[hot].append(layout.n_dies + 5)
+            case "negative_die":
+                dies[hot].append(-1)
+            case "not_an_integer":
+                dies[hot].append("7")
+            case "bool_die":
+                dies[hot].append(True)
+            case "same_die_twice":
+                dies[hot].append(dies[hot][0])
+            case "copies_mismatch":
+                copies[hot] = 9
+                return Plan(copies, dies)
+            case "copies_shape":
+                return Plan(np.ones(n - 1, np.int64), dies)
+            case "entries":
+                return Plan(copies, dies[:-1])
+            case "empty":
+                dies[hot] = []
+            case "primary_moved":
+                dies[hot] = [(dies[hot][0] + 1) % layout.n_dies]
+            case "over_budget":
+                for e in range(n):
+                    dies[e].append((e + 1) % layout.n_dies)
+            case "slots":  # within budget, but die 19 gets two replicas with one slot
+                dies[0].append(19)
+                dies[1].append(19)
+        return Plan(np.array([len(d) for d in dies]) if self.kind != "empty" else copies, dies)
+
+
+BAD_PLANS = {
+    "returns_none": r"returned None, not a Plan",
+    "not_a_plan": r"returned a dict \(.*\), not a Plan",
+    "die_out_of_range": r"expert \d+: die 25 is out of range \(dies 0\.\.19\)",
+    "negative_die": r"expert \d+: die -1 is out of range \(dies 0\.\.19\)",
+    "not_an_integer": r"expert \d+: die '7' is not an integer",
+    "bool_die": r"expert \d+: die True is not an integer",
+    "same_die_twice": r"expert (\d+): die \1 listed twice",
+    "copies_mismatch": r"expert (\d+): copies\[\1\] is 9 but replica_dies\[\1\] lists 1 die",
+    "copies_shape": r"copies must have one entry per expert \(16\), got shape \(15,\)",
+    "entries": r"replica_dies must hold one list of dies per expert \(16\), got 15 entries",
+    "empty": r"expert \d+ has no replica",
+    "primary_moved": r"expert (\d+): its first replica must be its primary on die \1",
+    "over_budget": r"16 redundant replicas, over the budget of 4 \(expert 4's",
+    "slots": r"expert 1: die 19 has 1 redundant slot and it is taken by other experts'",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_PLANS))
+def test_every_malformed_plan_is_a_clear_error_naming_policy_layer_and_expert(kind):
+    counts = np.random.default_rng(0).integers(1, 100, (2, 3, 16))  # [t, layer, expert]
+    with pytest.raises(ProtocolError, match=r"EPLB policy 'bad', layer 0: " + BAD_PLANS[kind]):
+        plan_layers(_Bad(kind), counts, LAYOUT, budget=4)
+
+
+def test_malformed_plans_are_caught_in_scoring_and_online_alike():
+    counts = np.random.default_rng(0).integers(1, 100, (4, 3, 16))
+    with pytest.raises(ProtocolError, match=r"EPLB policy 'bad', layer 0: .* out of range"):
+        score(_Bad("negative_die"), counts[:2], counts[2:], LAYOUT, 4, DecodeConfig())
+    register_policy("bad-online", _Bad("same_die_twice"))
+    try:
+        online = OnlineEPLB(
+            OnlineEPLBConfig(policy="bad-online", window_ns=10),
+            layers=2,
+            experts=16,
+            dies=20,
+            shared_dies=0,
+            gen=np.random.default_rng(0),
+        )
+        online.busiest_die_tokens(64, 2)
+        with pytest.raises(
+            ProtocolError, match=r"'bad-online', layer 0: expert \d+: die \d+ listed twice"
+        ):
+            online.window_plans(10)
+    finally:
+        unregister_policy("bad-online")
+
+
+def test_register_policy_checks_names_and_functions():
+    def mine(counts, layout, budget):
+        return NoBalancing().plan(counts, layout, budget)
+
+    try:
+        got = register_policy("mine", mine)
+        assert policy("mine") is got and got.name == "mine"
+        assert "mine" in policy_names() and "mine" not in POLICIES  # POLICIES: built-ins only
+        with pytest.raises(ConfigError, match=r"already registered.*replace=True"):
+            register_policy("mine", mine)
+        assert register_policy("mine", XdsGreedy(), replace=True).name == "mine"
+        with pytest.raises(ConfigError, match="'xds-greedy' is a built-in"):
+            register_policy("xds-greedy", mine)
+        with pytest.raises(ConfigError, match="fn: register a function"):
+            register_policy("other", 42)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="non-empty string"):
+            register_policy(" ", mine)
+    finally:
+        unregister_policy("mine")
+    with pytest.raises(ConfigError, match=r"unknown EPLB policy 'mine'.*register_policy"):
+        policy("mine")
+    with pytest.raises(ConfigError, match="no registered EPLB policy 'xds-greedy'"):
+        unregister_policy("xds-greedy")
+    assert policy(mine).name == "mine"  # a plain function, named after itself
+    with pytest.raises(ConfigError, match=r"policy: takes a policy name.*register_policy"):
+        OnlineEPLBConfig(policy=mine)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="an EPLB policy is a name"):
+        policy(3)  # type: ignore[arg-type]
+
+
+def _hot_first(counts, layout, budget):
+    """One extra replica for each of the hottest experts, on the least-loaded dies."""
+    load = counts.sum(axis=1)
+    die_load = np.bincount(layout.primary_die, weights=load, minlength=layout.n_dies)
+    free = [int(d) for _ in range(layout.spare_slots) for d in np.argsort(die_load, kind="stable")]
+    dies = [[int(d)] for d in layout.primary_die]
+    for e in np.argsort(-load, kind="stable")[: min(budget, len(free))]:
+        d = next(d for d in free if d not in dies[e])
+        free.remove(d)
+        dies[e].append(d)
+    return Plan(np.array([len(d) for d in dies]), dies)
+
+
+def _online(policy_name: str, spare: int = 1, iterations: int = 30):
+    from xds.units import MS
+
+    cfg = DecodeConfig(
+        batch_per_die=4,
+        input_tokens=512,
+        output_tokens=256,
+        eplb=OnlineEPLBConfig(
+            policy=policy_name,
+            window_ns=300 * MS,
+            spare_slots=spare,
+            prefetch_ns=10 * MS,
+            load_ns=20 * MS,
+        ),
+    )
+    comm = CommCosts(8, 80_000, 150_000)
+
+    async def main():
+        inst = DecodeInstance(cfg, comm, comm)
+        res = await inst.serve(cfg.dies * cfg.batch_per_die, max_iterations=iterations)
+        return res, inst.eplb
+
+    return xds.run(main, event_log=False)
+
+
+def test_a_registered_policy_runs_in_scoring_and_online_with_two_spare_slots():
+    counts = skewed_counts(
+        np.random.default_rng(0), slices=4, layers=58, experts=256, tokens_per_slice=20_000
+    )
+    layout = Layout.one_expert_per_die(256, 288, spare_slots=1)
+    register_policy("test-hot-first", _hot_first)
+    try:
+        mine, _ = score("test-hot-first", counts[:2], counts[2:], layout, 288, DecodeConfig())
+        none, _ = score("none", counts[:2], counts[2:], layout, 288, DecodeConfig())
+        assert mine.name == "test-hot-first" and mine.replicas_used == 256 * 58
+        assert mine.balancedness_mean > none.balancedness_mean
+        base, _ = _online("none")
+        tuned, eplb = _online("test-hot-first", spare=2)
+    finally:
+        unregister_policy("test-hot-first")
+    assert eplb.reconfigurations >= 2 and eplb.table.spare_slots == 2
+    assert np.mean(tuned.iteration_ns[-5:]) < 0.9 * np.mean(base.iteration_ns[-5:])
+
+
+def test_two_spare_slots_per_die_run_online_and_use_both_slots():
+    """OnlineEPLBConfig(spare_slots=2) used to fail at the first rebalance."""
+    res, eplb = _online("xds-greedy", spare=2, iterations=16)
+    assert eplb.reconfigurations >= 2 and eplb.table.current.version >= 2
+    assert res.rebalances == eplb.reconfigurations  # the result reports them
+    slots = eplb.table.slots
+    assert any(s == 1 and state == "enabled" for (_, _, s), (_, state) in slots.items())
+    assert np.mean(res.iteration_ns[-3:]) < 0.8 * np.mean(res.iteration_ns[:3])
+    # a second slot per die lowers the busiest die's load on the same window
+    busiest = {}
+    for spare in (1, 2):
+        online = OnlineEPLB(
+            OnlineEPLBConfig(spare_slots=spare),
+            layers=2,
+            experts=256,
+            dies=288,
+            shared_dies=32,
+            gen=np.random.default_rng(0),
+        )
+        window = skewed_counts(
+            np.random.default_rng(1), slices=1, layers=2, experts=256, tokens_per_slice=50_000
+        )[0]
+        plans = online.plans_for(window)
+        busiest[spare] = max(p.die_loads(window[i], 288).max() for i, p in enumerate(plans))
+    assert busiest[2] < busiest[1]
+
+
+def test_forward_latency_names_the_argument_and_both_layer_counts():
+    cfg = DecodeConfig()
+    counts = np.ones((2, 4, 256), np.int64)
+    layout = Layout.one_expert_per_die(256, 288)
+    plans = plan_layers("none", counts, layout, 0)
+    with pytest.raises(ConfigError, match=r"evaluation: has 4 MoE layers, but .* has 58"):
+        forward_latency(cfg, plans, counts)
+    with pytest.raises(ConfigError, match=r"plans: 4 plans for the 58 MoE layers"):
+        forward_latency(cfg, plans, np.ones((2, 58, 256), np.int64))
+    with pytest.raises(ConfigError, match=r"evaluation: must be \[time_slice, layer, expert\]"):
+        forward_latency(cfg, plans, np.ones((58, 256), np.int64))
+    with pytest.raises(ConfigError, match=r"evaluation: has 3 layers but fit has 4"):
+        score("none", counts, np.ones((2, 3, 256), np.int64), layout, 0, cfg)

@@ -270,3 +270,15 @@ def test_colocated_decode_takes_a_routing_policy():
     firsts = [offer[0] for offer in seen]
     assert firsts == sorted(firsts)
     assert firsts.count(0) == SMALL.batch_per_die
+
+
+def test_a_die_holds_the_weights_of_every_redundant_slot():
+    from xds.serve.decode import decode_weight_bytes
+    from xds.serve.eplb.online import OnlineEPLBConfig
+
+    base = DecodeConfig()
+    one = decode_weight_bytes(msgspec.structs.replace(base, eplb=OnlineEPLBConfig(spare_slots=1)))
+    two = decode_weight_bytes(msgspec.structs.replace(base, eplb=OnlineEPLBConfig(spare_slots=2)))
+    m = base.spec
+    assert decode_weight_bytes(base) == one  # without EPLB: one redundant slot per layer
+    assert two - one == m.moe_layers * m.expert_params

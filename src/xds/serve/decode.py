@@ -72,6 +72,8 @@ class DecodeResult(msgspec.Struct):
     """The largest, over steady-state iterations (every DP at the same batch), of max/min
     over dies of the first dispatch's duration (the paper's "up to 10x")."""
     iteration_ns: list[int]
+    rebalances: int = 0
+    """Expert re-placements the online EPLB started during the run (0 without EPLB)."""
 
 
 class DecodeInstance:
@@ -270,6 +272,7 @@ class DecodeInstance:
             breakdown=bd,
             first_dispatch_max_over_min=float(np.max(ratios)) if ratios else 0.0,
             iteration_ns=iteration_ns,
+            rebalances=self.eplb.reconfigurations if self.eplb is not None else 0,
         )
 
     async def _layer_iteration(

@@ -505,10 +505,12 @@ def measure_comm(
 
 def decode_weight_bytes(config: DecodeConfig) -> int:
     """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
-    routed experts + one redundant slot per MoE layer in INT8, embeddings and LM head in BF16."""
+    routed experts + its redundant slots per MoE layer in INT8 (one, or the online EPLB's
+    ``spare_slots``), embeddings and LM head in BF16."""
     m = config.spec
     routed_dies = max(1, config.dies - config.shared_expert_dies)
-    experts = (-(-m.routed_experts // routed_dies) + 1) * m.moe_layers * m.expert_params
+    slots = config.eplb.spare_slots if config.eplb is not None else 1
+    experts = (-(-m.routed_experts // routed_dies) + slots) * m.moe_layers * m.expert_params
     return m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from ...errors import ConfigError
 from ...fabric.xccl.moe import ExpertMap
 from ..decode import DecodeConfig, DecodeModel, measure_comm
-from .policies import Layout, Plan, Policy, balancedness
+from .policies import Layout, Plan, PlanFunction, Policy, balancedness, plan_layer
+from .policies import policy as resolve_policy
 
 
 class PolicyScore(msgspec.Struct):
@@ -27,12 +29,32 @@ class PolicyScore(msgspec.Struct):
     replicas_used: int
 
 
+def _counts(name: str, counts: np.ndarray, n_experts: int) -> np.ndarray:
+    counts = np.asarray(counts)
+    if counts.ndim != 3 or counts.shape[2] != n_experts:
+        raise ConfigError(
+            f"must be [time_slice, layer, expert] counts with {n_experts} experts, got shape "
+            f"{counts.shape}",
+            field=name,
+        )
+    return counts
+
+
 def plan_layers(
-    policy: Policy, fit: np.ndarray, layout: Layout, budget: int, shared_dies: int = 0
+    policy: str | Policy | PlanFunction,
+    fit: np.ndarray,
+    layout: Layout,
+    budget: int,
+    shared_dies: int = 0,
 ) -> list[Plan]:
-    """One plan per MoE layer from ``fit[t, l, e]``. The last ``shared_dies`` dies carry a
+    """One plan per MoE layer from ``fit[t, l, e]``, each checked
+    (:func:`~xds.serve.eplb.policies.checked_plan`). The last ``shared_dies`` dies carry a
     shared-expert instance: a load equal to the mean routed expert's (every token visits one
-    of them), which placement takes into account."""
+    of them), which placement takes into account. ``policy`` is a name, a
+    :class:`~xds.serve.eplb.policies.Policy` or a ``(counts, layout, budget) -> Plan``
+    function."""
+    pol = resolve_policy(policy)
+    fit = _counts("fit", fit, len(layout.primary_die))
     plans = []
     for layer in range(fit.shape[1]):
         counts = fit[:, layer].T
@@ -41,7 +63,7 @@ def plan_layers(
             base = np.zeros(layout.n_dies)
             base[layout.n_dies - shared_dies :] = counts.sum() / counts.shape[0]
             lay = msgspec.structs.replace(layout, base_load=base)
-        plans.append(policy.plan(counts, lay, budget))
+        plans.append(plan_layer(pol, counts, lay, budget, layer=layer))
     return plans
 
 
@@ -56,14 +78,23 @@ def die_shares(plans: list[Plan], evaluation: np.ndarray, n_dies: int) -> np.nda
 
 
 def score(
-    policy: Policy,
+    policy: str | Policy | PlanFunction,
     fit: np.ndarray,
     evaluation: np.ndarray,
     layout: Layout,
     budget: int,
     config: DecodeConfig,
 ) -> tuple[PolicyScore, list[Plan]]:
-    plans = plan_layers(policy, fit, layout, budget, config.shared_expert_dies)
+    """Plan on ``fit`` and score on ``evaluation`` (both ``[time_slice, layer, expert]``,
+    the same layers); ``policy`` is a name, a Policy or a plan function."""
+    pol = resolve_policy(policy)
+    fit = _counts("fit", fit, len(layout.primary_die))
+    evaluation = _counts("evaluation", evaluation, len(layout.primary_die))
+    if evaluation.shape[1] != fit.shape[1]:
+        raise ConfigError(
+            f"has {evaluation.shape[1]} layers but fit has {fit.shape[1]}", field="evaluation"
+        )
+    plans = plan_layers(pol, fit, layout, budget, config.shared_expert_dies)
     load = evaluation.sum(axis=0)
     bal = [balancedness(p, load[layer], layout.n_dies) for layer, p in enumerate(plans)]
     model = DecodeModel(config, comm=None)  # type: ignore[arg-type]
@@ -71,7 +102,7 @@ def score(
     shares = die_shares(plans, evaluation, layout.n_dies)
     moe = sum(model.expert_ns(float(s.max() * tokens)) for s in shares)
     used = int(sum(int(p.copies.sum()) - len(p.copies) for p in plans))
-    return PolicyScore(policy.name, float(np.mean(bal)), float(np.min(bal)), moe / 1e6, used), plans
+    return PolicyScore(pol.name, float(np.mean(bal)), float(np.min(bal)), moe / 1e6, used), plans
 
 
 def expert_map_for(plan: Plan, n_routed: int, n_shared: int, n_dies: int) -> ExpertMap:
@@ -93,9 +124,22 @@ def expert_map_for(plan: Plan, n_routed: int, n_shared: int, n_dies: int) -> Exp
 def forward_latency(
     config: DecodeConfig, plans: list[Plan], evaluation: np.ndarray, *, seed: int = 0
 ) -> float:
-    """Iteration time (ns) of decode at the config's batch with this placement."""
+    """Iteration time (ns) of decode at the config's batch with this placement: one plan per
+    MoE layer of the model, and ``evaluation[t, l, e]`` counts over those layers."""
     m = config.spec
     n = config.dies
+    evaluation = _counts("evaluation", evaluation, m.routed_experts)
+    if evaluation.shape[1] != m.moe_layers:
+        raise ConfigError(
+            f"has {evaluation.shape[1]} MoE layers, but {m.name} has {m.moe_layers} "
+            "(forward latency needs counts for every MoE layer of the model)",
+            field="evaluation",
+        )
+    if len(plans) != m.moe_layers:
+        raise ConfigError(
+            f"{len(plans)} plans for the {m.moe_layers} MoE layers of {m.name} (one per layer)",
+            field="plans",
+        )
     shares = die_shares(plans, evaluation, n)
     load = evaluation.sum(axis=0).astype(np.float64)
     # dispatch/combine on the layer with the median imbalance, replicas in the expert map

@@ -20,16 +20,20 @@ from ...config import check_fields
 from ...errors import ConfigError
 from ...units import MS, S
 from .collect import LoadCollector
-from .policies import Layout, Plan, policy
+from .policies import Layout, Plan, plan_layer, policy
 from .reconfigure import MappingTable
 from .routing_model import SIGMA_20_PERCENT_ABOVE_MEAN
 
 
 class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     policy: str = "xds-greedy"
-    """A policy name, or "none" to collect and never rebalance (the baseline)."""
+    """A policy name: built in, or your own added with
+    :func:`~xds.serve.eplb.policies.register_policy`; "none" collects and never rebalances
+    (the baseline)."""
     window_ns: Annotated[int, Meta(gt=0)] = 60 * S
     spare_slots: Annotated[int, Meta(ge=0)] = 1
+    """Redundant slots per die and MoE layer (the budget is ``dies x spare_slots`` replicas
+    per layer)."""
     sigma: Annotated[float, Meta(ge=0)] = SIGMA_20_PERCENT_ABOVE_MEAN
     drift_rho: Annotated[float, Meta(ge=0, le=1)] = 0.95
     """Correlation of an expert's log-popularity from one window to the next."""
@@ -39,6 +43,13 @@ class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """[emulator choice] host -> device for the new replicas (asynchronous)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):  # configs stay plain data (TOML, JSON)
+            raise ConfigError(
+                f"takes a policy name, got {type(self.policy).__name__} {self.policy!r:.60}; "
+                "register your policy first with xds.serve.eplb.register_policy(name, fn) and "
+                "pass its name",
+                field="policy",
+            )
         check_fields(self)
 
 
@@ -63,13 +74,16 @@ class OnlineEPLB:
         self.gen = gen
         self._z = gen.standard_normal((layers, experts))
         self.popularity = self._popularity()
-        self.table = MappingTable([list(range(experts)) for _ in range(layers)])
+        self.table = MappingTable(
+            [list(range(experts)) for _ in range(layers)], spare_slots=config.spare_slots
+        )
         self.collector = LoadCollector(layers, experts, 1, window_ns=config.window_ns)
         self.layout = Layout.one_expert_per_die(experts, dies, config.spare_slots)
         self._matrices: list[np.ndarray] = []
         self._version = -1
         self.last_report_ns = 0
         self.reconfigurations = 0
+        """Rebalances started (one per window with new plans; counted by the decode loop)."""
         self.versions_used: list[int] = []
 
     def _popularity(self) -> np.ndarray:
@@ -121,7 +135,7 @@ class OnlineEPLB:
                 base = np.zeros(self.dies)
                 base[self.dies - self.shared :] = counts.sum() / self.experts
                 lay = msgspec.structs.replace(self.layout, base_load=base)
-            plans.append(self.policy.plan(counts, lay, budget))
+            plans.append(plan_layer(self.policy, counts, lay, budget, layer=layer))
         return plans
 
     def window_plans(self, now_ns: int) -> list[Plan] | None:

@@ -15,17 +15,28 @@ counts every time (the A12 fix).
   packing (largest first onto the least-loaded die with room).
 * :class:`NoBalancing` - primaries only.
 
-Users implement :class:`Policy` (one method) to try their own.
+Users implement :class:`Policy` (one method), or write a plain function
+``(counts, layout, budget) -> Plan``, to try their own: pass it to
+:func:`~xds.serve.eplb.evaluate.score`, or :func:`register_policy` it under a name that
+``OnlineEPLBConfig(policy=...)`` (and a TOML config) can then use.
+
+Every plan that enters xds - from a built-in policy or your own - goes through
+:func:`checked_plan` first (scoring and online EPLB alike): a plan that is not a :class:`Plan`,
+lists a die out of range or one die twice for an expert, moves a primary, disagrees with its
+``copies``, leaves an expert without a replica, exceeds the budget or a die's redundant slots is
+a :class:`~xds.errors.ProtocolError` naming the policy, the layer and the expert.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, ProtocolError
 
 
 class Plan(msgspec.Struct):
@@ -53,6 +64,23 @@ class Layout(msgspec.Struct, frozen=True):
     base_load: np.ndarray | None = None
     """Load a die carries besides routed experts (e.g. a shared-expert instance), [n_dies]."""
 
+    def __post_init__(self) -> None:
+        if self.n_dies < 1:
+            raise ConfigError(f"n_dies must be >= 1, got {self.n_dies}", field="n_dies")
+        if self.spare_slots < 0:
+            raise ConfigError(
+                f"spare_slots (redundant slots per die) must be >= 0, got {self.spare_slots}",
+                field="spare_slots",
+            )
+        primary = np.asarray(self.primary_die)
+        if primary.ndim != 1 or (
+            primary.size and not 0 <= primary.min() <= primary.max() < self.n_dies
+        ):
+            raise ConfigError(
+                f"primary_die must list one die in 0..{self.n_dies - 1} per expert",
+                field="primary_die",
+            )
+
     @classmethod
     def one_expert_per_die(cls, n_experts: int, n_dies: int, spare_slots: int = 1) -> Layout:
         if n_experts > n_dies:
@@ -67,6 +95,10 @@ class Policy(Protocol):
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
         """Replicas for one layer; ``counts[e, t]``; at most ``budget`` redundant replicas."""
+
+
+PlanFunction = Callable[[np.ndarray, Layout, int], Plan]
+"""A policy as a plain function: ``(counts[e, t], layout, budget) -> Plan``."""
 
 
 def _place(order: list[int], copies: np.ndarray, load: np.ndarray, layout: Layout) -> Plan:
@@ -203,14 +235,199 @@ class DeepSeekEPLB:
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (XdsGreedy(), DeepSeekEPLB(), NoBalancing())}
+"""The built-in policies (what ``xds reproduce eplb`` compares). Add your own with
+:func:`register_policy`, not by editing this dict."""
+
+_REGISTERED: dict[str, Policy] = {}
 
 
-def policy(name: str) -> Policy:
-    if name not in POLICIES:
+class FunctionPolicy:
+    """A :class:`Policy` made from a name and a ``(counts, layout, budget) -> Plan`` function."""
+
+    def __init__(self, name: str, fn: PlanFunction):
+        self.name = name
+        self.fn = fn
+
+    def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
+        return self.fn(counts, layout, budget)
+
+    def __repr__(self) -> str:
+        return f"FunctionPolicy({self.name!r}, {getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def policy_names() -> list[str]:
+    """Every name :func:`policy` knows: the built-ins, then the registered ones."""
+    return [*POLICIES, *_REGISTERED]
+
+
+def policy(name: str | Policy | PlanFunction) -> Policy:
+    """The policy called ``name`` (built in or registered); a :class:`Policy` object is
+    returned as is, and a plain ``(counts, layout, budget) -> Plan`` function is wrapped
+    (named after the function)."""
+    if isinstance(name, str):
+        found = POLICIES.get(name) or _REGISTERED.get(name)
+        if found is None:
+            raise ConfigError(
+                f"unknown EPLB policy {name!r}; known: {', '.join(policy_names())} "
+                "(add yours with xds.serve.eplb.register_policy)",
+                field="policy",
+            )
+        return found
+    plan = getattr(name, "plan", None)
+    if callable(plan):
+        if isinstance(getattr(name, "name", None), str):
+            return name  # type: ignore[return-value]
+        return FunctionPolicy(type(name).__name__, plan)
+    if callable(name):
+        return FunctionPolicy(getattr(name, "__name__", repr(name)), name)
+    raise ConfigError(
+        "an EPLB policy is a name, an object with plan(counts, layout, budget) -> Plan, or a "
+        f"function (counts, layout, budget) -> Plan; got {type(name).__name__} {name!r:.80}",
+        field="policy",
+    )
+
+
+def register_policy(name: str, fn: Policy | PlanFunction, *, replace: bool = False) -> Policy:
+    """Make ``fn`` available as the EPLB policy ``name`` (for :func:`policy`,
+    ``OnlineEPLBConfig(policy=name)`` and configs loaded from TOML/JSON). ``fn`` is a
+    ``(counts, layout, budget) -> Plan`` function or a :class:`Policy` object. Built-in names
+    cannot be taken; an already registered name only with ``replace=True``. Returns the
+    registered policy (whose ``name`` is ``name``)."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
         raise ConfigError(
-            f"unknown EPLB policy {name!r}; known: {', '.join(POLICIES)}", field="policy"
+            f"a policy name is a non-empty string without surrounding spaces, got {name!r}",
+            field="name",
         )
-    return POLICIES[name]
+    if name in POLICIES:
+        raise ConfigError(f"{name!r} is a built-in EPLB policy; choose another name", field="name")
+    if name in _REGISTERED and not replace:
+        raise ConfigError(
+            f"EPLB policy {name!r} is already registered ({_REGISTERED[name]!r}); "
+            "pass replace=True to replace it",
+            field="name",
+        )
+    if isinstance(fn, str) or not (callable(getattr(fn, "plan", None)) or callable(fn)):
+        raise ConfigError(
+            "register a function (counts, layout, budget) -> Plan or an object with "
+            f"plan(counts, layout, budget) -> Plan; got {type(fn).__name__} {fn!r:.80}",
+            field="fn",
+        )
+    plan = getattr(fn, "plan", None)
+    registered = FunctionPolicy(name, plan if callable(plan) else fn)  # type: ignore[arg-type]
+    _REGISTERED[name] = registered
+    return registered
+
+
+def unregister_policy(name: str) -> None:
+    """Forget the registered policy ``name`` (built-ins stay)."""
+    if name not in _REGISTERED:
+        raise ConfigError(
+            f"no registered EPLB policy {name!r}; registered: {', '.join(_REGISTERED) or 'none'}",
+            field="name",
+        )
+    del _REGISTERED[name]
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as an int when it is a whole number (not a bool), else None."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    if isinstance(value, float | np.floating) and float(value).is_integer():
+        return int(value)
+    return None
+
+
+def checked_plan(
+    plan: object, *, policy: str, layer: int, layout: Layout, budget: int | None
+) -> Plan:
+    """``plan``, the answer of policy ``policy`` for ``layer``, checked and normalised
+    (``copies`` as int64, dies as Python ints). Raises :class:`~xds.errors.ProtocolError`
+    naming the policy, the layer, the expert and what is wrong."""
+    where = f"EPLB policy {policy!r}, layer {layer}"
+    n_e, n_d = len(layout.primary_die), layout.n_dies
+
+    def bad(what: str) -> ProtocolError:
+        return ProtocolError(f"{where}: {what}")
+
+    if not isinstance(plan, Plan):
+        got = "None" if plan is None else f"a {type(plan).__name__} ({plan!r:.60})"
+        raise bad(f"returned {got}, not a Plan")
+    raw = plan.replica_dies
+    if not isinstance(raw, list | tuple) or len(raw) != n_e:
+        got = f"{len(raw)} entries" if isinstance(raw, list | tuple) else type(raw).__name__
+        raise bad(f"replica_dies must hold one list of dies per expert ({n_e}), got {got}")
+    copies = np.asarray(plan.copies)
+    if copies.shape != (n_e,):
+        raise bad(f"copies must have one entry per expert ({n_e}), got shape {copies.shape}")
+    dies_of: list[list[int]] = []
+    for e, dies in enumerate(raw):
+        if not isinstance(dies, list | tuple | np.ndarray):
+            raise bad(f"expert {e}: replica_dies[{e}] must be a list of dies, got {dies!r:.60}")
+        if len(dies) == 0:
+            raise bad(f"expert {e} has no replica (every expert keeps at least its primary)")
+        ds = [_whole(d) for d in dies]
+        for d, given in zip(ds, dies, strict=True):
+            if d is None:
+                raise bad(f"expert {e}: die {given!r} is not an integer")
+            if not 0 <= d < n_d:
+                raise bad(f"expert {e}: die {d} is out of range (dies 0..{n_d - 1})")
+        dies_i: list[int] = ds  # type: ignore[assignment]
+        if dies_i[0] != int(layout.primary_die[e]):
+            raise bad(
+                f"expert {e}: its first replica must be its primary on die "
+                f"{int(layout.primary_die[e])}, got die {dies_i[0]}"
+            )
+        if len(set(dies_i)) != len(dies_i):
+            twice = next(d for d in dies_i if dies_i.count(d) > 1)
+            raise bad(
+                f"expert {e}: die {twice} listed twice (two replicas of one expert cannot "
+                "share a die)"
+            )
+        c = _whole(copies[e])
+        if c != len(dies_i):
+            n = len(dies_i)
+            raise bad(
+                f"expert {e}: copies[{e}] is {copies[e]} but replica_dies[{e}] lists {n} "
+                f"die{'s' if n != 1 else ''} {dies_i}"
+            )
+        dies_of.append(dies_i)
+    redundant = sum(len(d) - 1 for d in dies_of)
+    if budget is not None and redundant > budget:
+        seen, over = 0, -1
+        for e, dies_i in enumerate(dies_of):
+            seen += len(dies_i) - 1
+            if seen > budget:
+                over = e
+                break
+        raise bad(
+            f"{redundant} redundant replicas, over the budget of {budget} (expert {over}'s "
+            "replicas are the first beyond it)"
+        )
+    used = np.zeros(n_d, dtype=np.int64)
+    for e, dies_i in enumerate(dies_of):
+        for d in dies_i[1:]:
+            used[d] += 1
+            if used[d] > layout.spare_slots:
+                n = layout.spare_slots
+                taken = "it is taken" if n == 1 else "they are all taken"
+                raise bad(
+                    f"expert {e}: die {d} has {n} redundant slot{'s' if n != 1 else ''} and "
+                    f"{taken} by other experts' replicas"
+                )
+    return Plan(copies.astype(np.int64), dies_of)
+
+
+def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, layer: int) -> Plan:
+    """``pol``'s plan for one layer, checked (:func:`checked_plan`): the one way plans enter
+    scoring and online EPLB."""
+    name = getattr(pol, "name", type(pol).__name__)
+    return checked_plan(
+        pol.plan(counts, layout, budget), policy=name, layer=layer, layout=layout, budget=budget
+    )
 
 
 def balancedness(plan: Plan, load: np.ndarray, n_dies: int) -> float:

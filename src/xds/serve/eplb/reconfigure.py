@@ -9,6 +9,9 @@ version. A forward pass takes the current mapping once and uses it for all its l
 3. **load** the weights into the slots asynchronously (forward passes keep running);
 4. publish a mapping that **re-enables** the slots with their new experts.
 
+A die may have several redundant slots per layer (``spare_slots``); a replica that stays on a
+die keeps its slot, and only the slots whose expert changes go through the four phases.
+
 So no forward pass routes a token to a slot that is disabled or loading, every logical expert
 keeps at least one enabled replica (its primary, which never moves) at every instant, and no
 iteration waits for a weight load.
@@ -39,21 +42,32 @@ class Mapping(msgspec.Struct, frozen=True):
 
 
 class MappingTable:
-    """The current mapping plus the state of every redundant slot."""
+    """The current mapping plus the state of every redundant slot (``spare_slots`` per die and
+    layer)."""
 
-    def __init__(self, primaries: list[list[int]]):
+    def __init__(self, primaries: list[list[int]], *, spare_slots: int = 1):
         """``primaries[layer][expert]``: the die holding the expert's primary."""
+        if spare_slots < 0:
+            raise ConfigError(f"must be >= 0, got {spare_slots}", field="spare_slots")
         self.layers = len(primaries)
+        self.spare_slots = spare_slots
         self._current = Mapping(0, tuple(tuple((d,) for d in layer) for layer in primaries))
         self.primaries = primaries
-        # (layer, die) -> (expert or -1, state) of the die's redundant slot
-        self.slots: dict[tuple[int, int], tuple[int, SlotState]] = {}
+        # (layer, die, slot) -> (expert or -1, state) of one of the die's redundant slots
+        self.slots: dict[tuple[int, int, int], tuple[int, SlotState]] = {}
         self.history: list[Mapping] = [self._current]
         self._lock = anyio.Lock()  # one reconfiguration at a time
 
     @property
     def current(self) -> Mapping:
         return self._current
+
+    def slot_states(self, layer: int, die: int) -> list[tuple[int, SlotState]]:
+        """(expert or -1, state) of each redundant slot of ``die`` in ``layer``."""
+        return [self.slots.get((layer, die, s), (-1, "empty")) for s in range(self.spare_slots)]
+
+    def _serves(self, layer: int, die: int, expert: int) -> bool:
+        return (expert, "enabled") in self.slot_states(layer, die)
 
     def _publish(self, replicas: list[list[list[int]]]) -> Mapping:
         for layer, experts in enumerate(replicas):
@@ -63,10 +77,10 @@ class MappingTable:
                         f"layer {layer} expert {e} would have no enabled replica", field="plan"
                     )
                 for d in dies[1:]:
-                    state = self.slots.get((layer, d), (-1, "empty"))
-                    if state != (e, "enabled"):
+                    if not self._serves(layer, d, e):
                         raise ConfigError(
-                            f"layer {layer} die {d}: slot is {state[1]}, cannot serve tokens",
+                            f"layer {layer} die {d}: no enabled slot holds expert {e} "
+                            f"(slots: {self.slot_states(layer, d)}), cannot serve tokens",
                             field="plan",
                         )
         self._current = Mapping(
@@ -82,26 +96,60 @@ class MappingTable:
         """Move to ``plans`` (one per layer) in four phases while passes keep running."""
         if len(plans) != self.layers:
             raise ConfigError(f"need one plan per layer ({self.layers})", field="plans")
-        target: dict[tuple[int, int], int] = {}
+        target: dict[tuple[int, int], list[int]] = {}
         for layer, plan in enumerate(plans):
+            if len(plan.replica_dies) != len(self.primaries[layer]):
+                raise ConfigError(
+                    f"layer {layer}: {len(plan.replica_dies)} experts in the plan, "
+                    f"{len(self.primaries[layer])} in the table",
+                    field="plans",
+                )
             for e, dies in enumerate(plan.replica_dies):
+                if not dies:
+                    raise ConfigError(
+                        f"layer {layer} expert {e} would have no enabled replica", field="plans"
+                    )
                 if dies[0] != self.primaries[layer][e]:
                     raise ConfigError(
                         f"layer {layer} expert {e}: primaries do not move", field="plans"
                     )
+                if len(set(dies)) != len(dies):
+                    raise ConfigError(
+                        f"layer {layer} expert {e}: two replicas on one die ({list(dies)})",
+                        field="plans",
+                    )
                 for d in dies[1:]:
-                    if (layer, d) in target:
+                    placed = target.setdefault((layer, d), [])
+                    placed.append(e)
+                    if len(placed) > self.spare_slots:
+                        n = self.spare_slots
+                        names = ", ".join(map(str, placed[:-1])) + f" and {placed[-1]}"
                         raise ConfigError(
-                            f"layer {layer} die {d}: one redundant slot, but experts "
-                            f"{target[(layer, d)]} and {e} both placed there",
+                            f"layer {layer} die {d} has {n} redundant slot{'s' if n != 1 else ''}"
+                            f", but experts {names} are all placed there",
                             field="plans",
                         )
-                    target[(layer, d)] = e
         async with self._lock:  # one reconfiguration at a time
-            await self._swap(target, prefetch_ns, load_ns)
+            await self._swap(self._assign(target), prefetch_ns, load_ns)
+
+    def _assign(self, target: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int, int], int]:
+        """Slot of every placed replica: an expert already in one of the die's slots stays
+        there; newcomers take the other slots in order."""
+        out: dict[tuple[int, int, int], int] = {}
+        dies = set(target) | {(layer, d) for layer, d, _ in self.slots}
+        for layer, d in sorted(dies):
+            want = target.get((layer, d), [])
+            current = [e for e, _ in self.slot_states(layer, d)]
+            newcomers = [e for e in want if e not in current]
+            for s, e in enumerate(current):
+                if e >= 0 and e in want:
+                    out[(layer, d, s)] = e
+                elif newcomers:
+                    out[(layer, d, s)] = newcomers.pop(0)
+        return out
 
     async def _swap(
-        self, target: dict[tuple[int, int], int], prefetch_ns: int, load_ns: int
+        self, target: dict[tuple[int, int, int], int], prefetch_ns: int, load_ns: int
     ) -> None:
         changed = sorted(
             key
@@ -112,20 +160,22 @@ class MappingTable:
         await sleep_ns(prefetch_ns)
         # 2. disable the affected slots
         replicas = self._replicas()
-        for layer, d in changed:
-            old = self.slots.get((layer, d), (-1, "empty"))[0]
+        for key in changed:
+            layer, d, _ = key
+            old = self.slots.get(key, (-1, "empty"))[0]
             if old >= 0:
                 replicas[layer][old] = [x for x in replicas[layer][old] if x != d]
-            self.slots[(layer, d)] = (old, "disabled")
+            self.slots[key] = (old, "disabled")
         self._publish(replicas)
         # 3. load asynchronously; passes keep using the mapping that excludes these slots
         for key in changed:
             self.slots[key] = (target.get(key, -1), "loading")
         await sleep_ns(load_ns)
         # 4. re-enable with the new experts
-        for layer, d in changed:
-            e = target.get((layer, d), -1)
-            self.slots[(layer, d)] = (e, "enabled" if e >= 0 else "empty")
+        for key in changed:
+            layer, d, _ = key
+            e = target.get(key, -1)
+            self.slots[key] = (e, "enabled" if e >= 0 else "empty")
             if e >= 0:
                 replicas[layer][e].append(d)
         self._publish(replicas)
@@ -138,8 +188,8 @@ class MappingTable:
                 if not dies:
                     raise AssertionError(f"layer {layer} expert {e} has no replica")
                 for d in dies[1:]:
-                    if self.slots.get((layer, d)) != (e, "enabled"):
+                    if not self._serves(layer, d, e):
                         raise AssertionError(
                             f"pass v{mapping.version} routes layer {layer} expert {e} to die "
-                            f"{d} whose slot is {self.slots.get((layer, d))}"
+                            f"{d} whose slots are {self.slot_states(layer, d)}"
                         )
