@@ -443,3 +443,17 @@ async def test_reset_pair_leaves_the_reverse_direction_alone(xds_backend):
             tg.start_soon(x.receive, 0, 20, AppBuffer(2 * MiB, 64 * KiB), 1)
         assert f.read_local(0, 2 * MiB, 64 * KiB) == back
         x.monitor.check()
+
+
+@pytest.mark.xds
+async def test_an_error_in_the_body_leaves_xccl_as_itself(xds_backend):
+    """XCCL's own task group does not wrap the body's error in another exception group."""
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with XCCL(fabric()) as x:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.send, 0, 20, AppBuffer(0, 8 * KiB), 1)
+                tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 1)
+    assert all(isinstance(e, ProtocolError) for e in info.value.exceptions)  # one level
+    with pytest.raises(ConfigError, match="peer 64"):
+        async with XCCL(fabric()) as x:
+            await x.send(0, 64, AppBuffer(0, 16), 1)

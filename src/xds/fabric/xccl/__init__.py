@@ -21,6 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ...errors import XdsError
 from ...runtime import now_ns
+from ...runtime.sync import leaf_exceptions
 from ..ub import Engine, UBFabric
 from .aiv import AivPool
 from .monitor import P2PMonitor
@@ -63,6 +64,13 @@ class Handle:
         return self.completion
 
 
+def _leaves_of(exc: BaseException) -> list[int]:
+    """Identities of the non-group exceptions in ``exc`` (itself if it is not a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [id(leaf) for leaf in leaf_exceptions(exc)]
+    return [id(exc)]
+
+
 class XCCL:
     """XCCL point-to-point over a fabric (collectives build on the same fabric)."""
 
@@ -92,6 +100,10 @@ class XCCL:
         assert self._tg is not None
         try:
             return await self._tg.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is not None and _leaves_of(group) == _leaves_of(exc):
+                raise exc from None  # the body's own error, not wrapped again by XCCL's tasks
+            raise
         finally:
             self._tg = None
             for send, receive in self._cq.values():
