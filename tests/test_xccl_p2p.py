@@ -457,3 +457,41 @@ async def test_an_error_in_the_body_leaves_xccl_as_itself(xds_backend):
     with pytest.raises(ConfigError, match="peer 64"):
         async with XCCL(fabric()) as x:
             await x.send(0, 64, AppBuffer(0, 16), 1)
+
+
+@pytest.mark.xds
+async def test_a_posted_receive_can_be_cancelled_and_its_completion_is_posted(xds_backend):
+    async with XCCL(fabric()) as x:
+        cq = x.completion_queue(17)
+        handle = x.receive_async(17, 0, AppBuffer(0, 4 * KiB), 5)
+        await xds.sleep_ns(1_000)
+        handle.cancel()
+        entry = await cq.receive()
+        assert entry.op == "receive" and not entry.ok and entry.error == "cancelled"
+        assert handle.done and handle.completion == entry
+        with pytest.raises(ProtocolError, match="async receive of die 17 .* was cancelled"):
+            await handle.wait()
+        assert x.p2p.aivs(17).free == 48
+        handle.cancel()  # a no-op once done
+        data = os.urandom(4 * KiB)  # no message had started: the pair is untouched
+        await transfer(x, 0, 17, data, event_id=6)
+        assert x.fabric.read_local(17, 2 * MiB, len(data)) == data
+
+
+@pytest.mark.xds
+async def test_cancelling_an_async_send_mid_message_fails_the_receiver(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        handle = x.send_async(0, 20, AppBuffer(0, 4 * MiB), 7)
+
+        async def cancel_soon() -> None:
+            await xds.sleep_ns(20_000)
+            handle.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon)
+            with pytest.raises(ProtocolError, match="pair 0->20 was abandoned"):
+                await x.receive(20, 0, AppBuffer(0, 4 * MiB), 7)
+        assert 20_000 < xds.now_ns() < 40_000  # promptly, not at a timeout
+        assert (await x.completion_queue(0).receive()).error == "cancelled"
+        x.reset_pair(0, 20)
+        await transfer(x, 0, 20, 64 * KiB, event_id=8)

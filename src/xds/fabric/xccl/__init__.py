@@ -19,7 +19,7 @@ import anyio.abc
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ...errors import XdsError
+from ...errors import ProtocolError, XdsError
 from ...runtime import now_ns
 from ...runtime.sync import leaf_exceptions
 from ..ub import Engine, UBFabric
@@ -49,12 +49,26 @@ class Handle:
 
     def __init__(self) -> None:
         self._done = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_requested = False
         self.completion: Completion | None = None
         self.error: BaseException | None = None
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Cancel the operation (no effect once it is done). It completes with ``ok=False``
+        and ``error="cancelled"``, posted to its die's completion queue like any completion;
+        :meth:`wait` raises :class:`~xds.errors.ProtocolError`. Cancelled before its message
+        started, the pair is untouched; in the middle of a message it abandons the pair as a
+        cancelled synchronous call does (the peer fails; ``XCCL.reset_pair`` recovers it)."""
+        if self.done:
+            return
+        self._cancel_requested = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def wait(self) -> Completion:
         await self._done.wait()
@@ -218,26 +232,28 @@ class XCCL:
         async def run() -> None:
             start = now_ns()
             ok, error = True, ""
-            try:
-                await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
-            except XdsError as exc:  # a protocol failure: reported, the run goes on
-                ok, error = False, str(exc)
-                handle.error = exc
-            except BaseException as exc:  # cancelled or a bug: still complete the handle
-                handle.error = exc
-                handle.completion = Completion(
-                    op,
-                    die,
-                    peer,
-                    event_id,
-                    buf.nbytes,
-                    start,
-                    now_ns(),
-                    False,
-                    f"{type(exc).__name__}: {exc}",
+            with anyio.CancelScope() as scope:
+                handle._scope = scope
+                if handle._cancel_requested:  # cancelled before it started
+                    scope.cancel()
+                try:
+                    await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
+                except XdsError as exc:  # a protocol failure: reported, the run goes on
+                    ok, error = False, str(exc)
+                    handle.error = exc
+                except anyio.get_cancelled_exc_class() as exc:
+                    if not handle._cancel_requested:  # XCCL's exit tears it down
+                        _complete_failed(handle, op, die, peer, event_id, buf, start, exc)
+                    raise  # after Handle.cancel(), this scope catches it
+                except BaseException as exc:  # a bug: still complete the handle
+                    _complete_failed(handle, op, die, peer, event_id, buf, start, exc)
+                    raise
+            if scope.cancelled_caught:
+                ok, error = False, "cancelled"
+                handle.error = ProtocolError(
+                    f"async {op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, "
+                    f"eventID {event_id}) was cancelled"
                 )
-                handle._done.set()
-                raise
             handle.completion = Completion(
                 op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
             )
@@ -246,3 +262,22 @@ class XCCL:
 
         self._tg.start_soon(run, name=f"xccl-{op}-{die}-{peer}-{event_id}")
         return handle
+
+
+def _complete_failed(
+    handle: Handle,
+    op: Literal["send", "receive"],
+    die: int,
+    peer: int,
+    event_id: int,
+    buf: AppBuffer,
+    start: int,
+    exc: BaseException,
+) -> None:
+    """Complete ``handle`` for an operation torn down by XCCL's exit or killed by a bug (no
+    queue entry: the queue closes with XCCL)."""
+    handle.error = exc
+    handle.completion = Completion(
+        op, die, peer, event_id, buf.nbytes, start, now_ns(), False, f"{type(exc).__name__}: {exc}"
+    )
+    handle._done.set()
