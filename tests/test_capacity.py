@@ -47,6 +47,28 @@ def test_search_brackets_the_knee_and_is_deterministic():
     assert msgspec.json.encode(again) == msgspec.json.encode(res)
 
 
+def seen_by(scales: list[float]):
+    return lambda point: scales.append(point.scale)
+
+
+def test_worker_processes_change_the_wall_time_only():
+    """jobs=2 replays guessed next rates in forked workers; the points tried, their numbers
+    and the result are those of the one-process search, up and down, with user policies."""
+
+    def first_fit(dps, loads, reserve):
+        return dps[0]
+
+    for start in (4.0, 64.0):
+        kw = dict(start=start, bisections=2, decode_routing=first_fit)
+        seen: list[float] = []
+        one = search_capacity(built_in(), SMALL, **kw)
+        two = search_capacity(built_in(), SMALL, jobs=2, on_point=seen_by(seen), **kw)
+        assert msgspec.json.encode(two) == msgspec.json.encode(one)
+        assert sorted(seen) == [p.scale for p in one.points]  # each tried point reported once
+    with pytest.raises(ConfigError, match="at least two requests"):  # a worker's error, here
+        search_capacity(lambda x: Workload(()), SMALL, jobs=2)
+
+
 def test_search_halves_from_a_start_that_misses():
     seen = []
     res = search_capacity(built_in(), SMALL, start=64.0, bisections=1, on_point=seen.append)
@@ -181,6 +203,7 @@ def test_point_metrics_by_hand():
         ({"bisections": -1}, "bisections"),
         ({"criterion": "p99"}, "criterion"),
         ({"goodput_target": 1.5}, "goodput_target"),
+        ({"jobs": 0}, "jobs"),
     ],
 )
 def test_bad_arguments_name_their_field(kwargs, field):

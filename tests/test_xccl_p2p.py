@@ -449,10 +449,9 @@ async def test_reset_pair_leaves_the_reverse_direction_alone(xds_backend):
 async def test_an_error_in_the_body_leaves_xccl_as_itself(xds_backend):
     """XCCL's own task group does not wrap the body's error in another exception group."""
     with pytest.raises(BaseExceptionGroup) as info:
-        async with XCCL(fabric()) as x:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(x.send, 0, 20, AppBuffer(0, 8 * KiB), 1)
-                tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 1)
+        async with XCCL(fabric()) as x, anyio.create_task_group() as tg:
+            tg.start_soon(x.send, 0, 20, AppBuffer(0, 8 * KiB), 1)
+            tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 1)
     assert all(isinstance(e, ProtocolError) for e in info.value.exceptions)  # one level
     with pytest.raises(ConfigError, match="peer 64"):
         async with XCCL(fabric()) as x:
@@ -469,7 +468,7 @@ async def test_a_posted_receive_can_be_cancelled_and_its_completion_is_posted(xd
         entry = await cq.receive()
         assert entry.op == "receive" and not entry.ok and entry.error == "cancelled"
         assert handle.done and handle.completion == entry
-        with pytest.raises(ProtocolError, match="async receive of die 17 .* was cancelled"):
+        with pytest.raises(ProtocolError, match=r"async receive of die 17 .* was cancelled"):
             await handle.wait()
         assert x.p2p.aivs(17).free == 48
         handle.cancel()  # a no-op once done

@@ -616,6 +616,13 @@ def _ms(value: float, digits: int) -> str:
     show_default=True,
     help="Midpoints tried between the last rate that met the SLA and the first that missed.",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Worker processes replaying the rates the search may try next (0: one per core, up "
+    "to 4). The points tried and the result do not depend on it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def capacity(
     trace: str | None,
@@ -637,6 +644,7 @@ def capacity(
     ttft_ms: float | None,
     tpot_ms: float | None,
     bisections: int,
+    jobs: int,
     as_json: bool,
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
@@ -651,6 +659,7 @@ def capacity(
 
     from xds.serve.capacity import search_capacity
     from xds.serve.presets import pd_config
+    from xds.serve.speculative import default_jobs
     from xds.trace.metrics import SLA
 
     _check_trace_options(trace, fmt, sort)
@@ -703,6 +712,7 @@ def capacity(
             goodput_target=goodput_target,
             seed=seed,
             on_point=show,
+            jobs=jobs or default_jobs(),
         )
         found.append((name, cfg.chips, res))
         if as_json:

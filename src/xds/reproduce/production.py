@@ -26,6 +26,7 @@ import msgspec
 from ..serve.capacity import CapacityResult, search_capacity
 from ..serve.presets import pd_config
 from ..serve.replay import PDConfig
+from ..serve.speculative import default_jobs
 from ..trace.metrics import SLA
 from ..trace.production import production_workload
 from ..trace.workload import Workload
@@ -43,6 +44,7 @@ def measure(
     bisections: int = 4,
     seed: int = 0,
     config: PDConfig | None = None,
+    jobs: int | None = None,
 ) -> CapacityResult:
     """The rate search on ``config`` (default ``production-4p1d``) with the SLA above."""
     cfg = config or pd_config("production-4p1d")
@@ -59,6 +61,7 @@ def measure(
         min_scale=1.0,  # below 1 req/s the question is moot: report that 1 req/s missed
         bisections=bisections,
         seed=seed,
+        jobs=default_jobs() if jobs is None else jobs,  # the result does not depend on it
     )
 
 

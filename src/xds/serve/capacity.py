@@ -46,6 +46,7 @@ from .job_executor import (
 from .prefill import PrefillPlacement, least_work
 from .replay import PDConfig, replay
 from .routing import DecodeRouting, lowest_kv
+from .speculative import Speculator
 
 Criterion = Literal["mean", "goodput"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -209,6 +210,7 @@ def search_capacity(
     decode_routing: DecodeRouting = lowest_kv,
     prefill_te_selection: PrefillTESelection = earliest_first_token,
     decode_te_selection: DecodeTESelection = fewest_sequences,
+    jobs: int = 1,
 ) -> CapacityResult:
     """The highest ``x`` (within the search's resolution) at which replaying ``workload_at(x)``
     on ``config`` meets ``config.sla`` by ``criterion``.
@@ -219,18 +221,22 @@ def search_capacity(
     misses too, ``found`` is None). Then ``bisections`` midpoints between the last rate that
     met and the first that missed; a rate is never replayed twice. ``on_point`` sees every
     point as it is measured (a progress hook). The policy keywords plug your own policies into
-    every replay, as in :func:`~xds.serve.replay.replay`: the capacity of your router."""
+    every replay, as in :func:`~xds.serve.replay.replay`: the capacity of your router.
+
+    ``jobs > 1`` replays the rates the search may try next in that many worker processes while
+    it waits for the current one (:class:`~xds.serve.speculative.Speculator`); the points
+    tried and the result are the same for any ``jobs``, only the wall time changes."""
     cfg = config or PDConfig()
     cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
     cap = 256 * start if max_scale is None else max_scale
     floor = start / 256 if min_scale is None else min_scale
     _check(start, cap, floor, bisections, criterion, goodput_target)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a positive integer, got {jobs!r}", field="jobs")
     grid = comm_grid(cfg.decode, seed=seed)
     seen: dict[float, CapacityPoint] = {}
 
-    def probe(x: float) -> bool:
-        if x in seen:
-            return seen[x].meets
+    def measure(x: float) -> CapacityPoint:
         workload = workload_at(x)
         if not isinstance(workload, Workload) or len(workload) < 2 or not workload.duration_ns:
             raise ConfigError(
@@ -248,7 +254,7 @@ def search_capacity(
             prefill_te_selection=prefill_te_selection,
             decode_te_selection=decode_te_selection,
         )
-        point = seen[x] = measure_point(
+        return measure_point(
             workload,
             x,
             res.records,
@@ -257,16 +263,44 @@ def search_capacity(
             criterion=criterion,
             goodput_target=goodput_target,
         )
+
+    with Speculator(measure, jobs) as points:
+        return _search(
+            points, seen, on_point, start, cap, floor, bisections, criterion, goodput_target, cfg
+        )
+
+
+def _search(
+    points: Speculator[CapacityPoint],
+    seen: dict[float, CapacityPoint],
+    on_point: Callable[[CapacityPoint], None] | None,
+    start: float,
+    cap: float,
+    floor: float,
+    bisections: int,
+    criterion: Criterion,
+    goodput_target: float,
+    cfg: PDConfig,
+) -> CapacityResult:
+    """The search itself: double or halve from ``start``, then bisect; ``points`` evaluates
+    each rate, and ``probe(x, *then)`` names the rates the search may try next, for workers to
+    start on (computed with the same arithmetic as the path itself)."""
+
+    def probe(x: float, *then: float) -> bool:
+        if x in seen:
+            return seen[x].meets
+        points.ahead([x, *sorted(then)])  # the lower guess first: a lower rate replays faster
+        point = seen[x] = points.get(x)
         if on_point is not None:
             on_point(point)
         return point.meets
 
     def result(found: float | None, capped: bool = False) -> CapacityResult:
-        points = tuple(seen[x] for x in sorted(seen))
-        above = [p for p in points if found is None or p.scale > found]
+        measured = tuple(seen[x] for x in sorted(seen))
+        above = [p for p in measured if found is None or p.scale > found]
         return CapacityResult(
             found=None if found is None else seen[found],
-            points=points,
+            points=measured,
             capped=capped,
             binding="" if capped else "; ".join(above[0].misses),
             criterion=criterion,
@@ -274,13 +308,13 @@ def search_capacity(
             goodput_target=goodput_target,
         )
 
-    if probe(start):  # up: lo met; stop at the first rate that misses, or at the cap
-        lo = start
+    if probe(start, min(2 * start, cap), max(start / 2, floor)):
+        lo = start  # up: lo met; stop at the first rate that misses, or at the cap
         while True:
             if lo >= cap:
                 return result(lo, capped=True)
             hi = min(2 * lo, cap)
-            if not probe(hi):
+            if not probe(hi, min(2 * hi, cap), (lo + hi) / 2):
                 break
             lo = hi
     else:  # down: hi missed; stop at the first rate that meets, or at the floor
@@ -289,12 +323,12 @@ def search_capacity(
             if hi <= floor:
                 return result(None)
             lo = max(hi / 2, floor)
-            if probe(lo):
+            if probe(lo, (lo + hi) / 2, max(lo / 2, floor)):
                 break
             hi = lo
     for _ in range(bisections):
         mid = (lo + hi) / 2
         if not lo < mid < hi:  # floating-point resolution reached
             break
-        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+        lo, hi = (mid, hi) if probe(mid, (mid + hi) / 2, (lo + mid) / 2) else (lo, mid)
     return result(lo)

@@ -1,0 +1,96 @@
+"""Speculative evaluation for sequential searches: guess the next points, evaluate them in
+worker processes while the current one runs, keep only the points the search asks for.
+
+A search like :func:`~xds.serve.capacity.search_capacity` visits points one after another, each
+decided by the last result. :class:`Speculator` lets it say which points it may ask for next
+(:meth:`Speculator.ahead`) so idle cores evaluate them in advance; :meth:`Speculator.get` then
+returns a point's value, from a worker if one computed it, else computed in this process. The
+search sees exactly the values it would have computed alone, in the same order: only the wall
+time changes with ``jobs``. Guesses that the search never asks for are thrown away.
+
+Workers are forked from this process (``multiprocessing`` "fork" context), so ``evaluate`` may
+be a closure over anything, including user policies; each evaluation must be deterministic and
+free of side effects the search relies on (a replay in virtual time is). Where fork is not
+available, or with ``jobs=1``, everything runs in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.pool
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+_EVALUATE: Callable[[float], Any] | None = None
+"""The function the forked workers call (set before they fork; a closure cannot be pickled)."""
+
+
+def default_jobs() -> int:
+    """One worker per core (at most 4: each worker holds a whole replay in memory)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _evaluate_in_worker(x: float) -> Any:
+    assert _EVALUATE is not None
+    return _EVALUATE(x)
+
+
+class Speculator(Generic[T]):
+    """``evaluate`` at points the caller asks for, ahead of time on up to ``jobs`` processes."""
+
+    def __init__(self, evaluate: Callable[[float], T], jobs: int = 1):
+        global _EVALUATE
+        self.evaluate = evaluate
+        self.jobs = jobs
+        self._pool: multiprocessing.pool.Pool | None = None
+        self._pending: dict[float, multiprocessing.pool.AsyncResult] = {}
+        self.speculated = 0
+        """Points evaluated in workers (used or not)."""
+        if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
+            _EVALUATE = evaluate
+            self._pool = multiprocessing.get_context("fork").Pool(jobs)
+
+    def ahead(self, xs: Sequence[float]) -> None:
+        """Points the search may ask for next, most likely first: start as many as there are
+        idle workers (a point already started or done is not started again)."""
+        if self._pool is None:
+            return
+        running = sum(1 for r in self._pending.values() if not r.ready())
+        for x in xs:
+            if running >= self.jobs:
+                break
+            if x in self._pending:
+                continue
+            self._pending[x] = self._pool.apply_async(_evaluate_in_worker, (x,))
+            self.speculated += 1
+            running += 1
+
+    def get(self, x: float) -> T:
+        """The value at ``x``: a worker's if one computed it without error, else computed here
+        (so an error is raised here, as itself)."""
+        pending = self._pending.pop(x, None)
+        if pending is not None:
+            try:
+                return pending.get()
+            except Exception:  # recomputed here, where the real error surfaces as itself
+                pass
+        return self.evaluate(x)
+
+    def close(self) -> None:
+        """Stop the workers (guesses still running are abandoned)."""
+        global _EVALUATE
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+            _EVALUATE = None
+        self._pending.clear()
+
+    def __enter__(self) -> Speculator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
