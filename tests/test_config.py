@@ -99,3 +99,30 @@ def test_nested_dicts_and_numpy_scalars_in_python_built_configs():
     # a sweep over numpy ranges builds configs from numpy scalars
     assert DecodeConfig(batch_per_die=np.int64(8)).batch_per_die == 8
     assert KernelEfficiency(attention_compute=np.float64(0.5)).attention_compute == 0.5
+
+
+def test_a_deployment_file_changes_only_what_it_writes(tmp_path):
+    from xds.serve.presets import decode_config, pd_config
+    from xds.serve.replay import PDConfig
+
+    f = tmp_path / "d.toml"
+    f.write_text('[decode]\npull_order = "staggered"\n[decode.mtp]\nacceptance = [0.8]\n')
+    cfg = pd_config(str(f))
+    base = PDConfig()
+    assert cfg.decode.pull_order == "staggered" and cfg.decode.mtp.acceptance == (0.8,)
+    assert cfg.decode.mtp.k == base.decode.mtp.k
+    assert (
+        msgspec.structs.replace(cfg.decode, pull_order="static", mtp=base.decode.mtp) == base.decode
+    )  # the 4P1D decode TE (128 dies, batch 32), not the peak-decode defaults
+    assert cfg.prefill == base.prefill and cfg.chips == base.chips
+    g = tmp_path / "g.toml"
+    g.write_text("batch_per_die = 8\n")
+    assert decode_config(str(g)).dies == 288  # a decode file starts from the peak deployment
+
+
+def test_a_byte_order_mark_in_a_config_file_is_fine(tmp_path):
+    from xds.serve.presets import pd_config
+
+    f = tmp_path / "bom.toml"
+    f.write_bytes(b"\xef\xbb\xbf[decode]\nbatch_per_die = 8\n")
+    assert pd_config(str(f)).decode.batch_per_die == 8

@@ -277,6 +277,18 @@ def test_a_failed_distflow_instance_fails_only_its_own_pair():
         r.inject_distflow_failure(0, prefill_te=5)
 
 
+def test_a_one_token_request_never_needs_decode_kv():
+    tiny_kv = msgspec.structs.replace(
+        SMALL, decode=msgspec.structs.replace(SMALL.decode, kv_blocks_per_die=1)
+    )
+    res = replay(_workload((0, 500, 1), (100_000_000, 1000, 10)), tiny_kv)
+    one, long = sorted(res.records, key=lambda r: r.request_id)
+    assert one.outcome == "completed" and one.decode_placement == ""
+    assert long.outcome == "failed" and "exceeds a decode DP's KV" in long.reason
+    everything_fails = replay(_workload((0, 1000, 10), (2_000_000_000, 1000, 10)), tiny_kv)
+    assert everything_fails.summary.duration_s == 2.0  # first arrival to the last failure
+
+
 def test_replay_takes_faults_and_keeps_the_event_log_on_request():
     from xds.serve.replay import DistFlowFault
 
@@ -293,6 +305,11 @@ def test_replay_takes_faults_and_keeps_the_event_log_on_request():
         replay(wl, SMALL, faults=[(0, 0, 0)])
     with pytest.raises(ConfigError, match="P3-D0"):
         replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=3)])
+    with pytest.raises(ConfigError, match="list of DistFlowFault"):
+        replay(wl, SMALL, faults=DistFlowFault(at_ns=0, prefill_te=0))
+    for bad in (dict(at_ns=1.5e8, prefill_te=0), dict(at_ns=-1, prefill_te=0)):
+        with pytest.raises(ConfigError, match="at_ns"):
+            DistFlowFault(**bad)
 
 
 _GRID: list = []

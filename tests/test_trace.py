@@ -273,3 +273,26 @@ def test_sla_targets_must_be_positive_numbers():
         with pytest.raises(ConfigError, match="_ms"):
             t.SLA(**bad)
     assert t.SLA(ttft_ms=float("inf")).ttft_ms == float("inf")  # no target on TTFT
+
+
+def test_loaders_accept_what_they_can_read_and_name_the_files_own_columns(tmp_path):
+    m = tmp_path / "m.jsonl"
+    m.write_bytes(
+        b'\xef\xbb\xbf{"timestamp": 0.5, "input_length": 10, "output_length": 2}\n'
+        b'{"timestamp": 2, "input_length": 10.0, "output_length": 2}\n'
+    )
+    assert [r.arrival_ns for r in t.load(m).requests] == [0, 1_500_000]  # float ms, BOM
+    c = write(tmp_path, "c.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10.0,2\n")
+    assert t.load(c).requests[0].input_tokens == 10  # "10.0" as JSON's 10.0
+    bad = write(tmp_path, "b.csv", "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10.5,2\n")
+    with pytest.raises(TraceError, match="field 'num_prefill_tokens': expected an integer"):
+        t.load(bad)
+    az = write(
+        tmp_path,
+        "az.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:47,1,1\n"
+        "2023-11-16 18:15:46,1,1\n",
+    )
+    with pytest.raises(TraceError, match="line 3 field 'TIMESTAMP': timestamps go backwards"):
+        t.load(az)

@@ -31,7 +31,7 @@ def _read(path: Path) -> Any:
         raise ConfigError("file not found", source=str(path))
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark is fine
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ConfigError(
@@ -48,15 +48,43 @@ def _read(path: Path) -> Any:
     raise ConfigError("config files are .toml or .json", source=str(path))
 
 
-def load_config(path: str | Path, kind: type[T], *, overrides: dict[str, Any] | None = None) -> T:
-    """Read ``path`` as a ``kind`` (a msgspec Struct); ``overrides`` replace top-level keys."""
+def load_config(
+    path: str | Path,
+    kind: type[T],
+    *,
+    overrides: dict[str, Any] | None = None,
+    base: T | None = None,
+) -> T:
+    """Read ``path`` as a ``kind`` (a msgspec Struct); ``overrides`` replace top-level keys.
+
+    The file changes only what it writes: its tables are merged key by key into ``base``
+    (default: ``kind()``), so ``[decode]`` with one key keeps every other field of the base's
+    decode table rather than falling back to a standalone decode config's defaults. Lists are
+    replaced whole."""
     p = Path(path)
     data = _read(p)
     if not isinstance(data, dict):
         raise ConfigError("the top level must be a table/object", source=str(p))
     if overrides:
         data = {**data, **overrides}
+    if base is None:
+        try:
+            base = kind()
+        except (TypeError, ConfigError):  # required fields: nothing to merge into
+            base = None
+    if base is not None:
+        data = _merged(msgspec.to_builtins(base), data)
     return convert(data, kind, source=str(p))
+
+
+def _merged(base: Any, update: Any) -> Any:
+    """``update`` laid over ``base``: tables merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(update, dict):
+        out = dict(base)
+        for key, value in update.items():
+            out[key] = _merged(base[key], value) if key in base else value
+        return out
+    return update
 
 
 def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:

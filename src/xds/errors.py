@@ -23,6 +23,7 @@ class ConfigError(XdsError, ValueError):
     """
 
     def __init__(self, message: str, *, field: str | None = None, source: str | None = None):
+        self.message = message
         self.field = field
         self.source = source
         where = ""

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from xds import __version__
-from xds.errors import XdsError
+from xds.errors import ConfigError, XdsError
 from xds.units import GB, fmt_bytes, fmt_ns
 
 
@@ -269,6 +269,18 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     console.print(kernels)
 
 
+class _Finite(click.FloatRange):
+    """A float range that is also finite: ``nan`` and ``inf`` are usage errors."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        out = super().convert(value, param, ctx)
+        if not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return out
+
+
 def _trace_options(f):
     """The options that say which workload to replay (shared by replay and capacity)."""
     for option in reversed(
@@ -297,7 +309,7 @@ def _trace_options(f):
             ),
             click.option(
                 "--cv",
-                type=click.FloatRange(min=0, min_open=True),
+                type=_Finite(min=0, min_open=True),
                 default=1.0,
                 show_default=True,
                 help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
@@ -407,7 +419,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 )
 @click.option(
     "--rate-scale",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="Arrivals this many times as dense (2 halves every gap).",
@@ -422,7 +434,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=2.0,
     show_default=True,
     help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
@@ -465,9 +477,9 @@ def replay(
             raise click.UsageError("--rate applies to the built-in workload and --format lengths")
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
-    if out_dir is not None:
-        _check_out_dir(out_dir)
     cfg = pd_config(deployment)
+    if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
+        _check_out_dir(out_dir)
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
@@ -552,33 +564,33 @@ def _ms(value: float, digits: int) -> str:
 @click.option(
     "--window",
     "window_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=600.0,
     show_default=True,
     help="Without TRACE: seconds of arrivals replayed at each rate.",
 )
 @click.option(
     "--start",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="First rate tried: req/s without TRACE, else a rate scale of the trace.",
 )
 @click.option(
     "--max-scale",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=None,
     help="Highest rate (or scale) tried [default: 256 x start].",
 )
 @click.option(
     "--min-scale",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=None,
     help="Lowest rate (or scale) tried [default: start / 256].",
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=None,
     help="--format lengths: the arrival rate (req/s) at scale 1 [default: 2].",
 )
@@ -592,20 +604,20 @@ def _ms(value: float, digits: int) -> str:
 @click.option(
     "--goodput",
     "goodput_target",
-    type=click.FloatRange(min=0, max=1, min_open=True),
+    type=_Finite(min=0, max=1, min_open=True),
     default=0.9,
     show_default=True,
     help="--criterion goodput: the share of requests that must meet the SLA.",
 )
 @click.option(
     "--ttft-ms",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=None,
     help="TTFT target [default: the deployment's SLA, 2,000 ms].",
 )
 @click.option(
     "--tpot-ms",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True),
     default=None,
     help="TPOT target [default: the deployment's SLA, 35 ms].",
 )
@@ -799,6 +811,23 @@ def capacity(
     console.print(compare)
 
 
+_FLAG_OF_FIELD = {
+    "rate_scale": "--rate-scale",
+    "rate_per_s": "--rate",
+    "max_scale": "--max-scale",
+    "min_scale": "--min-scale",
+    "start": "--start",
+    "ttft_ms": "--ttft-ms",
+    "tpot_ms": "--tpot-ms",
+    "goodput_target": "--goodput",
+    "bisections": "--bisections",
+    "deployment": "--deployment",
+    "limit": "--limit",
+    "cv": "--cv",
+}
+"""Library fields that a command-line flag sets: errors about them name the flag."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = sys.argv[1:] if argv is None else argv
@@ -812,6 +841,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         print("xds: aborted", file=sys.stderr)
         return 130
+    except ConfigError as exc:
+        flag = _FLAG_OF_FIELD.get(exc.field or "") if exc.source is None else None
+        print(f"xds: error: {f'{flag}: {exc.message}' if flag else exc}", file=sys.stderr)
+        return 2
     except XdsError as exc:
         print(f"xds: error: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import check_fields
 from ..errors import ConfigError
-from ..fabric.xccl.moe import ExpertMap, PullOrder
+from ..fabric.xccl.moe import ExpertMap, PullOrder, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384
 from ..model import MODELS, CostModel, KernelEfficiency, Precision
 from ..runtime import now_ns, rng, sleep_until_ns
@@ -39,8 +39,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     output_tokens: int = 2048
     mtp: MTPConfig = MTPConfig(k=1, acceptance=(0.9,))
     shared_expert_dies: int = 32
-    dispatch_dtype: str = "int8"
-    combine_dtype: str = "bf16"
+    dispatch_dtype: WireDtype = "int8"
+    combine_dtype: WireDtype = "bf16"
     pull_order: PullOrder = "static"
     """Dispatch/combine pull order over the AIVs (:data:`xds.fabric.xccl.moe.PullOrder`)."""
     scheduler_gap_ns: int = 2 * MS
@@ -460,7 +460,7 @@ def measure_comm(
                 hidden=m.hidden,
                 top_k=width,
                 max_tokens_per_rank=max(1, tokens_per_die),
-                dispatch_dtype=config.dispatch_dtype,  # type: ignore[arg-type]
+                dispatch_dtype=config.dispatch_dtype,
                 combine_dtype=config.combine_dtype,
                 pull_order=config.pull_order,
             ),  # type: ignore[arg-type]

@@ -92,8 +92,12 @@ class DistFlow:
         prefill_die: Callable[[int, int], int] | None = None,
         decode_die: Callable[[int], int] | None = None,
         aivs: int = 48,
+        decode_te: int = 0,
     ):
         self.prefill_te = prefill_te
+        self.decode_te = decode_te
+        self.pair = f"P{prefill_te}-D{decode_te}"
+        """The (Prefill TE, Decode TE) pair this instance serves, as events name it."""
         self.tp = tp
         self.link = link
         self.engines = engines
@@ -128,7 +132,7 @@ class DistFlow:
         )
         self._next_id += 1
         self.transfers[t.transfer_id] = t
-        emit("distflow", "registered", transfer=t.transfer_id, request=request_id)
+        emit("distflow", "registered", transfer=t.transfer_id, request=request_id, pair=self.pair)
         return t
 
     async def recv(self, transfer: Transfer, decode_dp: int) -> None:
@@ -142,7 +146,7 @@ class DistFlow:
         transfer.state = TransferState.IN_FLIGHT
         transfer.recv_ns = now_ns()
         transfer.decode_dp = decode_dp
-        emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp)
+        emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp, pair=self.pair)
         if self.xccl is not None:
             await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
@@ -192,7 +196,7 @@ class DistFlow:
         self.prefill_cq[transfer.prefill_dp][0].send_nowait(done)
         if transfer.decode_dp >= 0:
             self.decode_cq[transfer.decode_dp][0].send_nowait(done)
-        emit("distflow", state.value, transfer=transfer.transfer_id)
+        emit("distflow", state.value, transfer=transfer.transfer_id, pair=self.pair)
 
     def check(self) -> None:
         """Every registered transfer ended in exactly one terminal state."""

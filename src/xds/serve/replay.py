@@ -116,13 +116,16 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return prefill + self.decode_tes * self.decode.dies // 2
 
 
-class DistFlowFault(msgspec.Struct, frozen=True):
+class DistFlowFault(msgspec.Struct, frozen=True, kw_only=True):
     """From virtual time ``at_ns`` the DistFlow instance of (``prefill_te``, ``decode_te``)
     fails every transfer it completes (:meth:`Replay.inject_distflow_failure`)."""
 
-    at_ns: int
-    prefill_te: int
-    decode_te: int = 0
+    at_ns: Annotated[int, Meta(ge=0)]
+    prefill_te: Annotated[int, Meta(ge=0)]
+    decode_te: Annotated[int, Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class ReplayResult(msgspec.Struct):
@@ -262,7 +265,7 @@ class Replay:
         if req.input_tokens > self.prefill[0].max_input_tokens():
             return f"input {req.input_tokens} tokens exceeds a prefill DP's KV"
         dkv = self.decode[0].kv[0]
-        if dkv.blocks_for(total) > dkv.capacity:
+        if req.output_tokens > 1 and dkv.blocks_for(total) > dkv.capacity:  # 1: never decoded
             return f"sequence of {total} tokens exceeds a decode DP's KV"
         return ""
 
@@ -370,6 +373,7 @@ class Replay:
                     prefill_die=lambda dp, rank, te=te: te * p.dies_per_te + dp * tp + rank,
                     decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
                     aivs=cfg.kv_aivs,
+                    decode_te=d,
                 )
 
     async def run(self) -> list[RequestRecord]:
@@ -482,10 +486,19 @@ def replay(
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
     cfg = config or PDConfig()
     _check_workload(workload)
-    faults = list(faults)
+    if isinstance(faults, DistFlowFault) or not isinstance(faults, Sequence):
+        raise ConfigError(
+            f"faults is a list of DistFlowFault, got {type(faults).__name__}", field="faults"
+        )
     for fault in faults:
         if not isinstance(fault, DistFlowFault):
             raise ConfigError(f"expected DistFlowFault entries, got {fault!r}", field="faults")
+        if fault.prefill_te >= cfg.prefill.tes or fault.decode_te >= cfg.decode_tes:
+            raise ConfigError(
+                f"no DistFlow instance P{fault.prefill_te}-D{fault.decode_te} (the deployment "
+                f"has {cfg.prefill.tes} Prefill TEs and {cfg.decode_tes} Decode TEs)",
+                field="faults",
+            )
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
@@ -509,13 +522,17 @@ def replay(
     records = runtime.run(main)
     check_complete(records, len(workload))
     r = holder["r"]
+    busy = [te.busy_ns / _prefill_phase_ns(records) for te in r.prefill]
+    summary = msgspec.structs.replace(
+        summarize(records, chips=cfg.chips, sla=cfg.sla), prefill_busy=busy
+    )
     return ReplayResult(
         records=records,
-        summary=summarize(records, chips=cfg.chips, sla=cfg.sla),
+        summary=summary,
         chips=cfg.chips,
         prefill_steps=sum(te.steps for te in r.prefill),
         decode_iterations=sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
-        prefill_busy=[te.busy_ns / _prefill_phase_ns(records) for te in r.prefill],
+        prefill_busy=busy,
         events=runtime.events if event_log else None,
     )

@@ -45,7 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "xds(seed=0, backend='asyncio', event_log=True, schedule_seed=None, "
-        "livelock_limit=1000000): run this async def test in xds virtual time "
+        "livelock_limit=1000000, time_limit_ns=None): run this async def test in xds virtual "
+        "time "
         "(keywords only; the xds_backend fixture parametrises over the backends)",
     )
 

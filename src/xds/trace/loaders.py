@@ -24,6 +24,8 @@ from ..errors import TraceError
 from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
 
 _json = msgspec.json.Decoder()
+_BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte-order mark, which some editors put at the start of a file."""
 
 
 def _open(path: str | Path) -> Path:
@@ -85,9 +87,15 @@ def _int_field(value: Any, *, path: str, line: int, field: str, minimum: int = 0
         try:
             out = int(value.strip())
         except ValueError:
-            raise TraceError(
-                f"expected an integer, got {value!r}", path=path, line=line, field=field
-            ) from None
+            try:  # "10.0", as JSON's 10.0 is accepted
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not number.is_integer():
+                raise TraceError(
+                    f"expected an integer, got {value!r}", path=path, line=line, field=field
+                ) from None
+            out = int(number)
     else:
         raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
     if out < minimum:
@@ -96,7 +104,10 @@ def _int_field(value: Any, *, path: str, line: int, field: str, minimum: int = 0
 
 
 def _finish(
-    rows: list[tuple[int, int, int, tuple[int, ...], int]], path: str, sort: bool
+    rows: list[tuple[int, int, int, tuple[int, ...], int]],
+    path: str,
+    sort: bool,
+    field: str = "timestamp",
 ) -> Workload:
     """Order by arrival (or check the order), rebase arrivals to 0, number the requests."""
     if not rows:
@@ -109,7 +120,7 @@ def _finish(
                     "sort=True, or --sort on the command line)",
                     path=path,
                     line=rest[-1],
-                    field="timestamp",
+                    field=field,
                 )
     else:
         rows = sorted(rows, key=lambda r: (r[0], r[4]))
@@ -126,6 +137,7 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     rows = []
     with p.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            raw = raw.removeprefix(_BOM) if line_no == 1 else raw
             if not raw.strip():
                 continue
             try:
@@ -137,8 +149,9 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
             for key in ("timestamp", "input_length", "output_length"):
                 if key not in obj:
                     raise TraceError("missing", path=str(p), line=line_no, field=key)
-            ts = _int_field(obj["timestamp"], path=str(p), line=line_no, field="timestamp")
-            ts_ns = _arrival_ns(ts, 1_000_000, path=str(p), line=line_no, field="timestamp")
+            ts_ns = _arrival_ns(
+                obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
+            )
             x = _int_field(
                 obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
             )
@@ -205,7 +218,7 @@ def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
             row["GeneratedTokens"], path=str(p), line=line_no, field="GeneratedTokens", minimum=1
         )
         rows.append((ns, x, y, (), line_no))
-    return _finish(rows, str(p), sort)
+    return _finish(rows, str(p), sort, "TIMESTAMP")
 
 
 _STAMP = re.compile(r"(?P<head>[^.]*?)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
@@ -247,7 +260,7 @@ def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
             minimum=1,
         )
         rows.append((arrival, x, y, (), line_no))
-    return _finish(rows, str(p), sort)
+    return _finish(rows, str(p), sort, "arrived_at")
 
 
 def load_lengths(
@@ -320,6 +333,7 @@ def load_generic(
         def _json_rows() -> Iterator[tuple[int, dict[str, Any]]]:
             with p.open("rb") as f:
                 for line_no, raw in enumerate(f, start=1):
+                    raw = raw.removeprefix(_BOM) if line_no == 1 else raw
                     if raw.strip():
                         try:
                             yield line_no, _json.decode(raw)
@@ -367,7 +381,7 @@ def load_generic(
                     "expected integers", path=str(p), line=line_no, field=mapping["hashes"]
                 ) from None
         rows.append((arrival, x, y, hashes, line_no))
-    return _finish(rows, str(p), sort)
+    return _finish(rows, str(p), sort, mapping["arrival"])
 
 
 def _getter(path: str) -> Callable[[dict[str, Any], str, int], Any]:

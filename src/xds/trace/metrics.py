@@ -108,6 +108,8 @@ class Summary(msgspec.Struct):
     goodput: float
     sla: SLA
     duration_s: float
+    prefill_busy: list[float] = []
+    """Per Prefill TE of a PD replay, the share of the prefill phase it spent in steps."""
     prefix_hit_ratio: float = 0.0
     """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
 
@@ -133,7 +135,8 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         for a, b in zip([r.first_token_ns, *r.token_ns], r.token_ns, strict=False)
     ]
     start = min((r.arrival_ns for r in records), default=0)
-    end = max((r.finish_ns for r in done), default=start)
+    ended = done or [r for r in records if r.finish_ns >= 0]  # nothing completed: the failures
+    end = max((r.finish_ns for r in ended), default=start)
     duration = max(end - start, 1) / 1e9
     tokens = sum(r.output_tokens for r in done)
     good = sum(1 for r in done if sla.met_by(r))
@@ -153,7 +156,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         goodput=good / len(records) if records else 0.0,
         prefix_hit_ratio=prefix_hit_ratio(done),
         sla=sla,
-        duration_s=duration,
+        duration_s=(end - start) / 1e9,
     )
 
 

@@ -9,6 +9,7 @@ simple distributions; all randomness from the seeded generator passed in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
@@ -45,8 +46,17 @@ class Workload(msgspec.Struct, frozen=True):
 
     def scaled(self, rate_scale: float) -> Workload:
         """Arrivals ``rate_scale`` times as dense (``2`` halves every inter-arrival gap)."""
-        if rate_scale <= 0:
-            raise ConfigError(f"rate_scale must be positive, got {rate_scale}", field="rate_scale")
+        if not 0 < rate_scale < math.inf:
+            raise ConfigError(
+                f"rate_scale must be positive and finite, got {rate_scale}", field="rate_scale"
+            )
+        last = max((r.arrival_ns for r in self.requests), default=0)
+        if last / rate_scale > 2**63 - 1:
+            raise ConfigError(
+                f"rate_scale {rate_scale:g} stretches the last arrival ({last} ns) beyond the "
+                "int64 nanosecond clock (about 292 years)",
+                field="rate_scale",
+            )
         return Workload(
             tuple(
                 msgspec.structs.replace(r, arrival_ns=round(r.arrival_ns / rate_scale))
