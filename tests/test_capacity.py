@@ -59,7 +59,7 @@ def test_worker_processes_change_the_wall_time_only():
         return dps[0]
 
     for start in (4.0, 64.0):
-        kw = dict(start=start, bisections=2, decode_routing=first_fit)
+        kw = dict(start=start, bisections=1, decode_routing=first_fit)
         seen: list[float] = []
         one = search_capacity(built_in(), SMALL, **kw)
         two = search_capacity(built_in(), SMALL, jobs=2, on_point=seen_by(seen), **kw)
