@@ -25,8 +25,7 @@ import msgspec
 import numpy as np
 
 from xds.fabric import UBFabric
-from xds.fabric.xccl.ep import EPConfig, EPGroup
-from xds.fabric.xccl.moe import ExpertMap, combine_row_bytes, dispatch_row_bytes
+from xds.fabric.xccl.moe import combine_row_bytes, dispatch_row_bytes
 from xds.hw import CloudMatrix384, EngineSpec, collective_efficiency
 from xds.model import DEEPSEEK_V3
 from xds.reproduce import dispatch_combine, peak_decode
@@ -51,20 +50,7 @@ def exchange(ep: int, tokens: int, order: str) -> tuple[float, float]:
 
     async def main() -> tuple[int, int]:
         fabric = UBFabric(pod, payload_mode="size")
-        group = EPGroup(
-            fabric,
-            list(range(ep)),
-            ExpertMap(model.routed_experts, ep),
-            EPConfig(
-                hidden=model.hidden,
-                top_k=model.top_k,
-                max_tokens_per_rank=tokens,
-                dispatch_dtype="int8",
-                combine_dtype="bf16",
-                pull_order=order,  # type: ignore[arg-type]
-            ),
-            tier="collective",
-        )
+        group = dispatch_combine.deepseek_ep_group(fabric, ep, tokens, pull_order=order)
         pick = rng("benchmark/a2a-routing")
         # top-8 of 256 without replacement: the 8 smallest of uniform keys per token
         routes = [

@@ -32,25 +32,34 @@ BATCHES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128]
 EP = 128
 
 
-async def _one_batch(
-    fabric: UBFabric, ep: int, batch: int, round_: int, tier: str, pull_order: str = "static"
-) -> tuple[int, int]:
-    """Dispatch then combine once on every rank from common starts; the two latencies."""
+def deepseek_ep_group(
+    fabric: UBFabric, ep: int, tokens: int, *, tier: str = "collective", pull_order: str = "static"
+) -> EPGroup:
+    """DeepSeek-R1's dispatch/combine on dies ``0..ep-1``: hidden 7168, top-8 of 256 routed
+    experts spread evenly, ``tokens`` per rank at most, INT8 dispatch and BF16 combine."""
     model = DEEPSEEK_V3
-    group = EPGroup(
+    return EPGroup(
         fabric,
         list(range(ep)),
         ExpertMap(model.routed_experts, ep),
         EPConfig(
             hidden=model.hidden,
             top_k=model.top_k,
-            max_tokens_per_rank=batch,
+            max_tokens_per_rank=tokens,
             dispatch_dtype="int8",
             combine_dtype="bf16",
             pull_order=pull_order,  # type: ignore[arg-type]
         ),
         tier=tier,  # type: ignore[arg-type]
     )
+
+
+async def _one_batch(
+    fabric: UBFabric, ep: int, batch: int, round_: int, tier: str, pull_order: str = "static"
+) -> tuple[int, int]:
+    """Dispatch then combine once on every rank from common starts; the two latencies."""
+    model = DEEPSEEK_V3
+    group = deepseek_ep_group(fabric, ep, batch, tier=tier, pull_order=pull_order)
     pick = rng(f"reproduce/dispatch-combine/{batch}")
     routes = [
         np.stack(
