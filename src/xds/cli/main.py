@@ -289,7 +289,7 @@ def _trace_options(f):
             click.option(
                 "--format",
                 "fmt",
-                type=click.Choice(["mooncake", "azure", "request-csv", "lengths"]),
+                type=click.Choice(["mooncake", "azure", "request-csv", "lengths", "servegen"]),
                 default=None,
                 help="Trace format (default: guessed from the first line).",
             ),
@@ -315,6 +315,12 @@ def _trace_options(f):
                 help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
             ),
             click.option(
+                "--span",
+                default="0,600",
+                show_default=True,
+                help="ServeGen (TRACE a directory): START,SECONDS of its day to sample.",
+            ),
+            click.option(
                 "--sort",
                 is_flag=True,
                 help="Sort the TRACE by arrival time (default: timestamps going backwards "
@@ -336,7 +342,7 @@ def _given(name: str) -> bool:
 def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None:
     """Usage errors for workload options that would otherwise be ignored silently."""
     if trace is None:
-        for name, flag in (("fmt", "--format"), ("sort", "--sort")):
+        for name, flag in (("fmt", "--format"), ("sort", "--sort"), ("span", "--span")):
             if _given(name):
                 raise click.UsageError(f"{flag} applies to a TRACE")
     if fmt != "lengths":
@@ -348,13 +354,33 @@ def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None
 
 
 def _load_trace(
-    trace: str, fmt: str | None, columns: str, rate: float, cv: float, seed: int, sort: bool
+    trace: str,
+    fmt: str | None,
+    columns: str,
+    rate: float,
+    cv: float,
+    seed: int,
+    sort: bool,
+    span: str = "0,600",
 ):
-    """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``)."""
+    """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``; a ServeGen
+    directory is sampled over ``span``)."""
+    from pathlib import Path
+
     import numpy as np
 
-    from xds.trace import load, load_lengths
+    from xds.trace import load, load_lengths, load_servegen
 
+    if fmt == "servegen" or (fmt is None and Path(trace).is_dir()):
+        if sort:
+            raise click.UsageError("--sort applies to traces with timestamps, not ServeGen")
+        try:
+            start, seconds = (float(v) for v in span.split(","))
+        except ValueError:
+            raise click.UsageError(f"--span takes START,SECONDS, got {span!r}") from None
+        return load_servegen(trace, start_s=start, duration_s=seconds, seed=seed)
+    if _given("span"):
+        raise click.UsageError("--span applies to a ServeGen directory")
     if fmt != "lengths":
         return load(trace, fmt, sort=sort)
     cols = [c.strip() for c in columns.split(",")]
@@ -455,6 +481,7 @@ def replay(
     cv: float,
     out_dir: str | None,
     as_csv: bool,
+    span: str,
     sort: bool,
     seed: int,
     as_json: bool,
@@ -483,7 +510,7 @@ def replay(
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort)
+        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span)
     workload = workload.scaled(rate_scale).limited(limit)
     with Progress(
         TextColumn("replay"),
@@ -644,6 +671,7 @@ def capacity(
     unique_prompts: bool,
     columns: str,
     cv: float,
+    span: str,
     sort: bool,
     seed: int,
     window_s: float,
@@ -689,7 +717,7 @@ def capacity(
             return _built_in(max(20, round(x * window_s)), x, seed, unique_prompts).limited(limit)
     else:
         unit, knob = "x trace rate", "rate scale"
-        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed, sort).limited(limit)
+        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed, sort, span).limited(limit)
 
         def workload_at(x: float):
             return base.scaled(x)

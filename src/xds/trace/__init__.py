@@ -13,6 +13,7 @@ from .loaders import (
     load_request_csv,
 )
 from .metrics import SLA, RequestRecord, Stat, Summary, check_complete, summarize, write
+from .servegen import load_servegen
 from .workload import Request, Workload, fixed, gamma_arrivals, poisson_arrivals, synthetic
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "load_lengths",
     "load_mooncake",
     "load_request_csv",
+    "load_servegen",
     "poisson_arrivals",
     "summarize",
     "synthetic",

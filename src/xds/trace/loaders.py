@@ -401,7 +401,12 @@ FORMATS: dict[str, Callable[..., Workload]] = {
 
 
 def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
-    """Load a trace, guessing the format from its first line when ``fmt`` is None."""
+    """Load a trace, guessing the format from its first line when ``fmt`` is None (a
+    directory is a ServeGen client pool: :func:`~xds.trace.servegen.load_servegen`)."""
+    if fmt == "servegen" or (fmt is None and Path(path).is_dir()):
+        from .servegen import load_servegen
+
+        return load_servegen(path, **options)
     p = _open(path)
     if fmt is None:
         with p.open("rb") as f:
@@ -415,8 +420,8 @@ def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
         else:
             raise TraceError(
                 "cannot tell the trace format from its first line; name it (--format on "
-                "the command line, fmt= in Python: mooncake, azure, request-csv, or "
-                "lengths for a lengths-only CSV) or map its columns with load_generic",
+                "the command line, fmt= in Python: mooncake, azure, request-csv, servegen, "
+                "or lengths for a lengths-only CSV) or map its columns with load_generic",
                 path=str(p),
             )
     if fmt not in FORMATS:

@@ -1,0 +1,240 @@
+"""Workloads sampled from ServeGen's client-pool characterisation of production traffic.
+
+ServeGen (Xiang et al., arXiv:2505.09999; github.com/alibaba/ServeGen, Apache-2.0 data)
+publishes, for one day of DeepSeek-R1 traffic on Alibaba Cloud Model Studio, a per-client
+statistical summary rather than a request log: for each client ``i``
+
+* ``chunk-<i>-trace.csv`` (no header, one row per 600 s window of the day): window start (s),
+  the client's mean request rate (req/s), the inter-arrival coefficient of variation, the
+  fitted inter-arrival family (``Gamma``, ``Weibull``, or empty when idle) and its (shape,
+  scale);
+* ``chunk-<i>-dataset.json``: per 6 h window (keys ``"0"``, ``"21600"``, ...), empirical
+  distributions ``{value: probability}`` of ``input_tokens``, ``output_tokens`` (reasoning +
+  answer) and ``reason_ratio``, each written as a Python dict literal.
+
+:func:`load_servegen` turns a span of that day into requests, client by client and window by
+window: inter-arrival gaps are drawn from the fitted family's shape (which sets their
+coefficient of variation) and rescaled so their mean is 1 / the window's rate; each request's
+input and output lengths are drawn from the client's distributions for its 6 h window. Every
+client has its own random stream (seeded from ``seed`` and its number), so choosing other
+clients does not change a client's requests. The logic follows ServeGen's description of its
+generator; the code is xds's own.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import TraceError
+from .workload import Request, Workload
+
+WINDOW_S = 600
+"""Rate windows of the trace files."""
+LENGTH_WINDOW_S = 21_600
+"""Length-distribution windows of the dataset files."""
+_TRACE = re.compile(r"chunk-(\d+)-trace\.csv")
+
+
+def servegen_clients(path: str | Path) -> list[int]:
+    """The client numbers of a ServeGen directory (those with a trace file), ascending."""
+    p = Path(path)
+    if not p.is_dir():
+        raise TraceError("not a directory of ServeGen chunk-<i>-trace.csv files", path=str(p))
+    found = sorted(int(m[1]) for f in p.iterdir() if (m := _TRACE.fullmatch(f.name)))
+    if not found:
+        raise TraceError("no chunk-<i>-trace.csv files here (not a ServeGen pool)", path=str(p))
+    return found
+
+
+def load_servegen(
+    path: str | Path,
+    *,
+    start_s: float = 0.0,
+    duration_s: float = 600.0,
+    seed: int = 0,
+    clients: list[int] | None = None,
+) -> Workload:
+    """Requests of the clients in ``path`` (default: all) arriving in ``[start_s, start_s +
+    duration_s)`` of ServeGen's day, with arrival times relative to ``start_s``."""
+    if not (0 <= start_s < 86_400 and duration_s > 0 and start_s + duration_s <= 86_400):
+        raise TraceError(
+            f"the span [{start_s:g}, {start_s + duration_s:g}) s must lie within the day "
+            "[0, 86400) s with a positive duration",
+            field="start_s/duration_s",
+        )
+    p = Path(path)
+    available = servegen_clients(p)
+    chosen = available if clients is None else clients
+    missing = sorted(set(chosen) - set(available))
+    if missing:
+        raise TraceError(f"no trace files for clients {missing[:10]}", path=str(p), field="clients")
+    end_s = start_s + duration_s
+    rows: list[tuple[int, int, int]] = []
+    for client in sorted(set(chosen)):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E6E, client]))
+        lengths = _Lengths(p / f"chunk-{client}-dataset.json")
+        for t0, rate, family, shape, scale in _windows(p / f"chunk-{client}-trace.csv"):
+            if rate <= 0 or t0 + WINDOW_S <= start_s or t0 >= end_s:
+                continue
+            for t in _arrivals(rng, t0, rate, family, shape, scale):
+                if start_s <= t < end_s:
+                    x, y = lengths.draw(rng, t)
+                    rows.append((round((t - start_s) * 1e9), x, y))
+    rows.sort()
+    if not rows:
+        raise TraceError(
+            f"no requests in [{start_s:g}, {end_s:g}) s for the chosen clients", path=str(p)
+        )
+    return Workload(
+        tuple(Request(i, a, x, y, (), None) for i, (a, x, y) in enumerate(rows)),
+        f"servegen({p.name}, {start_s:g}-{end_s:g} s)",
+    )
+
+
+def _windows(path: Path) -> list[tuple[float, float, str, float, float]]:
+    """(start, rate, family, shape, scale) of every window of a client's trace file."""
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise TraceError("not UTF-8 text", path=str(path)) from None
+    for line, row in enumerate(csv.reader(text.splitlines()), start=1):
+        if not row:
+            continue
+        if len(row) != 6:
+            raise TraceError(f"expected 6 fields, got {len(row)}", path=str(path), line=line)
+        family = row[3].strip()
+        if family not in ("", "Gamma", "Weibull"):
+            raise TraceError(
+                f"unknown inter-arrival family {family!r} (Gamma, Weibull or empty)",
+                path=str(path),
+                line=line,
+                field="family",
+            )
+        values = []
+        for name, raw in zip(
+            ("start", "rate", "cv", "shape", "scale"), row[:3] + row[4:], strict=True
+        ):
+            try:
+                v = float(raw or 0)
+            except ValueError:
+                raise TraceError(
+                    f"not a number: {raw!r}", path=str(path), line=line, field=name
+                ) from None
+            if not math.isfinite(v) or v < 0:
+                raise TraceError(
+                    f"must be a finite number >= 0, got {raw!r}",
+                    path=str(path),
+                    line=line,
+                    field=name,
+                )
+            values.append(v)
+        start, rate, _cv, shape, scale = values
+        if rate > 0 and (not family or shape <= 0 or scale <= 0):
+            raise TraceError(
+                "an active window needs a family and a positive shape and scale",
+                path=str(path),
+                line=line,
+            )
+        out.append((start, rate, family, shape, scale))
+    return out
+
+
+def _arrivals(
+    rng: np.random.Generator, t0: float, rate: float, family: str, shape: float, scale: float
+) -> list[float]:
+    """Arrival times in ``[t0, t0 + WINDOW_S)``: gaps of the fitted family rescaled to mean
+    ``1 / rate`` (the family's shape fixes their coefficient of variation)."""
+    if family == "Gamma":
+        mean = shape * scale
+
+        def gaps(n: int) -> np.ndarray:
+            return rng.gamma(shape, scale, n)
+    else:  # Weibull
+        mean = scale * math.gamma(1 + 1 / shape)
+
+        def gaps(n: int) -> np.ndarray:
+            return scale * rng.weibull(shape, n)
+
+    stretch = 1.0 / (rate * mean)
+    times: list[float] = []
+    t = t0
+    batch = max(16, int(2 * rate * WINDOW_S))
+    while True:
+        for gap in gaps(batch):
+            t += float(gap) * stretch
+            if t >= t0 + WINDOW_S:
+                return times
+            times.append(t)
+
+
+class _Lengths:
+    """A client's input and output length distributions per 6 h window (parsed on first use)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._windows: dict[str, tuple[np.ndarray, ...]] | None = None
+
+    def draw(self, rng: np.random.Generator, t: float) -> tuple[int, int]:
+        if self._windows is None:
+            self._windows = self._parse()
+        key = str(int(t // LENGTH_WINDOW_S) * LENGTH_WINDOW_S)
+        dists = self._windows.get(key)
+        if dists is None:
+            raise TraceError(
+                f"no length distributions for the window starting at {key} s, where the trace "
+                "file has requests",
+                path=str(self.path),
+                field=key,
+            )
+        xv, xp, yv, yp = dists
+        return max(1, int(rng.choice(xv, p=xp))), max(1, int(rng.choice(yv, p=yp)))
+
+    def _parse(self) -> dict[str, tuple[np.ndarray, ...]]:
+        if not self.path.is_file():
+            raise TraceError(
+                "file not found (each trace file needs its dataset)", path=str(self.path)
+            )
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TraceError(f"not a JSON object ({exc})", path=str(self.path)) from None
+        if not isinstance(data, dict):
+            raise TraceError("expected a JSON object of 6 h windows", path=str(self.path))
+        out = {}
+        for key, fields in data.items():
+            if not isinstance(fields, dict):
+                raise TraceError("expected an object of fields", path=str(self.path), field=key)
+            pmfs = [self._pmf(fields, key, name) for name in ("input_tokens", "output_tokens")]
+            if all(v.size for v, _ in pmfs):
+                out[key] = (*pmfs[0], *pmfs[1])
+        return out
+
+    def _pmf(self, fields: dict, key: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``fields[name]``, a dict literal ``{length: probability}``, as (values, probs)."""
+        where = f"{key}.{name}"
+        try:
+            pmf = ast.literal_eval(fields.get(name, "{}"))
+        except (ValueError, SyntaxError, TypeError):
+            raise TraceError("not a dict literal", path=str(self.path), field=where) from None
+        if not isinstance(pmf, dict) or not all(
+            isinstance(v, (int, float)) and isinstance(q, (int, float)) and q >= 0
+            for v, q in pmf.items()
+        ):
+            raise TraceError(
+                "expected {length: probability >= 0}", path=str(self.path), field=where
+            )
+        if not pmf:
+            return np.zeros(0, np.int64), np.zeros(0)
+        values = np.array(sorted(pmf), dtype=np.float64)
+        probs = np.array([pmf[v] for v in sorted(pmf)], dtype=np.float64)
+        if probs.sum() <= 0:
+            raise TraceError("probabilities sum to 0", path=str(self.path), field=where)
+        return np.rint(values).astype(np.int64), probs / probs.sum()
