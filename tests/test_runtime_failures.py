@@ -71,16 +71,16 @@ def test_cleanup_runs_when_a_deadlock_is_reported():
     assert cleaned == ["die"]
 
 
-def test_livelock_is_reported():
+def test_livelock_is_reported(xds_backend):
     async def main() -> None:
         while True:
             await anyio.sleep(0)
 
     with pytest.raises(ModelLivelock, match="without virtual time advancing"):
-        xds.run(main, livelock_limit=20_000)
+        xds.run(main, backend=xds_backend, livelock_limit=20_000)
 
 
-def test_busy_but_progressing_model_is_not_a_livelock():
+def test_busy_but_progressing_model_is_not_a_livelock(xds_backend):
     async def main() -> int:
         n = 0
         for _ in range(100):
@@ -90,7 +90,7 @@ def test_busy_but_progressing_model_is_not_a_livelock():
             await xds.sleep_ns(1)
         return n
 
-    assert xds.run(main, livelock_limit=200) == 5000
+    assert xds.run(main, backend=xds_backend, livelock_limit=200) == 5000
 
 
 def test_a_hang_behind_a_periodic_task_stops_at_the_time_limit(xds_backend):

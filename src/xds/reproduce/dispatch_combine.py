@@ -142,7 +142,14 @@ def reproduce() -> tuple[list[Row], list[TableData]]:
             for b in sorted(lat)
         ],
         notes=[
-            f"crossover at per-die batch {cross:.1f} (paper: 32); "
+            (
+                "no crossover: dispatch is faster at every batch"
+                if cross == 0
+                else "no crossover: combine is faster at every batch"
+                if cross == float(max(lat))
+                else f"crossover at per-die batch {cross:.1f}"
+            )
+            + " (paper: 32); "
             f"batch 96: dispatch {d96 / 1e3:.1f} us, combine {c96 / 1e3:.1f} us",
             "static pull order (SPEC 4.3 leaves it open; benchmarks/a2a_pull_order.py runs both)",
         ],

@@ -198,19 +198,20 @@ class Runtime:
     def _run_trio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
         import trio
 
-        from .trio_clock import virtual_mock_clock
+        from .trio_clock import LivelockInstrument, virtual_mock_clock
 
         determinism.seed_trio_scheduler(self.schedule_seed)
         self._trio_clock = virtual_mock_clock(
             self._on_deadlock, self.time_limit_ns, self._on_time_limit
         )
+        livelock = LivelockInstrument(self._trio_clock, self.livelock_limit, self._on_livelock)
         try:
             return anyio.run(
                 self._root,
                 main,
                 args,
                 backend="trio",
-                backend_options={"clock": self._trio_clock},
+                backend_options={"clock": self._trio_clock, "instruments": [livelock]},
             )
         except trio.TrioInternalError as exc:
             if isinstance(exc.__cause__, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):

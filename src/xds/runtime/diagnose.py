@@ -68,10 +68,17 @@ def _coroutine_frames(coro: Any) -> list[FrameType]:
 
 
 def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
-    """Drop tasks that are pure library plumbing, unless nothing else is left."""
+    """Drop tasks that are pure library plumbing (no frame of the model's code and a name the
+    library gave them), unless nothing else is left. A task the model named is kept even if it
+    runs a library call directly (``tg.start_soon(event.wait, name="w")``)."""
     tasks.sort(key=lambda w: (w.name, w.waiting_in))
-    model = [w for w in tasks if w.waiting_in != "<unknown>"]
+    model = [w for w in tasks if w.waiting_in != "<unknown>" or not _library_named(w.name)]
     return model or tasks
+
+
+def _library_named(name: str) -> bool:
+    """asyncio's ``Task-N``, anyio's dotted default names, trio's ``<...>`` system tasks."""
+    return name.startswith(("Task-", "<")) or "." in name
 
 
 def waiting_asyncio_tasks(loop: asyncio.AbstractEventLoop) -> list[WaitingTask]:

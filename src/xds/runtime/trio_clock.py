@@ -46,3 +46,27 @@ def virtual_mock_clock(
     clock.current_time = current_time  # type: ignore[method-assign]
     clock._autojump = autojump  # type: ignore[method-assign]
     return clock
+
+
+class LivelockInstrument(trio.abc.Instrument):
+    """Counts trio run-loop iterations that find runnable tasks without virtual time moving;
+    at ``limit`` of them in a row it calls ``on_livelock(t_ns, limit)`` (the asyncio loop's
+    livelock check, for trio)."""
+
+    def __init__(self, clock: MockClock, limit: int, on_livelock: Callable[[int, int], None]):
+        self.clock = clock
+        self.limit = limit
+        self.on_livelock = on_livelock
+        self._spins = 0
+        self._at = -1.0
+
+    def before_io_wait(self, timeout: float) -> None:
+        now = self.clock._virtual_base
+        if timeout > 0 or now != self._at:
+            self._spins = 0
+            self._at = now
+            return
+        self._spins += 1
+        if self._spins >= self.limit:
+            self._spins = 0
+            self.on_livelock(round(now * 1e9), self.limit)

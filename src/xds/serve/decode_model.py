@@ -89,6 +89,13 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"use at most {m.routed_experts + self.shared_expert_dies} dies",
                 field="dies",
             )
+        if self.eplb is not None and m.routed_experts > self.dies - self.shared_expert_dies:
+            raise ConfigError(
+                f"online EPLB places one routed expert per die, but {m.routed_experts} routed "
+                f"experts do not fit on {self.dies - self.shared_expert_dies} dies (dies - "
+                "shared_expert_dies)",
+                field="eplb",
+            )
         if self.kv_blocks_per_die == 0:
             weights = decode_weight_bytes(self)
             hbm = ASCEND_910C_DIE.hbm_bytes
