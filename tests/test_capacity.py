@@ -192,6 +192,11 @@ def test_point_metrics_by_hand():
     assert p.misses == ("mean TPOT 43.33 ms > 35 ms", "mean TTFT 2,167 ms > 2,000 ms")
     g = measure_point(wl, 1.0, recs, SMALL, [], criterion="goodput", goodput_target=0.25)
     assert g.meets and g.misses == ()
+    assert p.lead_in_s == pytest.approx(1.75)  # first arrival to the window's start
+    assert p.mean_decode_s == pytest.approx((0.3 + 0.4 + 0.6) / 3)  # 10 gaps of their TPOT
+    assert p.warm
+    slow = [_record(i, 1000 * i, ttft_ms=100, tpot_ms=300) for i in range(8)]  # 3 s each
+    assert not measure_point(wl, 1.0, slow, SMALL, []).warm  # decode had not filled up
 
 
 @pytest.mark.parametrize(

@@ -795,6 +795,16 @@ def capacity(
                 f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
                 f"the next rate up missed: {escape(res.binding)}"
             )
+        cold = [p for p in res.points if p.meets and not p.warm]
+        if cold:
+            p = cold[-1]
+            console.print(
+                f"note: at {p.scale:g} {unit} the judged requests arrived {p.lead_in_s:,.0f} s "
+                f"after the first, less than a request's mean decode time "
+                f"({p.mean_decode_s:,.0f} s): decode had not filled up, so its TPOT is "
+                "optimistic; give the search more arrivals (a longer trace or --span, or "
+                "--window)"
+            )
     if as_json or len(found) < 2:
         return
     compare = Table(title=f"capacity compared: {what} within the SLA")

@@ -73,10 +73,21 @@ class CapacityPoint(msgspec.Struct, frozen=True):
     """Mean over Prefill TEs of their busy share of the prefill phase (the whole replay)."""
     misses: tuple[str, ...]
     """What this rate missed, e.g. ``("mean TTFT 4,260 ms > 2,000 ms",)``; empty if it met."""
+    lead_in_s: float = 0.0
+    """From the first arrival to the steady window's first: the time decode had to fill up."""
+    mean_decode_s: float = 0.0
+    """Mean decode lifetime (first token to last) of the steady window's completed requests."""
 
     @property
     def meets(self) -> bool:
         return not self.misses
+
+    @property
+    def warm(self) -> bool:
+        """The steady window opened at least one mean decode lifetime after the first arrival,
+        so the decode TE had filled up: otherwise its TPOT is optimistic (a short window, e.g.
+        a trace compressed by a large rate scale)."""
+        return self.lead_in_s >= self.mean_decode_s
 
 
 class CapacityResult(msgspec.Struct, frozen=True):
@@ -168,6 +179,12 @@ def measure_point(
         prefix_hits=prefix_hit_ratio(done),
         prefill_busy=float(np.mean(prefill_busy)) if prefill_busy else 0.0,
         misses=tuple(misses),
+        lead_in_s=(_middle_half(records)[0] - min(r.arrival_ns for r in records)) / 1e9
+        if records
+        else 0.0,
+        mean_decode_s=float(np.mean([r.finish_ns - r.first_token_ns for r in decoded])) / 1e9
+        if decoded
+        else 0.0,
     )
 
 
