@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv as csv_module
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
@@ -97,6 +98,7 @@ class Summary(msgspec.Struct):
     completed: int
     failed: int
     failures: dict[str, int]
+    """Failed requests by kind of reason (their own token counts written N)."""
     ttft_ms: Stat
     tpot_ms: Stat
     itl_ms: Stat
@@ -128,7 +130,8 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
     failures: dict[str, int] = {}
     for r in records:
         if r.outcome == "failed":
-            failures[r.reason or "unknown"] = failures.get(r.reason or "unknown", 0) + 1
+            kind = failure_kind(r.reason)
+            failures[kind] = failures.get(kind, 0) + 1
     itl = [
         (b - a) / 1e6
         for r in done
@@ -158,6 +161,12 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         sla=sla,
         duration_s=(end - start) / 1e9,
     )
+
+
+def failure_kind(reason: str) -> str:
+    """A failure reason with its request's own token counts replaced by N, so that the summary
+    counts failures of one kind together (the record keeps the full reason)."""
+    return re.sub(r"\b\d[\d,]* tokens\b", "N tokens", reason) if reason else "unknown"
 
 
 def check_complete(records: Sequence[RequestRecord], n_requests: int) -> None:
