@@ -795,13 +795,14 @@ def capacity(
                 f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
                 f"the next rate up missed: {escape(res.binding)}"
             )
-        cold = [p for p in res.points if p.meets and not p.warm]
+        cold = [p for p in res.points if not p.warm]
         if cold:
-            p = cold[-1]
+            p = cold[0]
+            scales = ", ".join(f"{q.scale:g}" for q in cold)
             console.print(
-                f"note: at {p.scale:g} {unit} the judged requests arrived {p.lead_in_s:,.0f} s "
-                f"after the first, less than a request's mean decode time "
-                f"({p.mean_decode_s:,.0f} s): decode had not filled up, so its TPOT is "
+                f"note: at {scales} {unit} the judged requests arrived less than a request's "
+                f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.0f} s < "
+                f"{p.mean_decode_s:,.0f} s): decode had not filled up, so TPOT there is "
                 "optimistic; give the search more arrivals (a longer trace or --span, or "
                 "--window)"
             )
