@@ -296,3 +296,9 @@ def test_loaders_accept_what_they_can_read_and_name_the_files_own_columns(tmp_pa
     )
     with pytest.raises(TraceError, match="line 3 field 'TIMESTAMP': timestamps go backwards"):
         t.load(az)
+
+
+def test_generic_jsonl_lines_must_be_objects(tmp_path):
+    j = write(tmp_path, "a.jsonl", '{"at": 0, "i": 3, "o": 4}\n[1, 2]\n')
+    with pytest.raises(TraceError, match=r"a\.jsonl:line 2: expected a JSON object"):
+        t.load_generic(j, mapping={"arrival": "at", "input": "i", "output": "o"})

@@ -77,6 +77,11 @@ class Completion(msgspec.Struct, frozen=True):
 class DistFlow:
     """One DistFlow instance per (Prefill TE, Decode TE) pair (fault isolation, P102)."""
 
+    @property
+    def pair(self) -> str:
+        """The (Prefill TE, Decode TE) pair this instance serves, as events name it."""
+        return f"P{self.prefill_te}-D{self.decode_te}"
+
     def __init__(
         self,
         prefill_te: int,
@@ -96,8 +101,6 @@ class DistFlow:
     ):
         self.prefill_te = prefill_te
         self.decode_te = decode_te
-        self.pair = f"P{prefill_te}-D{decode_te}"
-        """The (Prefill TE, Decode TE) pair this instance serves, as events name it."""
         self.tp = tp
         self.link = link
         self.engines = engines

@@ -135,11 +135,14 @@ class ReplayResult(msgspec.Struct):
     prefill_steps: int
     decode_iterations: int
     end_ns: int
-    prefill_busy: list[float] = []
-    """Per Prefill TE, the share of the prefill phase (first arrival to last first token) it
-    spent in steps: near 1 means prefill is the bottleneck."""
     events: EventLog | None = None
     """The run's event log, with ``replay(..., event_log=True)``."""
+
+    @property
+    def prefill_busy(self) -> list[float]:
+        """Per Prefill TE, the share of the prefill phase (first arrival to last first token)
+        it spent in steps: near 1 means prefill is the bottleneck (``summary.prefill_busy``)."""
+        return self.summary.prefill_busy
 
 
 class Replay:
@@ -533,6 +536,5 @@ def replay(
         prefill_steps=sum(te.steps for te in r.prefill),
         decode_iterations=sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
-        prefill_busy=busy,
         events=runtime.events if event_log else None,
     )

@@ -135,6 +135,32 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
     p = _open(path)
     rows = []
+    for line_no, obj in _json_objects(p):
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in obj:
+                raise TraceError("missing", path=str(p), line=line_no, field=key)
+        ts_ns = _arrival_ns(
+            obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
+        )
+        x = _int_field(
+            obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
+        )
+        y = _int_field(
+            obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
+        )
+        hashes = obj.get("hash_ids", [])
+        if not isinstance(hashes, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hashes
+        ):
+            raise TraceError(
+                "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
+            )
+        rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
+    return _finish(rows, str(p), sort)
+
+
+def _json_objects(p: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The JSON object on each non-blank line of a JSONL file (a leading BOM is fine)."""
     with p.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             raw = raw.removeprefix(_BOM) if line_no == 1 else raw
@@ -146,27 +172,7 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
                 raise TraceError(f"invalid JSON ({exc})", path=str(p), line=line_no) from None
             if not isinstance(obj, dict):
                 raise TraceError("expected a JSON object", path=str(p), line=line_no)
-            for key in ("timestamp", "input_length", "output_length"):
-                if key not in obj:
-                    raise TraceError("missing", path=str(p), line=line_no, field=key)
-            ts_ns = _arrival_ns(
-                obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
-            )
-            x = _int_field(
-                obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
-            )
-            y = _int_field(
-                obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
-            )
-            hashes = obj.get("hash_ids", [])
-            if not isinstance(hashes, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) for h in hashes
-            ):
-                raise TraceError(
-                    "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
-                )
-            rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
-    return _finish(rows, str(p), sort)
+            yield line_no, obj
 
 
 def _csv_rows(p: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
@@ -329,20 +335,7 @@ def load_generic(
             raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
     records: Iterator[tuple[int, dict[str, Any]]]
     if p.suffix in (".jsonl", ".json"):
-
-        def _json_rows() -> Iterator[tuple[int, dict[str, Any]]]:
-            with p.open("rb") as f:
-                for line_no, raw in enumerate(f, start=1):
-                    raw = raw.removeprefix(_BOM) if line_no == 1 else raw
-                    if raw.strip():
-                        try:
-                            yield line_no, _json.decode(raw)
-                        except msgspec.DecodeError as exc:
-                            raise TraceError(
-                                f"invalid JSON ({exc})", path=str(p), line=line_no
-                            ) from None
-
-        records = _json_rows()
+        records = _json_objects(p)
     else:
         records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")])
     get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
