@@ -58,6 +58,7 @@ def test_all_targets_are_registered():
         "dispatch-combine",
         "a2e-e2a",
         "peak-decode",
+        "ma-decode",
         "eplb",
         "production",
     ]

@@ -68,13 +68,14 @@ TargetFn = Callable[..., tuple[list[Row], list[TableData]]]
 
 
 def _targets() -> dict[str, TargetFn]:
-    from . import a2e_e2a, dispatch_combine, eplb, p2p, peak_decode, production
+    from . import a2e_e2a, dispatch_combine, eplb, ma_decode, p2p, peak_decode, production
 
     return {
         "p2p": p2p.reproduce,
         "dispatch-combine": dispatch_combine.reproduce,
         "a2e-e2a": a2e_e2a.reproduce,
         "peak-decode": peak_decode.reproduce,
+        "ma-decode": ma_decode.reproduce,
         "eplb": eplb.reproduce,
         "production": production.reproduce,
     }

@@ -13,81 +13,25 @@ E2A latency: from the experts' common start to the last attention die holding it
 
 from __future__ import annotations
 
-import anyio
-import numpy as np
-
-from ..fabric import UBFabric
-from ..fabric.xccl.a2e import AEConfig, AEGroup
-from ..fabric.xccl.moe import ExpertMap
-from ..hw import CloudMatrix384
-from ..model import DEEPSEEK_V3
-from ..runtime import now_ns, rng, run, sleep_until_ns
+from ..fabric.xccl.a2e import Mode
+from ..serve.ma_config import MADecodeConfig, measure_ae
 from . import Row, TableData
 
-DOMAINS, ATTENTION_PER_DOMAIN, EXPERT_DIES, BATCH, SHARED = 3, 160, 288, 96, 32
+BATCH = 96
+"""Tokens per attention die (P047)."""
 
 
 def measure(
-    *, mode: str = "trampoline", tier: str = "collective", seed: int = 0, batch: int = BATCH
+    *, mode: Mode = "trampoline", tier: str = "collective", seed: int = 0, batch: int = BATCH
 ) -> dict[str, float]:
-    model = DEEPSEEK_V3
-    pod = CloudMatrix384()
-    n_att = DOMAINS * ATTENTION_PER_DOMAIN
-    experts = list(range(n_att, n_att + EXPERT_DIES))
-    domain = list(range(ATTENTION_PER_DOMAIN))  # the active domain's attention dies
-    emap = ExpertMap(model.routed_experts + SHARED, EXPERT_DIES)
-
-    async def main() -> dict[str, float]:
-        fabric = UBFabric(pod, payload_mode="size")
-        group = AEGroup(
-            fabric,
-            domain,
-            experts,
-            emap,
-            AEConfig(hidden=model.hidden, top_k=model.top_k, n_shared=SHARED, mode=mode),  # type: ignore[arg-type]
-            tier=tier,
-        )
-        pick = rng("reproduce/a2e-e2a/routing")
-        routes = [
-            np.stack(
-                [
-                    pick.choice(model.routed_experts, model.top_k, replace=False)
-                    for _ in range(batch)
-                ]
-            )
-            for _ in domain
-        ]
-        t_a2e = 1_000_000
-        t_e2a = 5_000_000
-        ends = {"a2e": 0, "e2a": 0}
-
-        async def attention(i: int) -> None:
-            await sleep_until_ns(t_a2e)
-            h = await group.a2e(i, batch, routes[i], event_id=1)
-            await group.e2a(h, None, event_id=2)
-            ends["e2a"] = max(ends["e2a"], now_ns())
-
-        async def expert(j: int) -> None:
-            inp = await group.expert_receive(j, event_id=1)
-            ends["a2e"] = max(ends["a2e"], now_ns())
-            await sleep_until_ns(t_e2a)
-            await group.expert_return(j, inp, None, event_id=2)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(domain)):
-                tg.start_soon(attention, i)
-            for j in range(EXPERT_DIES):
-                tg.start_soon(expert, j)
-        meta = group.push.meta_writes
-        return {
-            "a2e_us": (ends["a2e"] - t_a2e) / 1e3,
-            "e2a_us": (ends["e2a"] - t_e2a) / 1e3,
-            "attention_meta_writes": max(
-                meta.get(("hop1", d), 0) + meta.get(("direct", d), 0) for d in domain
-            ),
-        }
-
-    return run(main, seed=seed, event_log=False)
+    """A2E and E2A at the P047 configuration (:class:`~xds.serve.ma_config.MADecodeConfig`'s
+    defaults) with ``batch`` tokens per attention die."""
+    c = measure_ae(MADecodeConfig(mode=mode), batch, seed=seed, tier=tier)
+    return {
+        "a2e_us": c.a2e_ns / 1e3,
+        "e2a_us": c.e2a_ns / 1e3,
+        "attention_meta_writes": c.attention_meta_writes,
+    }
 
 
 def reproduce() -> tuple[list[Row], list[TableData]]:

@@ -19,8 +19,8 @@ import numpy as np
 from ..config import check_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap, PullOrder, WireDtype
-from ..hw import ASCEND_910C_DIE, CloudMatrix384
-from ..model import MODELS, CostModel, KernelEfficiency, Precision
+from ..hw import ASCEND_910C_DIE, CloudMatrix384, DieSpec
+from ..model import MODELS, CostModel, KernelEfficiency, ModelSpec, Precision
 from ..runtime import now_ns, rng, sleep_until_ns
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
@@ -153,38 +153,27 @@ class IterationOutcome(msgspec.Struct):
     first_dispatch_ns: np.ndarray  # per die: its first dispatch kernel's duration
 
 
-class DecodeModel:
-    """Per-iteration costs of the instance (shared by both tiers)."""
+class KernelTimes:
+    """Per-kernel times of one model on one die, cached by shape: the pieces of a decode layer
+    that the colocated (:class:`DecodeModel`) and the MoE-attention disaggregated
+    (:mod:`xds.serve.ma_decode`) deployments both price."""
 
     def __init__(
         self,
-        config: DecodeConfig,
-        comm: CommCosts,
-        comm_mtp: CommCosts | None = None,
-        pod: CloudMatrix384 | None = None,
+        model: ModelSpec,
+        die: DieSpec,
+        *,
+        precision: Precision | None = None,
+        efficiency: KernelEfficiency | None = None,
     ):
-        self.config = config
-        self.model = config.spec
-        self.pod = pod or CloudMatrix384(servers=max(1, -(-config.dies // 16)))
-        self.cost = CostModel(
-            self.model, self.pod.die_spec, precision=config.precision, efficiency=config.efficiency
-        )
-        self.comm = comm
-        self.comm_mtp = comm_mtp or comm
-        self.online: OnlineEPLB | None = None
-        """Online EPLB: routing drawn from its popularity, loads under its mapping."""
-        self.routed_die_share: np.ndarray | None = None
-        """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
-        placements on skewed routing); None means uniform routing drawn per pass."""
+        self.model = model
+        self.cost = CostModel(model, die, precision=precision, efficiency=efficiency)
         self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
-        self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
-        """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
-        sequence, INT8 attention): a pass looks up each distinct DP shape once."""
         self._dense_cache: dict[float, int] = {}
-        self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
         self._expert_cache: dict[float, int] = {}
+        self._expert_table = np.zeros(0, dtype=np.float64)
+        """``expert_ns(float(t))`` for integer token counts ``t``, grown on demand."""
 
-    # pieces of one pass ------------------------------------------------------------------------
     def attention_part(
         self, seqs: int, tokens_per_seq: float, context: int, layer: int | None = None
     ) -> tuple[int, int, int]:
@@ -216,6 +205,81 @@ class DecodeModel:
         self._attn_cache[key] = (attn, other, gate)
         return attn, other, gate
 
+    def dense_mlp_ns(self, tokens: float) -> int:
+        hit = self._dense_cache.get(tokens)
+        if hit is None:
+            hit = self._dense_cache[tokens] = self.cost.dense_mlp(tokens).time_ns if tokens else 0
+        return hit
+
+    def expert_ns(self, tokens: float) -> int:
+        hit = self._expert_cache.get(tokens)
+        if hit is None:
+            hit = self._expert_cache[tokens] = self.cost.expert(tokens).time_ns
+        return hit
+
+    def head_ns(self, tokens: float) -> tuple[int, int]:
+        return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
+
+    def busiest_expert_ns(
+        self, gen: np.random.Generator, tokens_total: float, routed_dies: int, shared_dies: int
+    ) -> int:
+        """Expert time of the busiest die in one MoE layer: ``tokens_total`` tokens' routed
+        copies spread over the routed experts (multinomial, uniform gating), experts placed
+        contiguously on ``routed_dies`` (each expert on a die costs its own weight read), the
+        shared expert split over its ``shared_dies`` instances."""
+        m = self.model
+        routed = gen.multinomial(
+            round(tokens_total) * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
+        )
+        die_of = np.arange(m.routed_experts) * routed_dies // m.routed_experts
+        top = int(routed.max())
+        if top >= len(self._expert_table):
+            self._expert_table = np.array(
+                [
+                    self.expert_ns(float(t))
+                    for t in range(max(top + 1, 2 * len(self._expert_table)))
+                ],
+                dtype=np.float64,
+            )
+        per_expert = self._expert_table[routed]
+        die_ns = np.bincount(die_of, weights=per_expert, minlength=routed_dies)
+        busiest = float(die_ns.max())
+        if shared_dies:
+            busiest = max(busiest, self.expert_ns(tokens_total / shared_dies))
+        return round(busiest)
+
+
+class DecodeModel(KernelTimes):
+    """Per-iteration costs of the instance (shared by both tiers)."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        comm: CommCosts,
+        comm_mtp: CommCosts | None = None,
+        pod: CloudMatrix384 | None = None,
+    ):
+        self.config = config
+        self.pod = pod or CloudMatrix384(servers=max(1, -(-config.dies // 16)))
+        super().__init__(
+            config.spec,
+            self.pod.die_spec,
+            precision=config.precision,
+            efficiency=config.efficiency,
+        )
+        self.comm = comm
+        self.comm_mtp = comm_mtp or comm
+        self.online: OnlineEPLB | None = None
+        """Online EPLB: routing drawn from its popularity, loads under its mapping."""
+        self.routed_die_share: np.ndarray | None = None
+        """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
+        placements on skewed routing); None means uniform routing drawn per pass."""
+        self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
+        """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
+        sequence, INT8 attention): a pass looks up each distinct DP shape once."""
+        self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
+
+    # pieces of one pass ------------------------------------------------------------------------
     def _int8_layout(
         self, first_layer: int, dense: int, n_moe: int
     ) -> tuple[int, bool, int, int | None]:
@@ -232,38 +296,12 @@ class DecodeModel:
             hit = self._layouts[key] = (sum(flags[:dense]), first, sum(flags[dense + 1 :]), some)
         return hit
 
-    def dense_mlp_ns(self, tokens: float) -> int:
-        hit = self._dense_cache.get(tokens)
-        if hit is None:
-            hit = self._dense_cache[tokens] = self.cost.dense_mlp(tokens).time_ns if tokens else 0
-        return hit
-
-    def expert_ns(self, tokens: float) -> int:
-        hit = self._expert_cache.get(tokens)
-        if hit is None:
-            hit = self._expert_cache[tokens] = self.cost.expert(tokens).time_ns
-        return hit
-
-    def head_ns(self, tokens: float) -> tuple[int, int]:
-        return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
-
     def layer_expert_ns(self, gen: np.random.Generator, tokens_total: int) -> int:
-        """Expert time of the busiest die in one MoE layer: routed copies spread over the
-        routed experts (multinomial, uniform gating), experts placed contiguously on the
-        routed dies (each expert on a die costs its own weight read), the shared expert
-        split over its instances on the last dies."""
-        cfg, m = self.config, self.model
-        routed = gen.multinomial(
-            tokens_total * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
+        """Expert time of the busiest die in one MoE layer of this deployment."""
+        cfg = self.config
+        return self.busiest_expert_ns(
+            gen, tokens_total, cfg.dies - cfg.shared_expert_dies, cfg.shared_expert_dies
         )
-        routed_dies = cfg.dies - cfg.shared_expert_dies
-        die_of = np.arange(m.routed_experts) * routed_dies // m.routed_experts
-        per_expert = np.array([self.expert_ns(float(t)) for t in routed])
-        die_ns = np.bincount(die_of, weights=per_expert, minlength=routed_dies)
-        busiest = float(die_ns.max())
-        if cfg.shared_expert_dies:
-            busiest = max(busiest, self.expert_ns(tokens_total / cfg.shared_expert_dies))
-        return round(busiest)
 
     def draw_experts(
         self, seqs: np.ndarray, gen: np.random.Generator

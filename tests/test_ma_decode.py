@@ -1,0 +1,226 @@
+"""MoE-attention disaggregated decode (SPEC 10.3): domain exclusivity, microbatch dependencies,
+persistent kernels, utilisation, the exposed tail, conservation and determinism."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from xds.errors import ConfigError, ProtocolError
+from xds.runtime import now_ns, run, sleep_ns
+from xds.serve.ma_config import AECosts, MADecodeConfig
+from xds.serve.ma_decode import AECurve, MADecodeInstance, MoEPool, Span, ae_curve
+
+SMALL = MADecodeConfig(
+    domains=3,
+    attention_dies_per_domain=8,
+    expert_dies=32,
+    shared_expert_dies=0,
+    batch_per_die=8,
+    input_tokens=256,
+    output_tokens=6,
+)
+
+
+@pytest.fixture(scope="module")
+def small_curve() -> AECurve:
+    return ae_curve(SMALL)
+
+
+def _serve(config, curve, **kw):
+    record = kw.pop("record", True)
+
+    async def main():
+        inst = MADecodeInstance(config, curve, record=record)
+        return inst, await inst.serve(**kw)
+
+    return run(main, seed=0, event_log=False)
+
+
+def _by(spans: list[Span], kind: str) -> dict[tuple[int, int, int], Span]:
+    return {(s.domain, s.layer, s.microbatch): s for s in spans if s.kind == kind}
+
+
+def test_config_errors_name_the_field():
+    cases = [
+        ({"microbatches": 9, "batch_per_die": 8}, "microbatches"),
+        ({"attention_dies_per_domain": 400}, "attention_dies_per_domain"),
+        ({"expert_dies": 300, "shared_expert_dies": 32}, "expert_dies"),
+        ({"batch_per_die": 4000}, "batch_per_die"),
+        ({"domain_turns": "sometimes"}, "domain_turns"),
+        ({"model": "gpt-2"}, "model"),
+    ]
+    for kw, field in cases:
+        with pytest.raises(ConfigError) as err:
+            MADecodeConfig(**kw)
+        assert err.value.field == field, (kw, err.value)
+
+
+def test_exclusive_domains_never_overlap_on_the_a2e_e2a_path(small_curve):
+    """At any instant A2E/E2A traffic belongs to one domain, in the rotation d0 -> d1 -> d2."""
+    inst, res = _serve(SMALL, small_curve, max_iterations=2)
+    spans = [s for s in inst.pool.spans if s.kind in ("a2e", "e2a")]
+    spans.sort(key=lambda s: s.start_ns)
+    for a in spans:
+        for b in spans:
+            if a.domain != b.domain:
+                assert a.end_ns <= b.start_ns or b.end_ns <= a.start_ns, (a, b)
+    turns = [s.domain for s in spans if s.kind == "a2e" and s.microbatch == 0]
+    assert turns[:6] == [0, 1, 2, 0, 1, 2]
+    assert res.iterations == 2
+
+
+def test_relaxed_overlaps_domains_and_is_faster(small_curve):
+    ex = _serve(SMALL, small_curve, max_iterations=3)[1]
+    relaxed_cfg = msgspec.structs.replace(SMALL, domain_turns="relaxed")
+    inst, rel = _serve(relaxed_cfg, small_curve, max_iterations=3)
+    a2e = [s for s in inst.pool.spans if s.kind == "a2e"]
+    e2a = [s for s in inst.pool.spans if s.kind == "e2a"]
+    overlap = any(
+        a.domain != e.domain and a.start_ns < e.end_ns and e.start_ns < a.end_ns
+        for a in a2e
+        for e in e2a
+    )
+    assert overlap, "relaxed turns never overlapped one domain's E2A with the next one's A2E"
+    assert rel.mean_iteration_ns < ex.mean_iteration_ns
+
+
+def test_a_microbatch_waits_for_its_previous_e2a(small_curve):
+    """Attention of (domain, microbatch) at layer l+1 starts only after E2A of layer l
+    delivered to that domain; the two microbatches ping-pong."""
+    inst, _ = _serve(SMALL, small_curve, max_iterations=1)
+    attn, e2a = _by(inst.pool.spans, "attention"), _by(inst.pool.spans, "e2a")
+    m = SMALL.spec
+    checked = 0
+    for (d, layer, mb), span in e2a.items():
+        nxt = attn.get((d, layer + 1, mb))
+        if nxt is not None and layer + 1 < m.layers:
+            assert nxt.start_ns >= span.end_ns
+            checked += 1
+    assert checked >= SMALL.domains * SMALL.microbatches * (m.moe_layers - 1)
+    # ping-pong: microbatch 1's attention runs while microbatch 0 is at the experts
+    d0 = [s for s in inst.pool.spans if s.domain == 0 and s.layer == m.dense_layers + 1]
+    a2e0 = next(s for s in d0 if s.kind == "a2e" and s.microbatch == 0)
+    att1 = next(s for s in d0 if s.kind == "attention" and s.microbatch == 1)
+    assert att1.start_ns < a2e0.end_ns
+
+
+def test_the_last_microbatch_is_exposed(small_curve):
+    """The main pass ends after the last MoE layer's last E2A: A2E + MoE + E2A of the last
+    microbatch are on the critical path (P124)."""
+    inst, res = _serve(SMALL, small_curve, max_iterations=1)
+    m = SMALL.spec
+    last = m.layers - 1
+    spans = inst.pool.spans
+    attn_end = max(s.end_ns for s in spans if s.kind == "attention" and s.layer == last)
+    e2a_end = max(s.end_ns for s in spans if s.kind == "e2a" and s.layer == last)
+    tail = [s for s in spans if s.layer == last and s.microbatch == SMALL.microbatches - 1]
+    assert {s.kind for s in tail} >= {"a2e", "moe", "e2a"}
+    assert e2a_end > attn_end
+    assert max(res.domains[d].iteration_ns[0] for d in range(3)) >= e2a_end - 0
+
+
+def test_every_token_is_generated_once(small_curve):
+    _, res = _serve(SMALL, small_curve, record=False)
+    assert res.tokens == SMALL.attention_dies * SMALL.batch_per_die * SMALL.output_tokens
+    # MTP acceptance may finish a domain an iteration early: the rotation then skips it
+    assert {len(d.iteration_ns) for d in res.domains} <= {res.iterations - 1, res.iterations}
+    assert 1.0 <= res.mean_tokens_per_step <= 1 + SMALL.mtp.k
+
+
+def test_more_domains_keep_the_moe_kernel_busier(small_curve):
+    """Same global batch: 3 domains leave the MoE stream less idle than 1 (SPEC 10.3)."""
+    one = msgspec.structs.replace(SMALL, domains=1, attention_dies_per_domain=24)
+    busy3 = _serve(SMALL, small_curve, max_iterations=3, record=False)[1].stream_busy["moe"]
+    busy1 = _serve(one, ae_curve(one), max_iterations=3, record=False)[1].stream_busy["moe"]
+    assert busy3 > busy1 > 0
+
+
+def test_same_seed_same_run(small_curve):
+    a = _serve(SMALL, small_curve, max_iterations=2)[1]
+    b = _serve(SMALL, small_curve, max_iterations=2)[1]
+    assert msgspec.json.encode(a) == msgspec.json.encode(b)
+
+
+def _pool(poll_ns: int = 1_000) -> MoEPool:
+    from xds.hw import ASCEND_910C_DIE
+    from xds.serve.decode_model import KernelTimes
+
+    cfg = msgspec.structs.replace(SMALL, poll_ns=poll_ns)
+    curve = AECurve([AECosts(16, 50_000, 60_000, 1)])
+    return MoEPool(cfg, KernelTimes(cfg.spec, ASCEND_910C_DIE), curve, record=True)
+
+
+def test_persistent_kernels_stop_after_the_batch_in_flight():
+    """STOPPED: kernels exit within a poll interval plus the batch in flight; queued batches
+    come back dropped, never lost; submitting afterwards is an error."""
+
+    async def main():
+        pool = _pool()
+        batches = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run)
+            for d in range(3):
+                for mb in range(2):
+                    batches.append(pool.submit(d, 3, mb, 16))
+            await sleep_ns(70_000)  # d0 mb0 is past A2E, d0 mb1 in A2E
+            stopped_at = now_ns()
+            pool.stop()
+        with pytest.raises(ProtocolError):
+            pool.submit(0, 4, 0, 16)
+        return pool, batches, stopped_at
+
+    pool, batches, stopped_at = run(main, seed=0, event_log=False)
+    assert all(b.done.is_set() for b in batches)
+    assert sum(b.dropped for b in batches) >= 4
+    # no kernel took new work after the stop; they exited once the batch in flight was done
+    assert all(s.start_ns <= stopped_at for s in pool.spans)
+    in_flight_end = max(s.end_ns for s in pool.spans)
+    assert stopped_at < in_flight_end
+    assert pool.stopped_ns <= in_flight_end + pool.config.poll_ns
+    assert pool._in_flight == 0
+
+
+def test_idle_kernels_notice_work_at_their_next_poll():
+    async def main():
+        pool = _pool(poll_ns=10_000)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run)
+            await sleep_ns(3_000)
+            b = pool.submit(0, 3, 0, 16)
+            for d in range(3):
+                pool.close(d)
+            await b.done.wait()
+        return pool
+
+    pool = run(main, seed=0, event_log=False)
+    a2e = next(s for s in pool.spans if s.kind == "a2e")
+    assert a2e.start_ns == 10_000  # submitted at 3 us, noticed at the 10 us poll
+
+
+def test_a_failing_kernel_cancels_its_siblings_and_is_reported(small_curve):
+    async def main():
+        inst = MADecodeInstance(SMALL, small_curve)
+
+        def boom(*_a, **_k):
+            raise RuntimeError("expert die 7: HBM ECC error")
+
+        inst.times.busiest_expert_ns = boom  # type: ignore[method-assign]
+        await inst.serve(max_iterations=2)
+
+    with pytest.raises(BaseException) as err:
+        run(main, seed=0, event_log=False)
+    assert "HBM ECC error" in repr(err.value) or any(
+        "HBM ECC error" in str(e) for e in getattr(err.value, "exceptions", [])
+    )
+
+
+def test_serve_argument_errors(small_curve):
+    async def main(**kw):
+        await MADecodeInstance(SMALL, small_curve).serve(**kw)
+
+    for kw, field in (({"from_token": 6}, "from_token"), ({"max_iterations": 0}, "max_iterations")):
+        with pytest.raises(ConfigError) as err:
+            run(lambda kw=kw: main(**kw), seed=0, event_log=False)
+        assert err.value.field == field
