@@ -146,3 +146,56 @@ def test_a_wait_inside_xds_names_the_users_call_too():
     assert main_task.waiting_in.startswith("p2p.py:")  # where xds waits
     assert main_task.called_from.startswith("test_runtime_failures.py:")  # the user's line
     assert "called from test_runtime_failures.py" in str(info.value)
+
+
+def test_a_task_parked_with_sleep_forever_is_cancellable(xds_backend):
+    """anyio's idiom: park a task with sleep_forever, cancel it later (no timer is armed)."""
+
+    async def main() -> int:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep_forever, name="parked")
+            await xds.sleep_ns(1_000)
+            tg.cancel_scope.cancel()
+        with anyio.move_on_after(float("inf")):
+            await xds.sleep_ns(5)
+        return xds.now_ns()
+
+    assert xds.run(main, backend=xds_backend) == 1_005
+
+
+def test_sleeping_forever_alone_is_a_deadlock(xds_backend):
+    with pytest.raises(ModelDeadlock):
+        xds.run(anyio.sleep_forever, backend=xds_backend)
+
+
+def test_time_stops_at_the_exact_horizon(xds_backend):
+    """Past 2**22 s float seconds lose nanoseconds: the run stops there with a clear report
+    instead of drifting (a huge finite sleep, or one beyond the horizon)."""
+    from xds.runtime.loop import HORIZON_NS
+
+    async def far() -> None:
+        await anyio.sleep(1e300)
+
+    async def just_beyond() -> None:
+        await xds.sleep_ns(HORIZON_NS - 10)
+        await xds.sleep_ns(20)
+
+    for main in (far, just_beyond):
+        with pytest.raises(ModelTimeLimit) as info:
+            xds.run(main, backend=xds_backend)
+        assert info.value.limit_ns == HORIZON_NS
+        assert "horizon" in str(info.value)
+    with pytest.raises(ModelTimeLimit) as info:  # the caller's own limit still wins
+        xds.run(far, backend=xds_backend, time_limit_ns=1_000)
+    assert info.value.limit_ns == 1_000
+
+
+def test_a_replay_beyond_the_horizon_is_refused_up_front():
+    from xds.errors import ConfigError
+    from xds.serve.presets import pd_config
+    from xds.serve.replay import replay
+    from xds.trace.workload import fixed
+
+    with pytest.raises(ConfigError) as info:
+        replay(fixed(2000, 50, 3, rate_per_s=1e-7), pd_config("production-4p1d"))
+    assert info.value.field == "arrival" and "days" in str(info.value)

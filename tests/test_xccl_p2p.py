@@ -193,6 +193,21 @@ async def test_async_mode_posts_completions_and_does_not_hold_aivs(xds_backend):
 
 
 @pytest.mark.xds
+async def test_async_operations_on_a_pair_run_in_posting_order(xds_backend):
+    """Whatever order the backend starts tasks in (trio shuffles them), sends and receives
+    posted on one pair run in the order they were posted."""
+    async with XCCL(fabric()) as x:
+        sends = [x.send_async(0, 20, AppBuffer(i * KiB, KiB), 10 + i) for i in range(6)]
+        receives = [x.receive_async(20, 0, AppBuffer(i * KiB, KiB), 10 + i) for i in range(6)]
+        done = [await h.wait() for h in sends + receives]
+        assert all(c.ok for c in done)
+        queue = x.completion_queue(20)
+        assert [queue.receive_nowait().event_id for _ in range(6)] == list(range(10, 16))
+        ends = [c.end_ns for c in done[:6]]
+        assert ends == sorted(ends)
+
+
+@pytest.mark.xds
 async def test_async_failure_is_reported_on_the_completion_queue(xds_backend):
     async with XCCL(fabric()) as x:
         h = x.send_async(0, 20, AppBuffer(0, 4 * KiB), 5)

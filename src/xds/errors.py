@@ -110,10 +110,15 @@ class ModelTimeLimit(XdsError):
         self.t_ns = t_ns
         self.limit_ns = limit_ns
         self.waiting = tuple(waiting)
-        lines = [
-            f"virtual-time limit of {limit_ns} ns reached (next event due after it): "
-            f"{len(self.waiting)} task(s) still waiting"
-        ]
+        from .runtime.loop import HORIZON_NS
+
+        what = (
+            f"virtual time reached xds's horizon of {limit_ns} ns (about 48.5 days; nanoseconds "
+            "stay exact below it)"
+            if limit_ns == HORIZON_NS
+            else f"virtual-time limit of {limit_ns} ns reached"
+        )
+        lines = [f"{what} (next event due after it): {len(self.waiting)} task(s) still waiting"]
         shown = self.waiting[:40]
         lines += [f"  - {w.describe()}" for w in shown]
         if len(self.waiting) > len(shown):

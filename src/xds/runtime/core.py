@@ -25,7 +25,7 @@ from . import determinism
 from .diagnose import interrupt_blocked_trio_tasks, waiting_asyncio_tasks, waiting_trio_tasks
 from .events import EventLog
 from .logs import ensure_logging_configured
-from .loop import VirtualTimeEventLoop
+from .loop import VirtualTimeEventLoop, effective_limit_ns
 from .rng import RngStreams
 from .timers import TrioTimerWheel
 
@@ -255,10 +255,10 @@ class Runtime:
         if self._failure is not None or self._root_scope is None:
             self._hard_stop = True
             raise self._failure or ModelTimeLimit(
-                self.now_ns(), self.time_limit_ns or 0, self._waiting_tasks()
+                self.now_ns(), effective_limit_ns(self.time_limit_ns), self._waiting_tasks()
             )
         self._failure = ModelTimeLimit(
-            self.now_ns(), self.time_limit_ns or 0, self._waiting_tasks()
+            self.now_ns(), effective_limit_ns(self.time_limit_ns), self._waiting_tasks()
         )
         self._root_scope.cancel()
 

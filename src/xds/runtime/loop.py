@@ -16,6 +16,11 @@ When nothing is runnable and no timer is pending the model is deadlocked; the lo
 its owner (``on_deadlock``) instead of blocking forever. With a ``time_limit_ns`` it reports
 (``on_time_limit``) instead of jumping past the limit. When the loop spins at one instant for
 ``livelock_limit`` iterations it reports a livelock.
+
+Horizon: deadlines travel through asyncio (and trio) as float seconds, which resolve half a
+nanosecond only below 2**22 s. Virtual time therefore stops at :data:`HORIZON_NS` (about 48.5
+days) with a time-limit report rather than drifting. An infinite sleep (``anyio.sleep_forever``)
+arms no timer: if nothing else can happen the model is deadlocked.
 """
 
 from __future__ import annotations
@@ -23,12 +28,26 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import selectors
 from collections.abc import Callable
 from typing import Any
 
 _RESOLUTION_S = 0.5e-9
 """Timers due within half a nanosecond of now fire now; all deadlines are whole nanoseconds."""
+
+HORIZON_NS = 2**22 * 1_000_000_000
+"""The last exact virtual instant (2**22 s, about 48.5 days): float seconds resolve half a
+nanosecond below it. A run whose next event lies beyond it stops with a time-limit report."""
+
+
+_FAR_S = 2.0**23
+"""Float deadlines from here on are past the horizon (kept as they are in the heap)."""
+
+
+def effective_limit_ns(time_limit_ns: int | None) -> int:
+    """The run's virtual-time limit: the caller's, never beyond :data:`HORIZON_NS`."""
+    return HORIZON_NS if time_limit_ns is None else min(time_limit_ns, HORIZON_NS)
 
 
 class _VirtualTimerHandle(asyncio.TimerHandle):
@@ -64,9 +83,15 @@ class _VirtualSelector(selectors.SelectSelector):
                 loop._report_livelock()
             return []
         # The head timer is in the future: jump to it. The float clock moves to the timer's
-        # own deadline (never below it), the integer clock to its nanosecond.
+        # own deadline (never below it), the integer clock to its nanosecond. A cancelled head
+        # (an expired timeout's timer) must not decide a time-limit report: drop those first.
+        while loop._scheduled and loop._scheduled[0]._cancelled:
+            heapq.heappop(loop._scheduled)._scheduled = False
+            loop._timer_cancelled_count -= 1
+        if not loop._scheduled:
+            return []  # the loop comes back with no timer at all: a deadlock, reported then
         head = loop._scheduled[0]
-        if loop.time_limit_ns is not None and head._when_ns > loop.time_limit_ns:
+        if head._when_ns > effective_limit_ns(loop.time_limit_ns):
             loop._report_time_limit()
             return []
         if head._when_ns > loop._now_ns:
@@ -126,12 +151,22 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
     def call_at(self, when, callback, *args, context=None):  # type: ignore[override]
         if when is None:
             raise TypeError("when cannot be None")
+        if not math.isfinite(when):
+            if when < 0:
+                raise ValueError(f"cannot schedule a callback at {when}")
+            # sleep_forever / sleep(inf): a timer that never fires; arm nothing
+            self._check_closed()
+            return asyncio.TimerHandle(when, callback, args, self, context)
+        if when >= _FAR_S:  # beyond the horizon: due "after the limit", whatever its value
+            return self._arm(when, HORIZON_NS + 1, callback, args, context)
         return self._arm(when, round(when * 1e9), callback, args, context)
 
     def call_at_ns(
         self, when_ns: int, callback: Callable[..., object], *args: Any, context: Any = None
     ) -> asyncio.TimerHandle:
         """Schedule ``callback(*args)`` at virtual time ``when_ns`` (integer nanoseconds)."""
+        if when_ns > HORIZON_NS:
+            return self._arm(_FAR_S, HORIZON_NS + 1, callback, args, context)
         return self._arm(when_ns / 1e9, when_ns, callback, args, context)
 
     def _arm(

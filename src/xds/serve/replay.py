@@ -33,6 +33,7 @@ from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
 from ..runtime import Runtime, emit, now_ns, sleep_until_ns
 from ..runtime.events import EventLog
+from ..runtime.loop import HORIZON_NS
 from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
@@ -422,6 +423,12 @@ class Replay:
         return records
 
 
+DAY_NS = 86_400 * 10**9
+MAX_ARRIVAL_NS = HORIZON_NS // 2
+"""The latest arrival a replay takes (about 24 days): virtual time stops at
+:data:`xds.runtime.loop.HORIZON_NS`, and the requests still need serving."""
+
+
 def _check_workload(workload: Workload) -> None:
     """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals."""
     if not len(workload):
@@ -441,6 +448,14 @@ def _check_workload(workload: Workload) -> None:
         if r.arrival_ns < last:
             raise ConfigError(f"{where} arrives before the request ahead of it", field="arrival")
         last = r.arrival_ns
+    if last > MAX_ARRIVAL_NS:
+        raise ConfigError(
+            f"{workload.source}: the last request arrives at {last / DAY_NS:.1f} days; xds "
+            f"replays arrivals up to {MAX_ARRIVAL_NS / DAY_NS:.1f} days (half its exact "
+            "virtual-time horizon; the rest is for serving them): shorten the trace or raise "
+            "its rate",
+            field="arrival",
+        )
 
 
 def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:

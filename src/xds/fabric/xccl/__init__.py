@@ -95,6 +95,9 @@ class XCCL:
         self._cq: dict[
             int, tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]
         ] = {}
+        self._last_posted: dict[tuple[str, int, int], Handle] = {}
+        """Per (op, die, peer): the latest async operation posted, which the next one waits
+        for, so operations on a pair run in posting order on every backend."""
 
     @property
     def monitor(self) -> P2PMonitor:
@@ -135,7 +138,11 @@ class XCCL:
         n_aiv: int = 2,
         engine: Engine = "mte",
     ) -> int:
-        """Send and return when the receiver has ACKed (AIVs held throughout)."""
+        """Send and return when the receiver has ACKed (AIVs held throughout).
+
+        ``n_aiv`` AIVs move the chunks with MTE (``engine="mte"``); with ``engine="dma"``
+        (NPU-Direct URMA) the AIVs only submit, and the chunks spread over ``min(n_aiv, the
+        die's DMA engines)`` queues (4 on a 910C die), so more AIVs do not add bandwidth."""
         return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
 
     def reset_pair(self, src: int, dst: int) -> int:
@@ -228,6 +235,9 @@ class XCCL:
         self.p2p._check(die, peer, buf, event_id, kwargs["n_aiv"], kwargs["engine"])
         handle = Handle()
         send_cq = self._queue(die)[0]
+        key = (op, die, peer)
+        before = self._last_posted.get(key)
+        self._last_posted[key] = handle
 
         async def run() -> None:
             start = now_ns()
@@ -237,6 +247,9 @@ class XCCL:
                 if handle._cancel_requested:  # cancelled before it started
                     scope.cancel()
                 try:
+                    if before is not None and not before.done:
+                        await before._done.wait()  # posting order on the pair
+                        start = now_ns()
                     await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
                 except XdsError as exc:  # a protocol failure: reported, the run goes on
                     ok, error = False, str(exc)
@@ -258,6 +271,8 @@ class XCCL:
                 op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
             )
             handle._done.set()
+            if self._last_posted.get(key) is handle:
+                del self._last_posted[key]
             send_cq.send_nowait(handle.completion)
 
         self._tg.start_soon(run, name=f"xccl-{op}-{die}-{peer}-{event_id}")
