@@ -261,3 +261,43 @@ async def test_deadlock():
     )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ModelDeadlock: model deadlock at t=0 ns*"])
+
+
+def test_a_methods_marker_adds_to_its_classs(pytester):
+    """Each keyword comes from the closest marker that sets it: a method's time limit keeps
+    its class's seed."""
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(seed=3)
+class TestMerge:
+    @pytest.mark.xds(time_limit_ns=10**9)
+    async def test_merge(self):
+        assert xds.current_runtime().seed == 3
+        assert xds.current_runtime().time_limit_ns == 10**9
+""",
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_bad_marker_values_are_one_line_setup_errors(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(seed=-1)
+async def test_negative_seed():
+    pass
+
+@pytest.mark.xds(time_limit_ns=1.5)
+async def test_float_limit():
+    pass
+""",
+    )
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.xds got a bad value: seed: seed must be a non-negative integer*",
+            "@pytest.mark.xds got a bad value: time_limit_ns: *1.5",
+        ]
+    )
+    assert "Traceback" not in result.stdout.str()

@@ -57,8 +57,14 @@ class Runtime:
         time_limit_ns: int | None = None,
     ):
         if backend not in BACKENDS:
+            why = (
+                ": uvloop cannot keep virtual time (libuv timers read the wall clock and round "
+                "to 1 ms); the uvloop extra is for a future wall-clock mode"
+                if backend == "uvloop"
+                else ""
+            )
             raise ConfigError(
-                f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}",
+                f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}{why}",
                 field="backend",
             )
         if not isinstance(livelock_limit, int) or livelock_limit < 1:
@@ -73,11 +79,21 @@ class Runtime:
                 f"{time_limit_ns!r}",
                 field="time_limit_ns",
             )
+        if schedule_seed is not None and (
+            isinstance(schedule_seed, bool)
+            or not isinstance(schedule_seed, numbers.Integral)
+            or schedule_seed < 0
+        ):
+            raise ConfigError(
+                f"schedule_seed must be a non-negative integer (it seeds trio's scheduler; "
+                f"asyncio ignores it), got {schedule_seed!r}",
+                field="schedule_seed",
+            )
         self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
-        self.seed = seed
-        self.backend: Backend = backend
         self.rng = RngStreams(seed)
-        self.schedule_seed = seed if schedule_seed is None else schedule_seed
+        self.seed = self.rng.seed
+        self.backend: Backend = backend
+        self.schedule_seed = self.seed if schedule_seed is None else int(schedule_seed)
         self.livelock_limit = livelock_limit
         self.events = EventLog(self.now_ns, enabled=event_log)
         self.end_ns: int | None = None

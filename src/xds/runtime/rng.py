@@ -9,6 +9,7 @@ component's numbers.
 from __future__ import annotations
 
 import hashlib
+import numbers
 
 import numpy as np
 
@@ -25,10 +26,11 @@ class RngStreams:
     """
 
     def __init__(self, seed: int):
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
             from xds.errors import ConfigError
 
             raise ConfigError(f"seed must be a non-negative integer, got {seed!r}", field="seed")
+        seed = int(seed)  # numpy integers too
         self.seed = seed
         self._root = np.random.SeedSequence(seed)
         self._streams: dict[str, np.random.Generator] = {}

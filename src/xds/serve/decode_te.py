@@ -78,10 +78,12 @@ class _ReplayDecodeModel(DecodeModel):
 
     bucket = 32
 
-    def __init__(self, config: DecodeConfig, comm: CommCosts):
+    def __init__(self, config: DecodeConfig, comm: CommCosts, index: int = 0):
         super().__init__(config, comm)
         self._draws: dict[int, tuple[list[int], list[int]]] = {}
-        self._gen = rng("decode-te/routing")
+        # each Decode TE draws from its own stream, so its draws do not depend on how the TEs'
+        # iterations interleave (TE 0 keeps the historical name)
+        self._gen = rng("decode-te/routing" if index == 0 else f"decode-te/{index}/routing")
         self._last_key: tuple[object, ...] | None = None
         self._last: IterationOutcome | None = None
 
@@ -129,7 +131,7 @@ class DecodeTE:
         self.config = config
         self.index = index
         self.grid = grid
-        self.model = _ReplayDecodeModel(config, grid[0])
+        self.model = _ReplayDecodeModel(config, grid[0], index)
         n, limit = config.dies, config.batch_per_die
         self.router = DecodeRouter(n, limit, block_tokens=config.block_tokens, routing=routing)
         cap = config.kv_blocks_per_die or decode_kv_capacity(config, self.model.pod)

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from xds.errors import ConfigError
 from xds.runtime import BACKENDS, Runtime
 
 MARKER = "xds"
@@ -61,17 +62,14 @@ def xds_backend(request: pytest.FixtureRequest) -> str:
     param = getattr(request, "param", None)
     if param is not None:
         return str(param)
-    marker = request.node.get_closest_marker(MARKER)
-    backend = marker.kwargs.get("backend") if marker is not None else None
-    return str(backend or "asyncio")
+    return str(_options(request.node).get("backend") or "asyncio")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     definition = metafunc.definition
     if FIXTURE not in metafunc.fixturenames or _parametrized_directly(definition, FIXTURE):
         return
-    marker = definition.get_closest_marker(MARKER)
-    backend = marker.kwargs.get("backend") if marker is not None else None
+    backend = _options(definition).get("backend")
     metafunc.parametrize(FIXTURE, [backend] if backend else list(BACKENDS), indirect=True)
 
 
@@ -89,7 +87,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker(MARKER)
     if marker is None or not _is_async_test(pyfuncitem.obj):
         return None
-    options: dict[str, Any] = dict(marker.kwargs)
+    options = _options(pyfuncitem)
     funcargs = pyfuncitem.funcargs
     kwargs = {name: funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     backend = funcargs.get(FIXTURE) or options.pop("backend", None) or "asyncio"
@@ -104,6 +102,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             stacklevel=1,
         )
     return True
+
+
+def _options(item: pytest.Item) -> dict[str, Any]:
+    """The marker keywords in force on ``item``: a test's own marker, then its class's, then
+    its module's, each key taken from the closest marker that sets it."""
+    options: dict[str, Any] = {}
+    for marker in item.iter_markers(MARKER):  # closest first
+        for key, value in marker.kwargs.items():
+            options.setdefault(key, value)
+    return options
 
 
 def _is_async_test(obj: object) -> bool:
@@ -132,6 +140,14 @@ def _check_markers(item: pytest.Function) -> None:
         backend = marker.kwargs.get("backend")
         if backend is not None and backend not in BACKENDS:
             _fail(f"got an unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    options = _options(item)
+    bad = None
+    try:  # values too: one line now, not a traceback when the test runs
+        Runtime(**{"backend": "asyncio", **options})
+    except ConfigError as exc:
+        bad = str(exc)
+    if bad is not None:
+        _fail(f"got a bad value: {bad}")
     own = any(marker.name == MARKER for marker in item.own_markers)
     if own and not _is_async_test(item.obj):
         _fail(
