@@ -474,3 +474,22 @@ def test_forward_latency_names_the_argument_and_both_layer_counts():
         forward_latency(cfg, plans, np.ones((58, 256), np.int64))
     with pytest.raises(ConfigError, match=r"evaluation: has 3 layers but fit has 4"):
         score("none", counts, np.ones((2, 3, 256), np.int64), layout, 0, cfg)
+
+
+def test_a_policy_gets_copies_of_its_inputs():
+    """A policy writing into its counts or layout changes nothing of the caller's."""
+    counts = skewed_counts(
+        np.random.default_rng(0), slices=2, layers=2, experts=256, tokens_per_slice=5_000
+    )
+    layout = Layout.one_expert_per_die(256, 288, spare_slots=1)
+    before, primaries = counts.copy(), layout.primary_die.copy()
+
+    def scribbler(c, lay, budget):
+        plan = policy("xds-greedy").plan(c, lay, budget)
+        c[:] = 0
+        lay.primary_die[:] = 0
+        return plan
+
+    plans = plan_layers(scribbler, counts, layout, 288)
+    assert len(plans) == 2
+    assert np.array_equal(counts, before) and np.array_equal(layout.primary_die, primaries)

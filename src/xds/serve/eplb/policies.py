@@ -425,8 +425,19 @@ def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, 
     """``pol``'s plan for one layer, checked (:func:`checked_plan`): the one way plans enter
     scoring and online EPLB."""
     name = getattr(pol, "name", type(pol).__name__)
+    # the policy gets copies: whatever it writes into them cannot reach the caller's arrays
+    # or the layout its plan is checked against
+    mine = msgspec.structs.replace(
+        layout,
+        primary_die=np.array(layout.primary_die, copy=True),
+        base_load=None if layout.base_load is None else np.array(layout.base_load, copy=True),
+    )
     return checked_plan(
-        pol.plan(counts, layout, budget), policy=name, layer=layer, layout=layout, budget=budget
+        pol.plan(np.array(counts, copy=True), mine, budget),
+        policy=name,
+        layer=layer,
+        layout=layout,
+        budget=budget,
     )
 
 
