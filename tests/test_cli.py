@@ -99,3 +99,31 @@ def test_deployment_errors_name_the_file_and_the_field_written(tmp_path, capsys)
     binary.write_bytes(b"[decode]\n\xff = 1\n")
     assert main(["replay", "--synthetic", "2", "--deployment", str(binary)]) == 2
     assert "bin.toml: line 2: not UTF-8" in capsys.readouterr().err
+
+
+def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch, capsys):
+    from xds.serve.eplb import policy_names, unregister_policy
+
+    (tmp_path / "mypolicies.py").write_text(
+        "from xds.serve.eplb import policy, register_policy\n"
+        "register_policy('cli-greedy', lambda c, lay, b: policy('xds-greedy').plan(c, lay, b))\n"
+    )
+    (tmp_path / "dep.toml").write_text(
+        "dies = 256\nbatch_per_die = 1\ninput_tokens = 256\noutput_tokens = 4\n"
+        "shared_expert_dies = 0\n[eplb]\npolicy = 'cli-greedy'\n"
+    )
+    (tmp_path / "broken.py").write_text("x = 1\nraise ValueError('oops')\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        args = ["--import", "mypolicies", "decode", "--deployment", "dep.toml", "--json"]
+        assert main(args) == 0
+        assert "cli-greedy" in policy_names()
+    finally:
+        unregister_policy("cli-greedy")
+    capsys.readouterr()
+    assert main(["--import", "broken.py", "version"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "xds: error: --import broken.py: ValueError: oops (broken.py, line 2)"
+    )
+    assert main(["--import", "missing.py", "version"]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -49,8 +49,49 @@ _servers_option = click.option(
     context_settings={"help_option_names": ["-h", "--help"]},
     invoke_without_command=False,
 )
-def app() -> None:
+@click.option(
+    "--import",
+    "imports",
+    multiple=True,
+    metavar="MODULE",
+    help="Import a module (a name, or a path to a .py file) before the command runs, e.g. one "
+    "that registers your EPLB policy with xds.serve.eplb.register_policy; repeatable.",
+)
+def app(imports: tuple[str, ...]) -> None:
     """xds: an emulator of xDeepServe on the CloudMatrix384 SuperPod, in virtual time."""
+    for name in imports:
+        _import_plugin(name)
+
+
+def _import_plugin(name: str) -> None:
+    """Import ``name`` (a module importable from the current directory, or a .py file)."""
+    import importlib
+    import importlib.util
+    import traceback
+    from pathlib import Path
+
+    try:
+        if name.endswith(".py"):
+            path = Path(name)
+            if not path.is_file():
+                raise click.UsageError(f"--import {name}: no such file")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            importlib.import_module(name)
+    except click.UsageError:
+        raise
+    except Exception as exc:  # the user's module failed: say where, in one line
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise click.UsageError(
+            f"--import {name}: {type(exc).__name__}: {exc} ({Path(frame.filename).name}, line "
+            f"{frame.lineno})"
+        ) from None
 
 
 @app.command()

@@ -269,7 +269,8 @@ def policy(name: str | Policy | PlanFunction) -> Policy:
         if found is None:
             raise ConfigError(
                 f"unknown EPLB policy {name!r}; known: {', '.join(policy_names())} "
-                "(add yours with xds.serve.eplb.register_policy)",
+                "(add yours with xds.serve.eplb.register_policy; from the command line, in a "
+                "module loaded with xds --import MODULE)",
                 field="policy",
             )
         return found
