@@ -979,3 +979,27 @@ def test_first_token_estimates_read_the_pool_as_it_stands(monkeypatch):
     res = replay(production_workload(80, rate_per_s=40.0, seed=3), SMALL)
     assert res.summary.completed == 80
     assert seen["calls"] >= 80 and seen["queued"] >= 5  # the pools did fill up
+
+
+def test_the_job_executor_stops_choosing_a_failed_pair():
+    """Once a transfer on a DistFlow pair fails, later requests avoid it: only those already
+    sent its way fail; when every pair has failed, requests fail with that reason."""
+    from xds.serve.replay import DistFlowFault
+
+    wl = _workload(*[(i * 100_000_000, 1500, 20) for i in range(24)])
+    res = replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=0)])
+    failed = [x for x in res.records if x.outcome == "failed"]
+    learned = min(x.finish_ns for x in failed)
+    assert failed and len(failed) < 6
+    later = [x for x in res.records if x.arrival_ns > learned]
+    assert later and all(
+        x.outcome == "completed" and x.prefill_placement[:3] == "P1/" for x in later
+    )
+    both = replay(
+        wl,
+        SMALL,
+        faults=[DistFlowFault(at_ns=0, prefill_te=0), DistFlowFault(at_ns=0, prefill_te=1)],
+    )
+    assert both.summary.completed == 0 and both.summary.failed == 24
+    reasons = {x.reason for x in both.records}
+    assert any("every DistFlow pair from P" in r for r in reasons)

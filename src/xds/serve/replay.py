@@ -219,6 +219,9 @@ class Replay:
         )
         self.records: dict[int, RequestRecord] = {}
         self.ended = 0
+        self._failed_pairs: dict[tuple[int, int], int] = {}
+        """DistFlow pairs the Job Executor has seen fail a transfer, and when: it stops
+        choosing them (an ordered dict used as a set)."""
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
@@ -229,6 +232,8 @@ class Replay:
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
         pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
+        working = [te for te in pool if self._decode_tes_from(te.index)]
+        pool = working or pool  # none left: the request fails after its prefill, with a reason
         now = now_ns()
         offer = []
         for te in pool:
@@ -247,17 +252,24 @@ class Replay:
         self._picked[te.index] = self._picks
         return te
 
-    def select_decode(self, req: Request) -> DecodeTE:
+    def _decode_tes_from(self, prefill_te: int) -> list[DecodeTE]:
+        """The Decode TEs whose DistFlow pair with ``prefill_te`` has not failed a transfer."""
+        return [d for d in self.decode if (prefill_te, d.index) not in self._failed_pairs]
+
+    def select_decode(self, req: Request, prefill_te: int) -> DecodeTE | None:
         """By real-time load (P099): the ``decode_te_selection`` policy (by default
-        :func:`~xds.serve.job_executor.fewest_sequences`)."""
+        :func:`~xds.serve.job_executor.fewest_sequences`) over the Decode TEs whose DistFlow
+        pair with ``prefill_te`` has not failed (None if every one has)."""
         offer = [
             DecodeTEView(
                 d.index,
                 sum(x.active + x.pending for x in d.router.dps),
                 sum(x.kv_used_blocks for x in d.router.dps),
             )
-            for d in self.decode
+            for d in self._decode_tes_from(prefill_te)
         ]
+        if not offer:
+            return None
         return self.decode[checked_choice(self.decode_te_selection, req, offer)]
 
     # -- one request --
@@ -305,7 +317,14 @@ class Replay:
             rec.finish_ns = job.first_token_ns
             self._ended(rec)
             return
-        dte = self.select_decode(req)
+        dte = self.select_decode(req, te.index)
+        if dte is None:  # every pair from this Prefill TE has failed a transfer
+            te.release(job.dp, req.request_id)
+            rec.outcome = "failed"
+            rec.reason = f"KV transfer impossible: every DistFlow pair from P{te.index} failed"
+            rec.finish_ns = now_ns()
+            self._ended(rec)
+            return
         flow = self.distflow[(te.index, dte.index)]
         blocks = sum(kv.held(req.request_id) for kv in te.kv)  # every group's share
         transfer = flow.register(
@@ -330,6 +349,7 @@ class Replay:
                 if done.state is TransferState.COMPLETED:
                     dte.enqueue(dp, rec)
                 else:  # the pair's DistFlow failed: the request fails, its blocks return
+                    self._failed_pairs.setdefault((flow.prefill_te, dte.index), now_ns())
                     rec.outcome = "failed"
                     rec.reason = (
                         f"KV transfer {done.state.value} (DistFlow P{flow.prefill_te}-D{dte.index})"
