@@ -126,3 +126,16 @@ def test_a_byte_order_mark_in_a_config_file_is_fine(tmp_path):
     f = tmp_path / "bom.toml"
     f.write_bytes(b"\xef\xbb\xbf[decode]\nbatch_per_die = 8\n")
     assert pd_config(str(f)).decode.batch_per_die == 8
+
+
+def test_help_shows_each_fields_type_default_and_note():
+    """help() shows the notes written under config fields (and Annotated descriptions)."""
+    import pydoc
+
+    from xds.hw.specs import DieSpec
+    from xds.serve.ma_config import MADecodeConfig
+
+    text = pydoc.render_doc(MADecodeConfig, renderer=pydoc.plaintext)
+    assert "domain_turns: Literal['exclusive', 'relaxed'] = 'exclusive'" in text
+    assert "Relax interval of the expert dies' persistent kernels" in text
+    assert "aiv: int = 48" in DieSpec.__doc__ and "CANN vector_core_cnt=48" in DieSpec.__doc__

@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..units import KiB, MiB
 
@@ -61,3 +62,6 @@ def validated(config: FabricConfig, die_ubuf_bytes: int) -> FabricConfig:
                 f"must not exceed slot_bytes ({config.slot_bytes})", field=f"fabric.{name}"
             )
     return config
+
+
+document_fields(FabricConfig)

@@ -23,6 +23,8 @@ from msgspec import Meta
 from xds.config import check_fields
 from xds.units import GB, TB, GiB, KiB, MiB
 
+from ..docfields import document_fields
+
 
 def _d(text: str) -> Meta:
     return Meta(description=text)
@@ -264,3 +266,6 @@ def sources(spec: type[msgspec.Struct]) -> dict[str, str]:
             if desc:
                 out[field.name] = desc
     return out
+
+
+document_fields(DieSpec, EngineSpec, LinkSpec)

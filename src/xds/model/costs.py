@@ -31,6 +31,7 @@ import msgspec
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..hw import DieSpec
 from .specs import ModelSpec
@@ -282,3 +283,6 @@ class CostModel:
             dispatched += self.eff.eager_op_dispatch_ns
             device_free = max(device_free, dispatched) + k.time_ns
         return device_free
+
+
+document_fields(KernelEfficiency, Precision)

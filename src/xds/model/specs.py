@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from ..config import check_fields
+from ..docfields import document_fields
 
 Attention = Literal["mla", "gqa", "lightning+gqa"]
 
@@ -205,3 +206,6 @@ MODELS: dict[str, ModelSpec] = {
     "glm-4.5": GLM_45,
     "minimax-m1": MINIMAX_M1,
 }
+
+
+document_fields(ModelSpec)

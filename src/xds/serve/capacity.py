@@ -33,6 +33,7 @@ from typing import Literal, get_args
 import msgspec
 import numpy as np
 
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..trace.metrics import SLA, RequestRecord, prefix_hit_ratio
 from ..trace.workload import Workload
@@ -349,3 +350,6 @@ def _search(
             break
         lo, hi = (mid, hi) if probe(mid, (mid + hi) / 2, (lo + mid) / 2) else (lo, mid)
     return result(lo)
+
+
+document_fields(CapacityPoint, CapacityResult)

@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns
 from ..runtime.sync import task_group_raising_single
@@ -337,3 +338,6 @@ class DecodeInstance:
             self.kv[int(dp)].release(req)
             self.router.finished(req)
             emit("decode", "finished", request=req, dp=int(dp))
+
+
+document_fields(DecodeResult)

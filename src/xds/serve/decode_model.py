@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap, PullOrder, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384, DieSpec
@@ -570,3 +571,6 @@ def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
         block_tokens=config.block_tokens,
         int8_nope=config.precision.kv_int8_nope,
     )
+
+
+document_fields(DecodeConfig, CommCosts)

@@ -24,6 +24,7 @@ import numpy as np
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..units import MS, US
 
 
@@ -76,3 +77,6 @@ def sample(config: JitterConfig, rng: np.random.Generator, iteration: int) -> It
         if rng.random() < config.recompile_probability:
             inside += config.recompile_ns
     return IterationJitter(inside, between)
+
+
+document_fields(JitterConfig)

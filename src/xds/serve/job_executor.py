@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from ..docfields import document_fields
 from ..trace.workload import Request
 from .policies import offered_choice
 
@@ -66,3 +67,6 @@ def checked_choice(
     """Ask ``policy`` and check its answer is one of the offered TEs."""
     offered = [v.te for v in offer]
     return offered_choice(policy, policy(request, offer), offered, "TE", request.request_id)
+
+
+document_fields(PrefillTEView, DecodeTEView)

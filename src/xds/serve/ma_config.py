@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric.xccl.a2e import AEConfig, AEGroup
 from ..fabric.xccl.a2e import Mode as AEMode
@@ -262,3 +263,6 @@ def measure_ae(
         return AECosts(tokens_per_die, ends["a2e"] - t_a2e, ends["e2a"] - t_e2a, writes)
 
     return run(main, seed=seed, event_log=False)
+
+
+document_fields(MADecodeConfig, AECosts)

@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..docfields import document_fields
 from ..errors import ConfigError, ProtocolError
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
@@ -572,3 +573,6 @@ def ae_curve(config: MADecodeConfig, *, seed: int = 0) -> AECurve:
     first = config.microbatch_seqs[0]
     counts = sorted({first * (1 + config.mtp.k), first})
     return AECurve([measure_ae(config, n, seed=seed) for n in counts])
+
+
+document_fields(MADecodeResult, DomainRun, Span, MoEBatch)

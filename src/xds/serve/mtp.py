@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 
 
@@ -90,3 +91,6 @@ def mtp_step(
         prefix.append(guess)
     committed.append(greedy_next(prefix))  # all drafts accepted: one more main-model token
     return committed
+
+
+document_fields(MTPConfig)

@@ -54,6 +54,7 @@ import msgspec
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..model import KernelEfficiency, Precision
 from ..runtime import emit, now_ns, sleep_ns
@@ -543,3 +544,6 @@ class PrefillTE:
     def check(self) -> None:
         for kv in self.kv:
             kv.check()
+
+
+document_fields(PrefillConfig, GroupView)

@@ -27,6 +27,7 @@ import msgspec
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
@@ -573,3 +574,6 @@ def replay(
         end_ns=max((x.finish_ns for x in records), default=0),
         events=runtime.events if event_log else None,
     )
+
+
+document_fields(PDConfig, DistFlowFault, ReplayResult)

@@ -22,6 +22,7 @@ from typing import Final
 
 import msgspec
 
+from ..docfields import document_fields
 from ..errors import ConfigError
 from .policies import offered_choice, require_callable
 
@@ -144,3 +145,6 @@ class DecodeRouter:
 
     def _reservation(self, request: object) -> tuple[int, int]:
         return self._reservations[self._key(request)]
+
+
+document_fields(DPLoad)

@@ -21,6 +21,7 @@ import numpy as np
 from msgspec import Meta
 
 from ..config import check_fields
+from ..docfields import document_fields
 from ..errors import ConfigError
 
 Outcome = Literal["completed", "failed"]
@@ -210,3 +211,6 @@ def write(
             writer.writerow(cols)
             for r in sorted(records, key=lambda r: r.request_id):
                 writer.writerow([getattr(r, c) for c in cols])
+
+
+document_fields(RequestRecord, SLA, Summary)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from ..docfields import document_fields
 from ..errors import ConfigError
 from ..units import S
 
@@ -180,3 +181,6 @@ def with_arrivals(
     if len(arrivals) != len(lengths):
         raise ConfigError("one arrival per request", field="arrivals")
     return _build(arrivals, [x for x, _ in lengths], [y for _, y in lengths], source)
+
+
+document_fields(Request)

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from ...config import check_fields
+from ...docfields import document_fields
 from ...errors import ConfigError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..ub import UBFabric
@@ -412,3 +413,6 @@ class AEGroup:
             )
         emit("xccl", "e2a_expert", die=me, copies=len(side))
         return now_ns()
+
+
+document_fields(AEConfig, ExpertInput)

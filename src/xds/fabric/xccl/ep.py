@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from ...config import check_fields
+from ...docfields import document_fields
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
@@ -630,3 +631,6 @@ class _Completion:
         self.counts = counts
         self.blocks = blocks
         self.remaining = remaining
+
+
+document_fields(EPConfig, DispatchOutput)

@@ -17,6 +17,7 @@ import numpy as np
 from msgspec import Meta
 
 from ...config import check_fields
+from ...docfields import document_fields
 from ...errors import ConfigError
 from ...units import MS, S
 from .collect import LoadCollector
@@ -148,3 +149,6 @@ class OnlineEPLB:
         if self.config.policy == "none":
             return None
         return self.plans_for(window)
+
+
+document_fields(OnlineEPLBConfig)
