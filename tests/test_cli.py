@@ -127,3 +127,20 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     )
     assert main(["--import", "missing.py", "version"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
+    import json
+
+    dep = tmp_path / "ma.toml"
+    dep.write_text(
+        "domains = 2\nattention_dies_per_domain = 4\nexpert_dies = 16\nshared_expert_dies = 0\n"
+        "batch_per_die = 4\ninput_tokens = 128\noutput_tokens = 5\ndomain_turns = 'relaxed'\n"
+    )
+    assert main(["ma-decode", "--deployment", str(dep), "--full", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert sum(sum(d["tokens"]) for d in res["domains"]) == 2 * 4 * 4 * 5
+    assert set(res["stream_busy"]) == {"a2e", "moe", "e2a"}
+    dep.write_text("microbatches = 0\n")
+    assert main(["ma-decode", "--deployment", str(dep)]) == 2
+    assert "microbatches" in capsys.readouterr().err

@@ -310,6 +310,90 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     console.print(kernels)
 
 
+@app.command("ma-decode")
+@click.option(
+    "--deployment",
+    default="ma-peak-decode",
+    show_default=True,
+    help="A preset name or a .toml/.json file of MADecodeConfig fields.",
+)
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=2),
+    default=6,
+    show_default=True,
+    help="Iterations per domain in the window (the first is not averaged).",
+)
+@click.option(
+    "--from-token",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Start the window this many tokens into the output (default: half way).",
+)
+@click.option("--full", is_flag=True, help="Decode every sequence to the end instead.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def ma_decode(
+    deployment: str,
+    iterations: int,
+    from_token: int | None,
+    full: bool,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Run a MoE-attention disaggregated decode deployment (SPEC 10.3) and print its numbers."""
+    import msgspec
+
+    from xds.runtime import run
+    from xds.serve.ma_decode import MADecodeInstance, ae_curve
+    from xds.serve.presets import ma_config
+
+    cfg = ma_config(deployment)
+    if full and from_token is not None:
+        raise click.UsageError("--from-token sets a window; --full runs the whole decode")
+    start = 0 if full else cfg.output_tokens // 2 if from_token is None else from_token
+    curve = ae_curve(cfg, seed=seed)
+
+    async def main():
+        instance = MADecodeInstance(cfg, curve, seed=seed)
+        return await instance.serve(max_iterations=None if full else iterations, from_token=start)
+
+    res = run(main, seed=seed, event_log=False)
+    if as_json:
+        print(msgspec.json.encode(res).decode())
+        return
+    table = Table(
+        title=f"ma-decode: {deployment} ({cfg.domains} x {cfg.attention_dies_per_domain} "
+        f"attention dies, {cfg.expert_dies} expert dies, batch {cfg.batch_per_die}, "
+        f"{cfg.domain_turns} turns)"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    window = "every token" if full else f"{iterations} iterations from token {start}"
+    table.add_row("window", window)
+    table.add_row("mean iteration", f"{res.mean_iteration_ns / 1e6:.2f} ms")
+    table.add_row("tokens per step", f"{res.mean_tokens_per_step:.3f}")
+    table.add_row("TPOT", f"{res.tpot_ns / 1e6:.2f} ms")
+    table.add_row("tokens/s per chip", f"{res.tokens_per_s_per_chip:,.1f}")
+    table.add_row("tokens/s per attention die", f"{res.tokens_per_s / cfg.attention_dies:,.1f}")
+    table.add_row("attention stage (layer, microbatch)", f"{res.mean_stage_ns / 1e3:.0f} us")
+    table.add_row("MTP pass", f"{res.mean_mtp_pass_ns / 1e6:.2f} ms")
+    table.add_row("MoE compute per batch", f"{res.mean_moe_ns / 1e3:.0f} us")
+    for p in res.ae:
+        table.add_row(
+            f"A2E / E2A at {p.tokens_per_die} tokens per die",
+            f"{p.a2e_ns / 1e3:.0f} / {p.e2a_ns / 1e3:.0f} us",
+        )
+    busy = res.stream_busy
+    table.add_row(
+        "expert kernels busy (A2E / MoE / E2A)",
+        f"{busy['a2e']:.0%} / {busy['moe']:.0%} / {busy['e2a']:.0%}",
+    )
+    table.add_row("attention dies computing", f"{res.attention_busy:.0%}")
+    table.add_row("virtual time", fmt_ns(res.elapsed_ns))
+    console.print(table)
+
+
 class _Finite(click.FloatRange):
     """A float range that is also finite: ``nan`` and ``inf`` are usage errors."""
 

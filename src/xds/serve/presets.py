@@ -1,6 +1,7 @@
 """Named deployments of the paper (ARCHITECTURE.md "Configuration").
 
-``peak-decode`` is SPEC 12.2's colocated DP288/EP288 run; ``production-4p1d`` is SPEC 12.4's
+``peak-decode`` is SPEC 12.2's colocated DP288/EP288 run; ``ma-peak-decode`` SPEC 12.3's
+MoE-attention disaggregated one (for ``xds ma-decode``); ``production-4p1d`` is SPEC 12.4's
 PD-disaggregated deployment (for ``xds replay``).
 """
 
@@ -12,6 +13,7 @@ from typing import TypeVar
 from ..config import load_config
 from ..errors import ConfigError
 from .decode import DecodeConfig
+from .ma_config import MADecodeConfig
 from .replay import PDConfig
 
 T = TypeVar("T")
@@ -25,6 +27,12 @@ PD_PRESETS: dict[str, PDConfig] = {
 }
 """SPEC 12.4: 16 servers; 4 Prefill TEs of 2 servers (DP8/EP32, TP4); 1 Decode TE of 8 servers
 (DP128/EP128)."""
+
+
+MA_PRESETS: dict[str, MADecodeConfig] = {
+    "ma-peak-decode": MADecodeConfig(),
+}
+"""SPEC 12.3: 3 domains x 160 attention dies + 288 expert dies on the whole pod."""
 
 
 def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
@@ -41,6 +49,12 @@ def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) 
 def decode_config(name_or_path: str) -> DecodeConfig:
     """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields."""
     return _lookup(name_or_path, PRESETS, DecodeConfig, "deployment")
+
+
+def ma_config(name_or_path: str) -> MADecodeConfig:
+    """A MoE-attention disaggregated preset by name, or a ``.toml``/``.json`` file of
+    :class:`~xds.serve.ma_config.MADecodeConfig` fields."""
+    return _lookup(name_or_path, MA_PRESETS, MADecodeConfig, "MA deployment")
 
 
 def pd_config(name_or_path: str) -> PDConfig:
