@@ -40,6 +40,14 @@ _current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar(
 )
 
 
+def _check_count(value: object, field: str, what: str) -> None:
+    """``value`` is None or a non-negative integer (numpy integers too)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
+    ):
+        raise ConfigError(f"{field} must be a non-negative {what}, got {value!r}", field=field)
+
+
 class Runtime:
     """One simulation run: its clock, random streams and event log.
 
@@ -69,26 +77,12 @@ class Runtime:
             )
         if not isinstance(livelock_limit, int) or livelock_limit < 1:
             raise ConfigError("livelock_limit must be a positive integer", field="livelock_limit")
-        if time_limit_ns is not None and (
-            isinstance(time_limit_ns, bool)
-            or not isinstance(time_limit_ns, numbers.Integral)
-            or time_limit_ns < 0
-        ):
-            raise ConfigError(
-                f"time_limit_ns must be a non-negative integer number of nanoseconds, got "
-                f"{time_limit_ns!r}",
-                field="time_limit_ns",
-            )
-        if schedule_seed is not None and (
-            isinstance(schedule_seed, bool)
-            or not isinstance(schedule_seed, numbers.Integral)
-            or schedule_seed < 0
-        ):
-            raise ConfigError(
-                f"schedule_seed must be a non-negative integer (it seeds trio's scheduler; "
-                f"asyncio ignores it), got {schedule_seed!r}",
-                field="schedule_seed",
-            )
+        _check_count(time_limit_ns, "time_limit_ns", "integer number of nanoseconds")
+        _check_count(
+            schedule_seed,
+            "schedule_seed",
+            "integer (it seeds trio's scheduler; asyncio ignores it)",
+        )
         self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
         self.rng = RngStreams(seed)
         self.seed = self.rng.seed
