@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from ..errors import ConfigError, ProtocolError
 from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
@@ -53,6 +54,9 @@ class Transfer(msgspec.Struct, frozen=True):
     visible_ns: int
 
 
+_META_DELAY: dict[tuple[object, object, tuple[int, ...]], np.ndarray] = {}
+
+
 class UBFabric:
     """The pod's device memories and the UB fabric between them."""
 
@@ -71,6 +75,7 @@ class UBFabric:
         self.stats = FabricStats()
         self._memories: dict[int, DieMemory] = {}
         self._ports: dict[tuple[int, str], Port] = {}
+        self._links: dict[tuple[int, int], tuple[tuple[Port, ...], float, int]] = {}
 
     @property
     def mode(self) -> str:
@@ -112,7 +117,16 @@ class UBFabric:
         return port
 
     def _link_ports(self, src: int, dst: int) -> tuple[tuple[Port, ...], float, int]:
-        """(ports crossed, link bandwidth, link latency) from ``src`` to ``dst``."""
+        """(ports crossed, link bandwidth, link latency) from ``src`` to ``dst`` (remembered
+        per pair of valid die indices: the pod and the ports never change)."""
+        if type(src) is not int or type(dst) is not int:  # bools and the like: checked
+            return self._link_ports_of(src, dst)
+        hit = self._links.get((src, dst))
+        if hit is None:
+            hit = self._links[(src, dst)] = self._link_ports_of(src, dst)
+        return hit
+
+    def _link_ports_of(self, src: int, dst: int) -> tuple[tuple[Port, ...], float, int]:
         net = self.pod.network_between(src, dst)
         if net is Network.LOCAL:
             hbm = self.pod.spec_of(src).hbm_bandwidth
@@ -205,6 +219,21 @@ class UBFabric:
         one metadata write (t_meta), and never before the link's one-way latency."""
         latency = 0 if writer == owner else self.pod.link_between(writer, owner).latency_ns
         return issued_ns + max(self.engines.meta_write_ns, latency)
+
+    def meta_delay_ns(self, dies: list[int]) -> np.ndarray:
+        """``[s, d]``: ``meta_visible_ns(dies[s], dies[d], t) - t``, read-only (a function of
+        the pod and the engine costs alone: remembered per both and the die list)."""
+        key = (self.pod.config, self.engines, tuple(dies))
+        hit = _META_DELAY.get(key)
+        if hit is None:
+            if len(_META_DELAY) >= 64:
+                _META_DELAY.clear()
+            hit = np.array(
+                [[self.meta_visible_ns(w, o, 0) for o in dies] for w in dies], dtype=np.int64
+            )
+            hit.flags.writeable = False
+            _META_DELAY[key] = hit
+        return hit
 
     def post_meta(
         self, when_ns: int, owner: int, peer: int, aiv: int, direction: Direction, **fields: int

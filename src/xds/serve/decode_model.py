@@ -361,6 +361,7 @@ class DecodeModel(KernelTimes):
         bd = Breakdown()
         t = 0
         proj = self.cost.mtp_projection(float(seqs.max())).time_ns  # the MTP eh_proj
+        shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
@@ -371,6 +372,7 @@ class DecodeModel(KernelTimes):
                 bd=bd,
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
+                shapes=shapes,
             )
             t += mtp.time_ns + eff.graph_launch_ns + proj
             bd.mla_other += proj
@@ -384,10 +386,18 @@ class DecodeModel(KernelTimes):
             experts=main_experts,
             dense=m.dense_layers,
             comm=self.comm,
+            shapes=shapes,
         )
         t += main.time_ns + eff.graph_launch_ns
         bd.launch += (k + 1) * eff.graph_launch_ns
         return IterationOutcome(t, bd, main.first_dispatch_ns)
+
+    @staticmethod
+    def _shapes(seqs: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Kernel times go per distinct (batch, context): DPs mostly share a few shapes."""
+        return np.unique(
+            seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
+        )
 
     def _pass(
         self,
@@ -401,16 +411,14 @@ class DecodeModel(KernelTimes):
         experts: list[int],
         comm: CommCosts,
         dense: int = 0,
+        shapes: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> IterationOutcome:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
         numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_dense, first8, n8_between, layer8 = self._int8_layout(first_layer, dense, n_moe)
-        # kernel times per distinct (batch, context): DPs mostly share a few shapes
-        keys, which = np.unique(
-            seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
-        )
+        keys, which = shapes if shapes is not None else self._shapes(seqs, context)
 
         def parts(layer: int | None) -> tuple[np.ndarray, ...]:
             cache = self._parts_cache

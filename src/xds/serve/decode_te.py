@@ -211,12 +211,13 @@ class DecodeTE:
         zero_jitter = np.zeros(cfg.dies, dtype=np.int64)
         while True:
             live = self.remaining > 0
-            if not live.any():
+            seqs = live.sum(axis=1)
+            n_live = int(seqs.sum())
+            if not n_live:
                 self._work = anyio.Event()
                 await self._work.wait()
                 continue
-            seqs = live.sum(axis=1)
-            ctx = (self.context * live).sum(axis=1) // np.maximum(seqs, 1)
+            ctx = np.einsum("ij,ij->i", self.context, live) // np.maximum(seqs, 1)
             ctx = -(-ctx // 256) * 256  # context in 256-token steps (kernel cost cache)
             widest = int(seqs.max())
             self.model.comm = interpolate(self.grid, widest * (1 + k))
@@ -227,17 +228,21 @@ class DecodeTE:
             self.busy_ns += step
             self.iterations += 1
             committed = np.zeros_like(self.remaining)
-            committed[live] = tokens_per_step(cfg.mtp, mtp_gen, int(live.sum()))
-            committed = np.minimum(committed, self.remaining)
+            np.place(committed, live, tokens_per_step(cfg.mtp, mtp_gen, n_live))
+            np.minimum(committed, self.remaining, out=committed)
             self.remaining -= committed
             self.context += committed
             t = now_ns()
             if self.record_token_times:
-                for dp, s in zip(*np.nonzero(committed), strict=True):
-                    rec = self.records[int(self.slot_req[dp, s])]
-                    rec.token_ns.extend([t] * int(committed[dp, s]))
-            for dp, s in zip(*np.nonzero(live & (self.remaining == 0)), strict=True):
-                self._finish(int(dp), int(s), t)
+                got = committed > 0
+                for req, n in zip(
+                    self.slot_req[got].tolist(), committed[got].tolist(), strict=True
+                ):
+                    self.records[req].token_ns.extend([t] * n)
+            ended = live & (self.remaining == 0)
+            if ended.any():
+                for dp, s in zip(*np.nonzero(ended), strict=True):
+                    self._finish(int(dp), int(s), t)
 
     def _finish(self, dp: int, s: int, t: int) -> None:
         req = int(self.slot_req[dp, s])

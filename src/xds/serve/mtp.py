@@ -60,10 +60,12 @@ def accepted_drafts(config: MTPConfig, rng: np.random.Generator) -> int:
 def tokens_per_step(config: MTPConfig, rng: np.random.Generator, steps: int) -> np.ndarray:
     """Committed tokens of ``steps`` steps (vectorised; same law as :func:`accepted_drafts`)."""
     out = np.ones(steps, dtype=np.int64)
-    alive = np.ones(steps, dtype=bool)
-    for d in range(config.k):
-        alive &= rng.random(steps) < config.p(d)
+    if config.k:
+        alive = rng.random(steps) < config.p(0)
         out += alive
+        for d in range(1, config.k):
+            alive &= rng.random(steps) < config.p(d)
+            out += alive
     return out
 
 

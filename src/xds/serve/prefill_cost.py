@@ -53,6 +53,7 @@ class PrefillCost:
         self._work: tuple[float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
         self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
+        self._groups: dict[tuple[tuple[Piece, ...], bool], tuple[list[int], ...]] = {}
 
     def piece_work(self, new: int, cached: int) -> float:
         """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
@@ -96,7 +97,24 @@ class PrefillCost:
     def _group_times(
         self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
     ) -> tuple[list[int], list[int], list[int], list[int]]:
-        """One DP group's kernel times (attention side on ``tp`` dies)."""
+        """One DP group's kernel times (attention side on ``tp`` dies); all but the routed
+        experts' are a pure function of the group's pieces, remembered (steps and plans repeat
+        groups: a spread job's shares, the leader's estimates)."""
+        key = (tuple(group), int8_attention)
+        hit = self._groups.get(key)
+        if hit is None:
+            if len(self._groups) >= 16_384:
+                self._groups.clear()
+            hit = self._groups[key] = self._group_parts(group, int8_attention)
+        dense, before, after, mtp_proj, head = hit
+        moe = [*before, routed_ns, *after]
+        return dense, moe, [*mtp_proj, *moe], head
+
+    def _group_parts(
+        self, group: Sequence[Piece], int8_attention: bool
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """:meth:`_group_times` without the routed experts: (dense layer, MoE layer before and
+        after the routed experts, MTP projection, head)."""
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
@@ -133,11 +151,10 @@ class PrefillCost:
         dispatch = self.engines.dma_startup_ns + round(copies * m.hidden / bw * 1e9)
         combine = self.engines.dma_startup_ns + round(copies * m.hidden * 2 / bw * 1e9)
         gate = -(-c.gating(tokens).time_ns // tp)
-        moe = [*attn_side, gate, dispatch, routed_ns, shared, combine]
-        mtp = [-(-c.mtp_projection(tokens).time_ns // tp), *moe]
+        mtp_proj = [-(-c.mtp_projection(tokens).time_ns // tp)]
         reqs = float(len(group))
         head = [c.lm_head(reqs).time_ns, c.sampling(reqs).time_ns]
-        return dense, moe, mtp, head
+        return dense, [*attn_side, gate, dispatch], [shared, combine], mtp_proj, head
 
     def _attn_flops(self, group: Sequence[Piece]) -> float:
         """Causal MLA attention FLOPs per die of a group: each new token attends to the cached

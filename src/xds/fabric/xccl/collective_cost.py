@@ -47,12 +47,9 @@ def exchange_completion(
         )
         packed[r] = t.end_ns + int(pack_vector_ns[r])
     # metadata: the AIV owning destination d issues it after (d // n_aiv + 1) issue slots
-    barrier = np.zeros(n, dtype=np.int64)
-    for d in range(n):
-        issued = packed + (d // n_aiv + 1) * e.meta_issue_ns
-        barrier[d] = max(
-            fabric.meta_visible_ns(ranks[s], ranks[d], int(issued[s])) for s in range(n)
-        )
+    # (barrier[d] = max over s of meta_visible_ns(s, d, issued by s), vectorised: exact ints)
+    slots = (np.arange(n, dtype=np.int64) // n_aiv + 1) * e.meta_issue_ns
+    barrier = (packed[:, None] + fabric.meta_delay_ns(ranks)).max(axis=0) + slots
     # pulls: per rank, its sources spread over lanes; replay them in issue order
     end = barrier.astype(np.float64)
     heap: list[tuple[int, int, int, int]] = []  # (issue time, rank, lane, position)

@@ -207,12 +207,18 @@ class EPGroup:
         blocks: list[_Block] = []
         dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
         side_dt = wire.dispatch_side_dtype(cfg.top_k)
+        # every destination's side rows at once, destination-major with tokens ascending (the
+        # layout's order); each block holds its slice
+        dest, tokens_all = np.nonzero(lay.is_token_in_rank.T)
+        side_all = np.zeros(len(tokens_all), dtype=side_dt)
+        side_all["token"] = tokens_all
+        on = routed.dest_rank[tokens_all] == dest[:, None]
+        side_all["slots"] = np.where(on, routed.local_slot[tokens_all], -1)
+        ends = np.cumsum(lay.num_tokens_per_rank).tolist()
         for r in range(self.R):
-            tokens = lay.tokens_for_rank[r]
-            side = np.zeros(len(tokens), dtype=side_dt)
-            side["token"] = tokens
-            on_r = routed.dest_rank[tokens] == r
-            side["slots"] = np.where(on_r, routed.local_slot[tokens], -1)
+            lo, hi = ends[r - 1] if r else 0, ends[r]
+            tokens = tokens_all[lo:hi]
+            side = side_all[lo:hi]
             data = None
             if bytes_mode:
                 rows = np.zeros(len(tokens), dtype=dt)
@@ -272,13 +278,17 @@ class EPGroup:
         counts = np.zeros(self.R, dtype=np.int64)
         if bytes_mode and expert_out is None:
             raise ConfigError("bytes payload mode needs expert outputs", field="expert_out")
+        # every source's copies at once (row-major: by source, then row, then expert)
+        copy_i, copy_j = np.nonzero(valid)
+        side_all = np.zeros(len(copy_i), dtype=side_dt)
+        side_all["token"] = handle.recv_src_token[copy_i]
+        side_all["k"] = copy_j
+        cut = np.searchsorted(copy_i, handle.rank_prefix).tolist()
         for src in range(self.R):
-            lo, hi = int(handle.rank_prefix[src]), int(handle.rank_prefix[src + 1])
-            rows_i, rows_j = np.nonzero(valid[lo:hi])
-            counts[src] = len(rows_i)
-            side = np.zeros(len(rows_i), dtype=side_dt)
-            side["token"] = handle.recv_src_token[lo + rows_i]
-            side["k"] = rows_j
+            lo, a, b = int(handle.rank_prefix[src]), cut[src], cut[src + 1]
+            rows_i, rows_j = copy_i[a:b] - lo, copy_j[a:b]
+            counts[src] = b - a
+            side = side_all[a:b]
             data = None
             if bytes_mode:
                 copies = np.zeros(len(rows_i), dtype=dt)
@@ -561,7 +571,8 @@ class EPGroup:
             src_token = rows["token"].astype(np.int64)
             slots = rows["slots"].astype(np.int64).reshape(n, cfg.top_k)
         else:
-            side = np.concatenate([b.side for b in received])
+            side_dt = wire.dispatch_side_dtype(cfg.top_k)  # given: no per-call promotion
+            side = np.concatenate([b.side for b in received], dtype=side_dt)
             recv_x = None
             src_token = side["token"].astype(np.int64)
             slots = side["slots"].astype(np.int64).reshape(n, cfg.top_k)
