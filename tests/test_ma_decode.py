@@ -66,15 +66,23 @@ def test_config_errors_name_the_field():
 
 def test_exclusive_domains_never_overlap_on_the_a2e_e2a_path(small_curve):
     """At any instant A2E/E2A traffic belongs to one domain, in the rotation d0 -> d1 -> d2."""
-    inst, res = _serve(SMALL, small_curve, max_iterations=2)
+    together = msgspec.structs.replace(SMALL, domain_start="together")
+    inst, res = _serve(together, small_curve, max_iterations=2)
     spans = [s for s in inst.pool.spans if s.kind in ("a2e", "e2a")]
     spans.sort(key=lambda s: s.start_ns)
     for a in spans:
         for b in spans:
             if a.domain != b.domain:
                 assert a.end_ns <= b.start_ns or b.end_ns <= a.start_ns, (a, b)
-    turns = [s.domain for s in spans if s.kind == "a2e" and s.microbatch == 0]
-    assert turns[:6] == [0, 1, 2, 0, 1, 2]
+    # with every domain ready (all started together), turns go in rotation order: the
+    # domains' first A2E of each main-pass MoE layer in the first iteration
+    m = together.spec
+    for layer in range(m.dense_layers + 1, m.layers - 1):
+        firsts = {}
+        for s in spans:
+            if s.kind == "a2e" and s.layer == layer and s.microbatch == 0:
+                firsts.setdefault(s.domain, s.start_ns)
+        assert sorted(firsts, key=firsts.get) == [0, 1, 2], layer
     assert res.iterations == 2
 
 
@@ -116,16 +124,20 @@ def test_a_microbatch_waits_for_its_previous_e2a(small_curve):
 def test_the_last_microbatch_is_exposed(small_curve):
     """The main pass ends after the last MoE layer's last E2A: A2E + MoE + E2A of the last
     microbatch are on the critical path (P124)."""
-    inst, res = _serve(SMALL, small_curve, max_iterations=1)
+    together = msgspec.structs.replace(SMALL, domain_start="together")
+    inst, res = _serve(together, small_curve, max_iterations=1)
     m = SMALL.spec
     last = m.layers - 1
-    spans = inst.pool.spans
-    attn_end = max(s.end_ns for s in spans if s.kind == "attention" and s.layer == last)
-    e2a_end = max(s.end_ns for s in spans if s.kind == "e2a" and s.layer == last)
-    tail = [s for s in spans if s.layer == last and s.microbatch == SMALL.microbatches - 1]
-    assert {s.kind for s in tail} >= {"a2e", "moe", "e2a"}
-    assert e2a_end > attn_end
-    assert max(res.domains[d].iteration_ns[0] for d in range(3)) >= e2a_end - 0
+    first: dict[tuple[str, int, int, int], Span] = {}
+    for span in inst.pool.spans:  # the first iteration's spans (domains go on, unrecorded)
+        first.setdefault((span.kind, span.domain, span.layer, span.microbatch), span)
+    mb = SMALL.microbatches - 1
+    attn_end = first[("attention", 0, last, mb)].end_ns
+    tail = [first[(kind, 0, last, mb)] for kind in ("a2e", "moe", "e2a")]
+    assert attn_end <= tail[0].start_ns < tail[0].end_ns <= tail[1].start_ns
+    assert tail[1].end_ns <= tail[2].start_ns
+    # domain 0 started at 0: its first iteration ends after that E2A (then the LM head)
+    assert res.domains[0].iteration_ns[0] > tail[2].end_ns
 
 
 def test_every_token_is_generated_once(small_curve):
@@ -213,7 +225,7 @@ def test_a_failing_kernel_cancels_its_siblings_and_is_reported(small_curve):
         def boom(*_a, **_k):
             raise RuntimeError("expert die 7: HBM ECC error")
 
-        inst.times.busiest_expert_ns = boom  # type: ignore[method-assign]
+        inst.pool._expert_ns = boom  # type: ignore[method-assign]
         await inst.serve(max_iterations=2)
 
     with pytest.raises(BaseException) as err:
@@ -323,3 +335,58 @@ def test_ma_layout_generates_the_same_tokens_as_the_colocated_one():
     for a, b in zip(colocated, ma, strict=True):
         assert np.array_equal(a, b)
     assert len({t.tobytes() for seq in colocated for t in seq[1:]}) > 1  # tokens do vary
+
+
+def test_stop_reaches_kernels_waiting_for_a_drain_or_noticing_a_batch(xds_backend):
+    """No kernel starts work after STOPPED: not the A2E kernel waiting for the previous
+    domain's batches to drain, nor one that got a batch at the stopping instant."""
+
+    async def waiting_for_the_drain():
+        pool = _pool()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run)
+            batches = [pool.submit(0, 3, 0, 16), pool.submit(0, 3, 1, 16), pool.submit(1, 3, 0, 16)]
+            await sleep_ns(110_000)  # domain 1's turn waits for domain 0's E2A
+            stopped_at = now_ns()
+            pool.stop()
+        return pool, batches, stopped_at
+
+    async def same_instant():
+        pool = _pool()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run)
+            await sleep_ns(5_000)
+            batch = pool.submit(0, 3, 0, 16)
+            stopped_at = now_ns()
+            pool.stop()
+        return pool, [batch], stopped_at
+
+    for main in (waiting_for_the_drain, same_instant):
+        pool, batches, stopped_at = run(main, backend=xds_backend, event_log=False)
+        assert all(s.start_ns < stopped_at for s in pool.spans), main.__name__
+        assert all(b.done.is_set() for b in batches) and pool._in_flight == 0
+        assert batches[-1].dropped
+
+
+def test_an_instance_serves_once_and_its_curve_covers_small_batches(small_curve):
+    assert small_curve.points[0].tokens_per_die == 1  # the fixed costs, measured
+    assert small_curve.a2e_ns(1) == small_curve.points[0].a2e_ns > 10_000
+
+    async def main():
+        inst = MADecodeInstance(SMALL, small_curve)
+        await inst.serve(max_iterations=1)
+        await inst.serve(max_iterations=1)
+
+    with pytest.raises(ProtocolError, match="served its workload"):
+        run(main, seed=0, event_log=False)
+
+
+def test_staggered_domains_interleave_and_keep_the_experts_busier(small_curve):
+    """SPEC 10.3: domains interleave, they do not run in lockstep. Staggered starts spread
+    the domains' iterations; started together, the rotation keeps them nearly aligned."""
+    together = msgspec.structs.replace(SMALL, domain_start="together", output_tokens=64)
+    staggered = msgspec.structs.replace(SMALL, output_tokens=64)
+    a = _serve(together, small_curve, max_iterations=6, from_token=8, record=False)[1]
+    b = _serve(staggered, small_curve, max_iterations=6, from_token=8, record=False)[1]
+    assert b.stream_busy["moe"] > a.stream_busy["moe"]
+    assert b.mean_iteration_ns < a.mean_iteration_ns

@@ -221,6 +221,17 @@ class KernelTimes:
     def head_ns(self, tokens: float) -> tuple[int, int]:
         return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
 
+    def expert_ns_of(self, counts: np.ndarray) -> np.ndarray:
+        """``expert_ns(float(t))`` for each integer token count in ``counts`` (a table grown
+        on demand: a layer's 256 experts cost one lookup)."""
+        top = int(counts.max()) if counts.size else 0
+        if top >= len(self._expert_table):
+            size = max(top + 1, 2 * len(self._expert_table))
+            self._expert_table = np.array(
+                [self.expert_ns(float(t)) for t in range(size)], dtype=np.float64
+            )
+        return self._expert_table[counts]
+
     def busiest_expert_ns(
         self, gen: np.random.Generator, tokens_total: float, routed_dies: int, shared_dies: int
     ) -> int:
@@ -233,16 +244,7 @@ class KernelTimes:
             round(tokens_total) * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
         )
         die_of = np.arange(m.routed_experts) * routed_dies // m.routed_experts
-        top = int(routed.max())
-        if top >= len(self._expert_table):
-            self._expert_table = np.array(
-                [
-                    self.expert_ns(float(t))
-                    for t in range(max(top + 1, 2 * len(self._expert_table)))
-                ],
-                dtype=np.float64,
-            )
-        per_expert = self._expert_table[routed]
+        per_expert = self.expert_ns_of(routed)
         die_ns = np.bincount(die_of, weights=per_expert, minlength=routed_dies)
         busiest = float(die_ns.max())
         if shared_dies:

@@ -31,7 +31,9 @@ launch per pass. The last microbatch of the last MoE layer is exposed (P124).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -40,6 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..docfields import document_fields
 from ..errors import ConfigError, ProtocolError
+from ..fabric.xccl.moe import ExpertMap
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
 from .decode_model import KernelTimes
@@ -85,7 +88,8 @@ class StreamStats(msgspec.Struct):
 
 
 class AECurve:
-    """A2E/E2A latency at any token count: linear through the measured points (0 at 0 tokens)."""
+    """A2E/E2A latency at any token count: linear between the measured points, along the last
+    segment beyond them; 0 at 0 tokens (nothing to send)."""
 
     def __init__(self, points: list[AECosts]):
         pts = sorted({p.tokens_per_die: p for p in points}.values(), key=lambda p: p.tokens_per_die)
@@ -113,12 +117,13 @@ class AECurve:
 class MoEPool:
     """The expert dies: three persistent kernels linked by bounded queues (P111).
 
-    Attention domains :meth:`submit` batches; the A2E kernel takes them in the fixed domain
-    rotation, the MoE kernel computes, the E2A kernel returns them and sets each batch's
-    ``done``. :meth:`run` hosts the kernels in one task group: a failure in one cancels its
-    siblings and propagates. :meth:`close` ends the input (the kernels drain, then exit);
-    :meth:`stop` is SYSTEM_STATE = STOPPED: each kernel finishes the batch in flight and exits,
-    idle ones at once, and batches still queued come back ``dropped``.
+    Attention domains :meth:`submit` batches; the A2E kernel gives turns in rotation order to
+    the domains with a batch ready, the MoE kernel computes, the E2A kernel returns them and
+    sets each batch's ``done``. :meth:`run` hosts the kernels in one task group: a failure in
+    one cancels its siblings and propagates. :meth:`close` ends a domain's input (once every
+    domain has closed, the kernels drain, then exit). :meth:`stop` is SYSTEM_STATE = STOPPED:
+    each kernel finishes the batch in flight and exits, idle ones at once, and batches still
+    queued come back ``dropped``.
     """
 
     def __init__(
@@ -142,6 +147,13 @@ class MoEPool:
         self._in_flight = 0
         """Batches whose A2E started and whose E2A has not delivered."""
         self._drained: anyio.Event | None = None
+        self._arrival = anyio.Event()
+        """Set when a domain submits or closes (wakes an idle A2E kernel)."""
+        m = config.spec
+        self._n_shared = config.shared_expert_dies
+        emap = ExpertMap(m.routed_experts + self._n_shared, config.expert_dies)
+        self._die_of = np.array([emap.slots_rank[reps[0]] for reps in emap.replicas])
+        """Expert die of each logical expert (routed, then shared instances): A2E's map."""
         self._waiting: dict[str, anyio.CancelScope] = {}
         """Kernels blocked on a queue (cancelled by :meth:`stop`)."""
         self.started_ns = 0
@@ -155,11 +167,13 @@ class MoEPool:
             raise ProtocolError(f"MoE pool is {self.state}: domain {domain} cannot submit")
         batch = MoEBatch(domain, layer, microbatch, tokens_per_die, anyio.Event())
         self._inbox_send[domain].send_nowait(batch)
+        self._arrival.set()
         return batch
 
     def close(self, domain: int) -> None:
         """Domain ``domain`` sends no more batches (the rotation skips it from now on)."""
         self._inbox_send[domain].close()
+        self._arrival.set()
 
     def stop(self) -> None:
         """SYSTEM_STATE = STOPPED (see the class docstring)."""
@@ -191,63 +205,96 @@ class MoEPool:
             self.stopped_ns = now_ns()
 
     async def _a2e_kernel(self) -> None:
+        """Turns: the next domain in rotation order with a batch ready (P111's
+        HAS_READY_DOMAIN) sends its microbatches of one layer, in order."""
         cfg = self.config
         send = self._to_moe[0]
         open_domains = list(range(cfg.domains))
-        d = 0
+        last = cfg.domains - 1
         async with send:
-            while open_domains and self.state == "running":
+            while (turn := await self._next_turn(open_domains, last)) is not None:
+                d, batch = turn
+                last = d
                 for mb in range(cfg.microbatches):
-                    batch = await self._take("a2e", self._inbox_recv[d])
-                    if batch is None:  # the domain closed (or the pool stopped)
-                        open_domains.remove(d)
-                        break
+                    if mb:
+                        batch = await self._take("a2e", self._inbox_recv[d])
+                        if batch is None:  # stopped, or the domain closed
+                            break
                     if mb == 0 and cfg.domain_turns == "exclusive":
                         await self._wait_drained()  # the previous domain's E2A has delivered
+                    if self.state != "running":
+                        self._drop(batch)
+                        return
                     self._in_flight += 1
                     batch.started = True
                     await self._work("a2e", self.curve.a2e_ns(batch.tokens_per_die), batch)
                     if not await self._forward("a2e", send, batch):
                         return
-                if open_domains:
-                    later = [x for x in open_domains if x > d]
-                    d = later[0] if later else open_domains[0]
 
     async def _moe_kernel(self) -> None:
         cfg = self.config
-        routed = cfg.expert_dies - cfg.shared_expert_dies
         send, recv = self._to_e2a[0], self._to_moe[1]
         async with send:
-            while self.state == "running":
-                batch = await self._take("moe", recv)
-                if batch is None:
-                    return
+            while (batch := await self._take("moe", recv)) is not None:
                 tokens = batch.tokens_per_die * cfg.attention_dies_per_domain
-                cost = (
-                    self.times.busiest_expert_ns(self.gen, tokens, routed, cfg.shared_expert_dies)
-                    if tokens
-                    else 0
-                )
-                await self._work("moe", cost, batch)
+                await self._work("moe", self._expert_ns(tokens), batch)
                 if not await self._forward("moe", send, batch):
                     return
 
     async def _e2a_kernel(self) -> None:
         recv = self._to_e2a[1]
-        while self.state == "running":
-            batch = await self._take("e2a", recv)
-            if batch is None:
-                return
+        while (batch := await self._take("e2a", recv)) is not None:
             await self._work("e2a", self.curve.e2a_ns(batch.tokens_per_die), batch)
             emit("ma", "e2a", domain=batch.domain, layer=batch.layer, microbatch=batch.microbatch)
             self._delivered(batch)
 
+    def _expert_ns(self, tokens_total: int) -> int:
+        """MoE compute of one batch: the busiest expert die, the batch's routed copies drawn
+        over the routed experts (multinomial, uniform gating), each token also visiting one
+        shared-expert instance; experts sit where the A2E/E2A expert map puts them."""
+        if not tokens_total:
+            return 0
+        m = self.config.spec
+        routed = self.gen.multinomial(
+            tokens_total * m.top_k, np.full(m.routed_experts, 1.0 / m.routed_experts)
+        )
+        per_expert = self.times.expert_ns_of(routed)
+        if self._n_shared:
+            shared = self.times.expert_ns(tokens_total / self._n_shared)
+            per_expert = np.concatenate([per_expert, np.full(self._n_shared, float(shared))])
+        die_ns = np.bincount(self._die_of, weights=per_expert, minlength=self.config.expert_dies)
+        return round(float(die_ns.max()))
+
     # -- helpers ----------------------------------------------------------------------------
+    async def _next_turn(self, open_domains: list[int], last: int) -> tuple[int, MoEBatch] | None:
+        """The first batch of the next turn: from the first domain after ``last`` in rotation
+        order that has one ready, waiting (and noticing at the next poll) if none has; None
+        once every domain has closed or the pool stopped."""
+        n = self.config.domains
+        while self.state == "running":
+            for d in sorted(open_domains, key=lambda x: (x - last - 1) % n):
+                try:
+                    batch = self._inbox_recv[d].receive_nowait()
+                except anyio.WouldBlock:
+                    continue
+                except anyio.EndOfStream:
+                    open_domains.remove(d)
+                    continue
+                return d, batch
+            if not open_domains:
+                return None
+            self._arrival = anyio.Event()
+            if not await self._wait("a2e", self._arrival.wait):
+                return None
+            await self._poll_tick()
+        return None
+
     async def _take(
         self, kernel: str, recv: MemoryObjectReceiveStream[MoEBatch]
     ) -> MoEBatch | None:
         """The next batch, or None once the queue ended or the pool stopped. A kernel that had
-        to wait notices the batch at its next poll."""
+        to wait notices the batch at its next poll (a batch it holds when the pool stops there
+        is dropped)."""
         if self.state != "running":
             return None
         try:
@@ -256,34 +303,46 @@ class MoEPool:
             pass
         except anyio.EndOfStream:
             return None
+        got: list[MoEBatch] = []
+
+        async def receive() -> None:
+            got.append(await recv.receive())
+
+        try:
+            if not await self._wait(kernel, receive):
+                return None
+        except anyio.EndOfStream:
+            return None
+        await self._poll_tick()
+        if self.state != "running":
+            self._drop(got[0])
+            return None
+        return got[0]
+
+    async def _wait(self, kernel: str, fn: Callable[[], Awaitable[object]]) -> bool:
+        """Await ``fn()`` as a wait :meth:`stop` can interrupt; False if it did."""
         with anyio.CancelScope() as scope:
             self._waiting[kernel] = scope
             try:
-                batch = await recv.receive()
-            except anyio.EndOfStream:
-                return None
+                await fn()
             finally:
                 del self._waiting[kernel]
-        if scope.cancelled_caught:
-            return None
+        return not scope.cancelled_caught
+
+    async def _poll_tick(self) -> None:
         poll = self.config.poll_ns
         if poll:
             await sleep_until_ns(-(-now_ns() // poll) * poll)
-        return batch
 
     async def _forward(
         self, kernel: str, send: MemoryObjectSendStream[MoEBatch], batch: MoEBatch
     ) -> bool:
         """Pass ``batch`` downstream (waiting while the bounded queue is full); False if the
         pool stopped meanwhile (the batch is dropped)."""
-        if self.state == "running":
-            with anyio.CancelScope() as scope:
-                self._waiting[kernel] = scope
-                try:
-                    await send.send(batch)
-                    return True
-                finally:
-                    del self._waiting[kernel]
+        if self.state == "running" and await self._wait(
+            kernel, functools.partial(send.send, batch)
+        ):
+            return True
         self._drop(batch)
         return False
 
@@ -299,9 +358,9 @@ class MoEPool:
             )
 
     async def _wait_drained(self) -> None:
-        while self._in_flight:
+        while self._in_flight and self.state == "running":
             self._drained = anyio.Event()
-            await self._drained.wait()
+            await self._wait("a2e", self._drained.wait)
 
     def _delivered(self, batch: MoEBatch) -> None:
         batch.done.set()
@@ -327,8 +386,9 @@ class DomainRun(msgspec.Struct):
 
 
 class MADecodeResult(msgspec.Struct):
-    """What a MoE-attention disaggregated decode run did. Means and rates skip each domain's
-    first ``warmup`` iterations (:meth:`MADecodeInstance.serve`)."""
+    """What a MoE-attention disaggregated decode run did. Iteration times, tokens per step,
+    rates and the stage and MTP-pass means skip each domain's first ``warmup`` iterations
+    (:meth:`MADecodeInstance.serve`); the busy shares and the MoE mean cover the whole run."""
 
     domains: list[DomainRun]
     warmup: int
@@ -359,19 +419,19 @@ class MADecodeResult(msgspec.Struct):
     def tokens(self) -> int:
         return sum(sum(d.tokens) for d in self.domains)
 
-    def _steady(self, d: DomainRun, values: list) -> list:
+    def _steady(self, values: list) -> list:
         return values[self.warmup :] or values
 
     @property
     def mean_iteration_ns(self) -> float:
         """Per domain: scheduler gap + MTP passes + main pass (SPEC 12.3's 93 ms includes the
         gap)."""
-        its = [t for d in self.domains for t in self._steady(d, d.iteration_ns)]
+        its = [t for d in self.domains for t in self._steady(d.iteration_ns)]
         return float(np.mean(its)) if its else 0.0
 
     @property
     def mean_tokens_per_step(self) -> float:
-        steps = [x for d in self.domains for x in self._steady(d, d.tokens_per_step)]
+        steps = [x for d in self.domains for x in self._steady(d.tokens_per_step)]
         return float(np.mean(steps)) if steps else 0.0
 
     @property
@@ -382,7 +442,7 @@ class MADecodeResult(msgspec.Struct):
     def tokens_per_s(self) -> float:
         """Steady throughput: each domain's tokens over its own iterations' time, summed."""
         return sum(
-            sum(self._steady(d, d.tokens)) / (sum(self._steady(d, d.iteration_ns)) / 1e9)
+            sum(self._steady(d.tokens)) / (sum(self._steady(d.iteration_ns)) / 1e9)
             for d in self.domains
             if sum(d.iteration_ns)
         )
@@ -418,6 +478,9 @@ class MADecodeInstance:
         self._stage: list[int] = []
         self._mtp_pass: list[int] = []
         self._compute_ns = np.zeros(config.domains, dtype=np.int64)
+        self._windows_done = 0
+        """Domains that have recorded their window (see :meth:`serve`)."""
+        self._served = False
 
     async def serve(
         self, *, max_iterations: int | None = None, from_token: int = 0, warmup: int = 1
@@ -436,6 +499,12 @@ class MADecodeInstance:
             raise ConfigError(f"must be >= 0, got {warmup}", field="warmup")
         if max_iterations is not None and max_iterations < 1:
             raise ConfigError(f"must be >= 1, got {max_iterations}", field="max_iterations")
+        if self._served:
+            raise ProtocolError(
+                "this MADecodeInstance has served its workload (its expert dies' kernels have "
+                "exited): make a new instance (pass it the same AECurve to skip re-measuring)"
+            )
+        self._served = True
         start = now_ns()
         runs = [DomainRun() for _ in range(cfg.domains)]
         async with anyio.create_task_group() as tg:
@@ -448,6 +517,7 @@ class MADecodeInstance:
                         runs[d],
                         max_iterations,
                         from_token,
+                        warmup,
                         name=f"attention domain {d}",
                     )
         elapsed = now_ns() - start
@@ -467,7 +537,7 @@ class MADecodeInstance:
         )
 
     async def _domain(
-        self, d: int, run: DomainRun, max_iterations: int | None, from_token: int
+        self, d: int, run: DomainRun, max_iterations: int | None, from_token: int, warmup: int
     ) -> None:
         """Domain ``d``'s decode loop, recorded into ``run``."""
         cfg, m = self.config, self.config.spec
@@ -476,10 +546,16 @@ class MADecodeInstance:
         remaining = np.full(shape, cfg.output_tokens - from_token, dtype=np.int64)
         context = np.full(shape, cfg.input_tokens + from_token, dtype=np.int64)
         gen = rng(f"ma-decode/mtp/{d}")
+        if cfg.domain_start == "staggered" and d:
+            await sleep_ns(d * self._iteration_estimate_ns(remaining > 0, context) // cfg.domains)
         try:
-            while remaining.any() and (
-                max_iterations is None or len(run.iteration_ns) < max_iterations
-            ):
+            # a window (max_iterations) records that many iterations per domain; a domain
+            # that has its window keeps decoding, unrecorded, until every domain has, so the
+            # recorded iterations all see the same contention
+            while remaining.any() and (max_iterations is None or self._windows_done < cfg.domains):
+                n = len(run.iteration_ns)
+                recording = max_iterations is None or n < max_iterations
+                steady = recording and n >= warmup
                 t0 = now_ns()
                 live = remaining > 0
                 mbs = self._microbatches(live, context)
@@ -487,17 +563,43 @@ class MADecodeInstance:
                 for _ in range(k):  # each draft depth is its own pass over the MTP layer
                     t_mtp = now_ns()
                     await self._pass(d, mbs, 1.0, m.layers, dense=0, moe=1, mtp=True)
-                    self._mtp_pass.append(now_ns() - t_mtp)
-                await self._pass(d, mbs, 1.0 + k, 0, dense=m.dense_layers, moe=m.moe_layers)
+                    if steady:
+                        self._mtp_pass.append(now_ns() - t_mtp)
+                await self._pass(
+                    d, mbs, 1.0 + k, 0, dense=m.dense_layers, moe=m.moe_layers, steady=steady
+                )
                 committed = tokens_per_step(cfg.mtp, gen, remaining.size).reshape(shape)
                 committed = np.minimum(committed, remaining) * live
                 remaining -= committed
                 context += committed
-                run.tokens.append(int(committed.sum()))
-                run.tokens_per_step.append(float(committed.sum() / live.sum()))
-                run.iteration_ns.append(now_ns() - t0)
+                if recording:
+                    run.tokens.append(int(committed.sum()))
+                    run.tokens_per_step.append(float(committed.sum() / live.sum()))
+                    run.iteration_ns.append(now_ns() - t0)
+                    if len(run.iteration_ns) == max_iterations:
+                        self._windows_done += 1
         finally:
             self.pool.close(d)  # the rotation skips this domain from now on
+
+    def _iteration_estimate_ns(self, live: np.ndarray, context: np.ndarray) -> int:
+        """A domain's attention-side work in one iteration from this state: scheduler gap,
+        launches, every layer's stage per microbatch, MTP projection, LM head and sampling
+        (no waiting on the expert dies)."""
+        cfg, m, times = self.config, self.config.spec, self.times
+        k = cfg.mtp.k
+        mbs = self._microbatches(live, context)
+        total = sum(seqs for seqs, _ in mbs)
+        t = cfg.scheduler_gap_ns + (k + 1) * cfg.efficiency.graph_launch_ns
+        for tps, layers, dense in ((1.0, range(m.layers, m.layers + 1), 0),) * k + (
+            (1.0 + k, range(m.layers), m.dense_layers),
+        ):
+            for i, layer in enumerate(layers):
+                for seqs, ctx in mbs:
+                    attn, other, gate = times.attention_part(seqs, tps, ctx, layer)
+                    dense_mlp = times.dense_mlp_ns(float(round(seqs * tps)))
+                    t += attn + other + (dense_mlp if i < dense else gate)
+            t += sum(times.head_ns(total * tps))
+        return t + k * times.cost.mtp_projection(float(total)).time_ns
 
     def _microbatches(self, live: np.ndarray, context: np.ndarray) -> list[tuple[int, int]]:
         """(sequences, mean context) of each microbatch of the domain's slowest die: the one
@@ -521,57 +623,64 @@ class MADecodeInstance:
         dense: int,
         moe: int,
         mtp: bool = False,
+        steady: bool = False,
     ) -> None:
         cfg = self.config
         times = self.times
         await sleep_ns(cfg.efficiency.graph_launch_ns)
-        pending: list[MoEBatch | None] = [None] * len(mbs)
+        total = sum(seqs for seqs, _ in mbs)
         compute = 0
+        if mtp and total:  # the MTP layer's input projection, once for the whole batch
+            proj = times.cost.mtp_projection(float(total)).time_ns
+            compute += proj
+            await sleep_ns(proj)
+        pending: list[MoEBatch | None] = [None] * len(mbs)
         for i in range(dense + moe):
             layer = first_layer + i
             for mb, (seqs, ctx) in enumerate(mbs):
                 batch = pending[mb]
                 if batch is not None:
-                    await batch.done.wait()
-                    if batch.dropped:
-                        raise ProtocolError(
-                            f"domain {d}: layer {batch.layer} microbatch {mb} was dropped: "
-                            "the MoE pool stopped"
-                        )
+                    await self._returned(d, batch)
                 attn, other, gate = times.attention_part(seqs, tokens_per_seq, ctx, layer)
-                stage = attn + other + gate
                 tokens = round(seqs * tokens_per_seq)
-                if i < dense:
-                    stage += times.dense_mlp_ns(float(tokens))
-                elif not mtp and seqs:
-                    self._stage.append(stage)
-                if mtp and i == 0 and seqs:
-                    stage += times.cost.mtp_projection(float(seqs)).time_ns
+                if i < dense:  # a dense layer: its MLP here, no gating
+                    stage = attn + other + times.dense_mlp_ns(float(tokens))
+                else:
+                    stage = attn + other + gate
+                    if steady and seqs:
+                        self._stage.append(stage)
                 compute += stage
                 start = now_ns()
                 await sleep_ns(stage)
                 if self.pool.spans is not None:
                     self.pool.spans.append(Span("attention", d, layer, mb, start, now_ns()))
                 pending[mb] = self.pool.submit(d, layer, mb, tokens) if i >= dense else None
-        for mb, batch in enumerate(pending):
+        for batch in pending:
             if batch is not None:
-                await batch.done.wait()
-                if batch.dropped:
-                    raise ProtocolError(f"domain {d}: microbatch {mb} was dropped")
-        head = 0
-        for seqs, _ in mbs:
-            h, s = times.head_ns(seqs * tokens_per_seq)
-            head += h + s
-        compute += head
-        await sleep_ns(head)
+                await self._returned(d, batch)
+        if total:  # LM head and sampling, once for the whole batch (one graph)
+            head, samp = times.head_ns(total * tokens_per_seq)
+            compute += head + samp
+            await sleep_ns(head + samp)
         self._compute_ns[d] += compute
+
+    @staticmethod
+    async def _returned(d: int, batch: MoEBatch) -> None:
+        """Wait for ``batch``'s E2A; a batch the stopped pool dropped is an error here."""
+        await batch.done.wait()
+        if batch.dropped:
+            raise ProtocolError(
+                f"domain {d}: layer {batch.layer} microbatch {batch.microbatch} was dropped: "
+                "the MoE pool stopped"
+            )
 
 
 def ae_curve(config: MADecodeConfig, *, seed: int = 0) -> AECurve:
     """A2E/E2A measured at the token counts of a full microbatch in the main pass and in an
-    MTP pass (the run's steady state)."""
+    MTP pass (the run's steady state), and at 1 token per die (the fixed costs, for the
+    small batches at the end of a run)."""
     first = config.microbatch_seqs[0]
-    counts = sorted({first * (1 + config.mtp.k), first})
+    counts = sorted({1, first * (1 + config.mtp.k), first})
     return AECurve([measure_ae(config, n, seed=seed) for n in counts])
 
 
