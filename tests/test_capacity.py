@@ -103,7 +103,7 @@ def test_the_steps_land_on_the_bounds_and_no_rate_is_replayed_twice(monkeypatch)
         prefill_busy: list
 
     def fake_replay(workload, cfg, *, seed, grid, **policies):
-        tpot = 10 if asked[-1] <= 2.9 else 50
+        tpot = 10 if float(workload.source) <= 2.9 else 50
         return Result(
             [
                 RequestRecord(
@@ -121,18 +121,21 @@ def test_the_steps_land_on_the_bounds_and_no_rate_is_replayed_twice(monkeypatch)
 
     def stub(x):
         asked.append(x)
-        return Workload(tuple(Request(i, i * MS, 100, 11) for i in range(4)))
+        return Workload(tuple(Request(i, i * MS, 100, 11) for i in range(4)), str(x))
 
     monkeypatch.setattr(capacity, "replay", fake_replay)
     res = search_capacity(stub, SMALL, start=1.0, max_scale=3.0, bisections=80)
     assert res.found is not None and not res.capped
     assert res.found.scale == pytest.approx(2.9) and res.found.scale <= 2.9
-    assert asked[:3] == [1.0, 2.0, 3.0]  # the last doubling lands on the cap (3, not 4)
-    assert len(asked) == len(set(asked)) == len(res.points) < 83  # resolution stops it
+    # first the floor's workload (to check its arrivals stay within reach), then the search;
+    # the last doubling lands on the cap (3, not 4)
+    assert asked[:4] == [1 / 256, 1.0, 2.0, 3.0]
+    assert len(asked) - 1 == len(set(asked)) - 1 == len(res.points) < 83  # resolution stops it
     assert res.binding == "mean TPOT 50.00 ms > 35 ms"
     asked.clear()
     down = search_capacity(stub, SMALL, start=100.0, min_scale=2.5, bisections=0)
-    assert asked == [100.0, 50.0, 25.0, 12.5, 6.25, 3.125, 2.5]  # lands on the floor
+    # lands on the floor, whose workload (built first) is not built again
+    assert asked == [2.5, 100.0, 50.0, 25.0, 12.5, 6.25, 3.125]
     assert down.found is not None and down.found.scale == 2.5
 
 
@@ -271,3 +274,19 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     assert main([*argv, "--max-scale", "4"]) == 2  # below --start
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("xds: error:") for line in err)
+
+
+def test_the_search_floor_keeps_a_long_trace_within_a_replays_reach():
+    """Halving the rate of a long trace stretches it; the search stops where its arrivals
+    would pass 24 days instead of failing there."""
+    import msgspec
+
+    from xds.serve.replay import MAX_ARRIVAL_NS, PDConfig
+    from xds.trace.workload import fixed
+
+    base = fixed(256, 4, 4, rate_per_s=1 / 86_400)  # 3 days of arrivals at x = 1
+    cfg = msgspec.structs.replace(PDConfig(), sla=SLA(ttft_ms=0.001, tpot_ms=0.001))
+    res = search_capacity(base.scaled, cfg, bisections=0, min_scale=1 / 16)
+    assert res.found is None
+    lowest = min(p.scale for p in res.points)
+    assert lowest > 1 / 16 and base.scaled(lowest).duration_ns <= MAX_ARRIVAL_NS

@@ -127,6 +127,15 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     )
     assert main(["--import", "missing.py", "version"]) == 2
     assert "no such file" in capsys.readouterr().err
+    # a file named like a standard module never replaces it, and the current directory
+    # leaves the import path again
+    import random
+    import sys
+
+    (tmp_path / "random.py").write_text("LOADED = True\n")
+    assert main(["--import", "random.py", "version"]) == 0
+    assert sys.modules["random"] is random and sys.modules["_xds_import_random"].LOADED
+    assert str(tmp_path) not in sys.path
 
 
 def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):

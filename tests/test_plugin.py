@@ -275,9 +275,19 @@ class TestMerge:
     async def test_merge(self):
         assert xds.current_runtime().seed == 3
         assert xds.current_runtime().time_limit_ns == 10**9
+
+@pytest.mark.xds(seed=1, livelock_limit=500)
+class TestBase:
+    pass
+
+@pytest.mark.xds(seed=2)
+class TestChild(TestBase):
+    async def test_subclass_wins(self):
+        assert xds.current_runtime().seed == 2
+        assert xds.current_runtime().livelock_limit == 500
 """,
     )
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
 
 
 def test_bad_marker_values_are_one_line_setup_errors(pytester):

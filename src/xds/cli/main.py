@@ -64,34 +64,54 @@ def app(imports: tuple[str, ...]) -> None:
 
 
 def _import_plugin(name: str) -> None:
-    """Import ``name`` (a module importable from the current directory, or a .py file)."""
+    """Import ``name``: a module importable from the current directory, or a .py file (loaded
+    under a private module name, so it never replaces a module of the same name). The current
+    directory is on the import path only during the import."""
     import importlib
     import importlib.util
     import traceback
     from pathlib import Path
 
+    added = None
+    module_name = name
     try:
         if name.endswith(".py"):
             path = Path(name)
             if not path.is_file():
                 raise click.UsageError(f"--import {name}: no such file")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module_name = f"_xds_import_{path.stem}"
+            spec = importlib.util.spec_from_file_location(module_name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
-            sys.modules[path.stem] = module
+            sys.modules[module_name] = module
             spec.loader.exec_module(module)
         else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
+            cwd = str(Path.cwd())
+            if cwd not in sys.path and "" not in sys.path:
+                sys.path.append(cwd)
+                added = cwd
             importlib.import_module(name)
     except click.UsageError:
         raise
     except Exception as exc:  # the user's module failed: say where, in one line
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        raise click.UsageError(
-            f"--import {name}: {type(exc).__name__}: {exc} ({Path(frame.filename).name}, line "
-            f"{frame.lineno})"
-        ) from None
+        sys.modules.pop(module_name, None)
+        if isinstance(exc, SyntaxError):
+            raise click.UsageError(
+                f"--import {name}: SyntaxError: {exc.msg} ({Path(exc.filename or name).name}, "
+                f"line {exc.lineno})"
+            ) from None
+        elif isinstance(exc, ModuleNotFoundError) and exc.name == name.split(".")[0]:
+            raise click.UsageError(
+                f"--import {name}: no module named {exc.name!r} here (a module in the current "
+                "directory, an installed one, or a path to a .py file)"
+            ) from None
+        else:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{Path(frame.filename).name}, line {frame.lineno}"
+        raise click.UsageError(f"--import {name}: {type(exc).__name__}: {exc} ({where})") from None
+    finally:
+        if added is not None:
+            sys.path.remove(added)
 
 
 @app.command()

@@ -75,8 +75,13 @@ class Runtime:
                 f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}{why}",
                 field="backend",
             )
-        if not isinstance(livelock_limit, int) or livelock_limit < 1:
+        if (
+            isinstance(livelock_limit, bool)
+            or not isinstance(livelock_limit, numbers.Integral)
+            or livelock_limit < 1
+        ):
             raise ConfigError("livelock_limit must be a positive integer", field="livelock_limit")
+        livelock_limit = int(livelock_limit)
         _check_count(time_limit_ns, "time_limit_ns", "integer number of nanoseconds")
         _check_count(
             schedule_seed,

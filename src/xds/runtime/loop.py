@@ -197,7 +197,7 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         if self._on_time_limit is None:
             from xds.errors import ModelTimeLimit
 
-            raise ModelTimeLimit(self._now_ns, self.time_limit_ns or 0, [])
+            raise ModelTimeLimit(self._now_ns, effective_limit_ns(self.time_limit_ns), [])
         self._on_time_limit()
 
     def _report_livelock(self) -> None:

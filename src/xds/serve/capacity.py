@@ -45,7 +45,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .prefill import PrefillPlacement, least_work
-from .replay import PDConfig, replay
+from .replay import MAX_ARRIVAL_NS, PDConfig, replay
 from .routing import DecodeRouting, lowest_kv
 from .speculative import Speculator
 
@@ -249,13 +249,20 @@ def search_capacity(
     cap = 256 * start if max_scale is None else max_scale
     floor = start / 256 if min_scale is None else min_scale
     _check(start, cap, floor, bisections, criterion, goodput_target)
+    built: dict[float, Workload] = {}  # the floor's workload, built to check its reach
+
+    def workload_of(x: float) -> Workload:
+        w = built.pop(x, None)
+        return workload_at(x) if w is None else w
+
+    floor = _horizon_floor(workload_at, start, floor, built)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"jobs must be a positive integer, got {jobs!r}", field="jobs")
     grid = comm_grid(cfg.decode, seed=seed)
     seen: dict[float, CapacityPoint] = {}
 
     def measure(x: float) -> CapacityPoint:
-        workload = workload_at(x)
+        workload = workload_of(x)
         if not isinstance(workload, Workload) or len(workload) < 2 or not workload.duration_ns:
             raise ConfigError(
                 f"workload_at({x:g}) must return a Workload of at least two requests whose "
@@ -286,6 +293,36 @@ def search_capacity(
         return _search(
             points, seen, on_point, start, cap, floor, bisections, criterion, goodput_target, cfg
         )
+
+
+def _horizon_floor(
+    workload_at: Callable[[float], Workload],
+    start: float,
+    floor: float,
+    built: dict[float, Workload],
+) -> float:
+    """``floor``, raised if need be so that the slowest workload the search may replay still
+    arrives within a replay's reach (:data:`~xds.serve.replay.MAX_ARRIVAL_NS`): a long trace
+    scaled down far enough would otherwise stop the search with an error. The workload built
+    for the floor it returns is left in ``built`` (the search reuses it)."""
+
+    def last(x: float) -> int:
+        w = built[x] = workload_at(x)
+        return max((r.arrival_ns for r in w.requests), default=0) if isinstance(w, Workload) else 0
+
+    span = last(floor)
+    if span <= MAX_ARRIVAL_NS:
+        return floor
+    built.clear()
+    x = floor * span / MAX_ARRIVAL_NS  # a scaled trace's arrivals stretch like 1 / x
+    for _ in range(64):
+        if x >= start:
+            return start
+        if last(x) <= MAX_ARRIVAL_NS:
+            return x
+        built.clear()
+        x *= 1.25
+    return start
 
 
 def _search(

@@ -237,7 +237,7 @@ def measure_ae(
             ),
             tier=tier,
         )
-        pick = rng("ma-decode/a2e-routing")
+        pick = rng("reproduce/a2e-e2a/routing")  # the historical name: same draws as before
         routes = [
             np.stack(
                 [

@@ -108,9 +108,13 @@ def _options(item: pytest.Item) -> dict[str, Any]:
     """The marker keywords in force on ``item``: a test's own marker, then its class's, then
     its module's, each key taken from the closest marker that sets it."""
     options: dict[str, Any] = {}
-    for marker in item.iter_markers(MARKER):  # closest first
-        for key, value in marker.kwargs.items():
-            options.setdefault(key, value)
+    for node in reversed(item.listchain()):  # the test, then its class, module, ...
+        marks = [m for m in node.own_markers if m.name == MARKER]
+        if isinstance(node, pytest.Class):
+            marks.reverse()  # pytest lists a class's inherited marks first: its own are closer
+        for marker in marks:
+            for key, value in marker.kwargs.items():
+                options.setdefault(key, value)
     return options
 
 

@@ -249,8 +249,7 @@ class XCCL:
                 try:
                     if before is not None and not before.done:
                         await before._done.wait()  # posting order on the pair
-                        start = now_ns()
-                    await fn(die, peer, buf, event_id, hold_aivs=False, **kwargs)
+                    await fn(die, peer, buf, event_id, hold_aivs=False, posted_ns=start, **kwargs)
                 except XdsError as exc:  # a protocol failure: reported, the run goes on
                     ok, error = False, str(exc)
                     handle.error = exc
