@@ -372,6 +372,11 @@ def ma_decode(
     if full and from_token is not None:
         raise click.UsageError("--from-token sets a window; --full runs the whole decode")
     start = 0 if full else cfg.output_tokens // 2 if from_token is None else from_token
+    if start >= cfg.output_tokens:
+        raise ConfigError(
+            f"must be below the deployment's output_tokens ({cfg.output_tokens}), got {start}",
+            field="from_token",
+        )
     curve = ae_curve(cfg, seed=seed)
 
     async def main():
@@ -1008,6 +1013,7 @@ _FLAG_OF_FIELD = {
     "deployment": "--deployment",
     "limit": "--limit",
     "cv": "--cv",
+    "from_token": "--from-token",
 }
 """Library fields that a command-line flag sets: errors about them name the flag."""
 
