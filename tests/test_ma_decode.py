@@ -390,3 +390,29 @@ def test_staggered_domains_interleave_and_keep_the_experts_busier(small_curve):
     b = _serve(staggered, small_curve, max_iterations=6, from_token=8, record=False)[1]
     assert b.stream_busy["moe"] > a.stream_busy["moe"]
     assert b.mean_iteration_ns < a.mean_iteration_ns
+
+
+def test_asyncio_and_trio_give_the_same_run(small_curve):
+    """Whether a kernel pays a poll delay is decided by when the batch was queued and when the
+    kernel became free, not by which same-instant event the backend runs first."""
+    uneven = MADecodeConfig(  # one sequence per microbatch: zero-cost batches at the end
+        domains=3,
+        attention_dies_per_domain=4,
+        expert_dies=16,
+        shared_expert_dies=0,
+        batch_per_die=5,
+        input_tokens=256,
+        output_tokens=5,
+        microbatches=5,
+    )
+    curve = ae_curve(uneven)
+
+    def go(backend):
+        async def main():
+            return await MADecodeInstance(uneven, curve).serve()
+
+        return run(main, seed=0, backend=backend, event_log=False)
+
+    a, t = go("asyncio"), go("trio")
+    assert [d.iteration_ns for d in a.domains] == [d.iteration_ns for d in t.domains]
+    assert a.stream_busy == t.stream_busy

@@ -62,6 +62,8 @@ class MoEBatch(msgspec.Struct):
     tokens_per_die: int
     """Tokens per attention die of the domain in this microbatch."""
     done: anyio.Event
+    queued_ns: int = 0
+    """When it last entered a queue (the kernel taking it notices it from then)."""
     started: bool = False
     """Its A2E has begun (it counts as in flight until delivered or dropped)."""
     dropped: bool = False
@@ -165,7 +167,7 @@ class MoEPool:
         turn); await ``batch.done`` for its E2A."""
         if self.state != "running":
             raise ProtocolError(f"MoE pool is {self.state}: domain {domain} cannot submit")
-        batch = MoEBatch(domain, layer, microbatch, tokens_per_die, anyio.Event())
+        batch = MoEBatch(domain, layer, microbatch, tokens_per_die, anyio.Event(), now_ns())
         self._inbox_send[domain].send_nowait(batch)
         self._arrival.set()
         return batch
@@ -271,6 +273,7 @@ class MoEPool:
         order that has one ready, waiting (and noticing at the next poll) if none has; None
         once every domain has closed or the pool stopped."""
         n = self.config.domains
+        free = now_ns()
         while self.state == "running":
             for d in sorted(open_domains, key=lambda x: (x - last - 1) % n):
                 try:
@@ -280,13 +283,14 @@ class MoEPool:
                 except anyio.EndOfStream:
                     open_domains.remove(d)
                     continue
-                return d, batch
+                if await self._notice(batch, free):
+                    return d, batch
+                return None
             if not open_domains:
                 return None
             self._arrival = anyio.Event()
             if not await self._wait("a2e", self._arrival.wait):
                 return None
-            await self._poll_tick()
         return None
 
     async def _take(
@@ -297,27 +301,38 @@ class MoEPool:
         is dropped)."""
         if self.state != "running":
             return None
-        try:
-            return recv.receive_nowait()
-        except anyio.WouldBlock:
-            pass
-        except anyio.EndOfStream:
-            return None
+        free = now_ns()
         got: list[MoEBatch] = []
-
-        async def receive() -> None:
-            got.append(await recv.receive())
-
         try:
-            if not await self._wait(kernel, receive):
+            got.append(recv.receive_nowait())
+        except anyio.WouldBlock:
+
+            async def receive() -> None:
+                got.append(await recv.receive())
+
+            try:
+                if not await self._wait(kernel, receive):
+                    return None
+            except anyio.EndOfStream:
                 return None
         except anyio.EndOfStream:
             return None
-        await self._poll_tick()
+        return got[0] if await self._notice(got[0], free) else None
+
+    async def _notice(self, batch: MoEBatch, free_ns: int) -> bool:
+        """A kernel free since ``free_ns`` takes ``batch``: queued by then, it sees it at once;
+        queued later, at its first poll from then (the same on every backend, whatever order
+        same-instant events run in). False, the batch dropped, if the pool stopped meanwhile."""
+        poll = self.config.poll_ns
+        q = batch.queued_ns
+        if q > free_ns:
+            seen = -(-q // poll) * poll if poll else q
+            if seen > now_ns():
+                await sleep_until_ns(seen)
         if self.state != "running":
-            self._drop(got[0])
-            return None
-        return got[0]
+            self._drop(batch)
+            return False
+        return True
 
     async def _wait(self, kernel: str, fn: Callable[[], Awaitable[object]]) -> bool:
         """Await ``fn()`` as a wait :meth:`stop` can interrupt; False if it did."""
@@ -329,16 +344,12 @@ class MoEPool:
                 del self._waiting[kernel]
         return not scope.cancelled_caught
 
-    async def _poll_tick(self) -> None:
-        poll = self.config.poll_ns
-        if poll:
-            await sleep_until_ns(-(-now_ns() // poll) * poll)
-
     async def _forward(
         self, kernel: str, send: MemoryObjectSendStream[MoEBatch], batch: MoEBatch
     ) -> bool:
         """Pass ``batch`` downstream (waiting while the bounded queue is full); False if the
         pool stopped meanwhile (the batch is dropped)."""
+        batch.queued_ns = now_ns()
         if self.state == "running" and await self._wait(
             kernel, functools.partial(send.send, batch)
         ):
