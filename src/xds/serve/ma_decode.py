@@ -4,9 +4,11 @@ Attention dies hold the KV cache and run MLA; expert dies run the MoE layers; th
 through A2E/E2A (:mod:`xds.fabric.xccl.a2e`). Three mechanisms keep both pools busy:
 
 * **DP domains.** The attention dies form ``domains`` groups. Only one domain talks to the expert
-  dies at a time, in a fixed rotation d0 -> d1 -> d2 -> d0, its microbatches in order within its
-  turn (A27); while one domain communicates, the others compute MLA. ``domain_turns="relaxed"``
-  lets the next domain's A2E start while the previous domain's E2A is still in flight.
+  dies at a time: turns go in rotation order d0 -> d1 -> d2 -> d0 to the domains with a batch
+  ready (P111's HAS_READY_DOMAIN), one layer's microbatches in order per turn (A27); while one
+  domain communicates, the others compute MLA. ``domain_turns="relaxed"`` lets the next
+  domain's A2E start while the previous domain's E2A is still in flight. Domains start a
+  fraction of an iteration apart (``domain_start``), so they interleave.
 * **Microbatches.** Each attention die splits its batch in ``microbatches``; while one
   microbatch's tokens are at the experts, the die computes the other's attention (ping-pong).
 * **Persistent kernels.** The expert dies run three long-lived streams, A2E receive -> MoE
@@ -18,15 +20,17 @@ collective tier: one task per DP domain stands for its attention dies (priced at
 die: most live sequences, then longest context), and one task per stream stands for that
 stream on every expert die (a collective finishes when its slowest die does; MoE compute is the
 busiest expert die of a multinomial routing draw). A2E/E2A costs are measured once on the full
-768-die pod at the two token counts the run uses (:func:`~xds.serve.ma_config.measure_ae`) and
-interpolated linearly in between for the shrinking batches at the end of a run.
+768-die pod at the run's two microbatch sizes and at 1 token per die
+(:func:`~xds.serve.ma_config.measure_ae`) and interpolated linearly in between for the
+shrinking batches at the end of a run.
 
 Timing of one iteration on a domain: the scheduler gap, then per MTP draft a pass over the MTP
 layer, then the main pass over every decoder layer verifying ``1 + k`` tokens per sequence.
 Within a pass, per layer and microbatch: wait for that microbatch's previous E2A, run the
 attention-side stage (MLA prolog, attention, output, gating; the dense MLP on dense layers),
-hand the microbatch to the expert dies; the pass ends with the LM head and sampling. One graph
-launch per pass. The last microbatch of the last MoE layer is exposed (P124).
+hand the microbatch to the expert dies; the pass ends with the LM head and sampling, once for
+the whole batch. One graph launch per pass. The last microbatch of the last MoE layer is exposed
+(P124).
 """
 
 from __future__ import annotations
