@@ -987,9 +987,11 @@ def test_the_job_executor_stops_choosing_a_failed_pair():
     from xds.serve.replay import DistFlowFault
 
     wl = _workload(*[(i * 100_000_000, 1500, 20) for i in range(24)])
-    res = replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=0)])
+    res = replay(wl, SMALL, faults=[DistFlowFault(at_ns=0, prefill_te=0)], event_log=True)
     failed = [x for x in res.records if x.outcome == "failed"]
     learned = min(x.finish_ns for x in failed)
+    avoided = res.events.select("job-executor", "pair-avoided")
+    assert [(e.t_ns, e.fields) for e in avoided] == [(learned, {"prefill_te": 0, "decode_te": 0})]
     assert failed and len(failed) < 6
     later = [x for x in res.records if x.arrival_ns > learned]
     assert later and all(

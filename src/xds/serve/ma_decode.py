@@ -162,8 +162,8 @@ class MoEPool:
         """Expert die of each logical expert (routed, then shared instances): A2E's map."""
         self._waiting: dict[str, anyio.CancelScope] = {}
         """Kernels blocked on a queue (cancelled by :meth:`stop`)."""
-        self.started_ns = 0
         self.stopped_ns = 0
+        """When the kernels exited (:meth:`run`)."""
 
     # -- the attention side's interface -----------------------------------------------------------
     def submit(self, domain: int, layer: int, microbatch: int, tokens_per_die: int) -> MoEBatch:
@@ -201,7 +201,6 @@ class MoEPool:
 
     # -- the kernels ------------------------------------------------------------------------
     async def run(self) -> None:
-        self.started_ns = now_ns()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._a2e_kernel, name="expert dies: A2E receive kernel")
@@ -610,11 +609,19 @@ class MADecodeInstance:
         ):
             for i, layer in enumerate(layers):
                 for seqs, ctx in mbs:
-                    attn, other, gate = times.attention_part(seqs, tps, ctx, layer)
-                    dense_mlp = times.dense_mlp_ns(float(round(seqs * tps)))
-                    t += attn + other + (dense_mlp if i < dense else gate)
+                    t += self._stage_ns(seqs, tps, ctx, layer, dense_layer=i < dense)
             t += sum(times.head_ns(total * tps))
         return t + k * times.cost.mtp_projection(float(total)).time_ns
+
+    def _stage_ns(
+        self, seqs: int, tokens_per_seq: float, context: int, layer: int, *, dense_layer: bool
+    ) -> int:
+        """The attention-side stage of one layer and microbatch: MLA prolog, attention and
+        output, then gating (MoE layer) or the dense MLP (dense layer)."""
+        attn, other, gate = self.times.attention_part(seqs, tokens_per_seq, context, layer)
+        if dense_layer:
+            return attn + other + self.times.dense_mlp_ns(float(round(seqs * tokens_per_seq)))
+        return attn + other + gate
 
     def _microbatches(self, live: np.ndarray, context: np.ndarray) -> list[tuple[int, int]]:
         """(sequences, mean context) of each microbatch of the domain's slowest die: the one
@@ -656,14 +663,10 @@ class MADecodeInstance:
                 batch = pending[mb]
                 if batch is not None:
                     await self._returned(d, batch)
-                attn, other, gate = times.attention_part(seqs, tokens_per_seq, ctx, layer)
                 tokens = round(seqs * tokens_per_seq)
-                if i < dense:  # a dense layer: its MLP here, no gating
-                    stage = attn + other + times.dense_mlp_ns(float(tokens))
-                else:
-                    stage = attn + other + gate
-                    if steady and seqs:
-                        self._stage.append(stage)
+                stage = self._stage_ns(seqs, tokens_per_seq, ctx, layer, dense_layer=i < dense)
+                if steady and seqs and i >= dense:
+                    self._stage.append(stage)
                 compute += stage
                 start = now_ns()
                 await sleep_ns(stage)

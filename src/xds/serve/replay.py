@@ -350,7 +350,10 @@ class Replay:
                 if done.state is TransferState.COMPLETED:
                     dte.enqueue(dp, rec)
                 else:  # the pair's DistFlow failed: the request fails, its blocks return
-                    self._failed_pairs.setdefault((flow.prefill_te, dte.index), now_ns())
+                    pair = (flow.prefill_te, dte.index)
+                    if pair not in self._failed_pairs:  # the Job Executor learns of it here
+                        self._failed_pairs[pair] = now_ns()
+                        emit("job-executor", "pair-avoided", prefill_te=pair[0], decode_te=pair[1])
                     rec.outcome = "failed"
                     rec.reason = (
                         f"KV transfer {done.state.value} (DistFlow P{flow.prefill_te}-D{dte.index})"
