@@ -23,6 +23,13 @@ Two tiers move the bytes:
 
 Every registered transfer ends in exactly one terminal state (completed, failed or
 cancelled); :meth:`DistFlow.check` verifies it.
+
+Link probing (SPEC 11.1, P116): :meth:`DistFlow.probe` sends a dummy payload through the
+pair's FIFO. It needs no KV slots, but it leaves the queue only after every transfer registered
+before it has had its RECV posted, so a saturated Decode side (RECVs deferred) delays it; a
+link that is down (:meth:`DistFlow.link_down`, a silent stall rather than a transport error)
+holds it on the wire together with every transfer. :mod:`xds.serve.probe` classifies the
+outcome.
 """
 
 from __future__ import annotations
@@ -66,6 +73,15 @@ class Transfer(msgspec.Struct):
     recv_ns: int = -1
     done_ns: int = -1
     decode_dp: int = -1
+
+
+class ProbeState(msgspec.Struct):
+    """Where a link probe is: times are -1 until reached."""
+
+    sent_ns: int = -1
+    on_wire_ns: int = -1
+    """When every transfer ahead of it in the pair's FIFO had its RECV posted."""
+    delivered_ns: int = -1
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -121,6 +137,10 @@ class DistFlow:
         self.aivs = aivs
         self._pair_locks: dict[tuple[int, int], anyio.Lock] = {}
         """One message at a time per die pair, so each RECV matches its own SEND."""
+        self._link_up = anyio.Event()
+        self._link_up.set()
+        self._posted = anyio.Event()
+        """Set (and replaced) whenever a registered transfer gets its RECV or ends."""
 
     def register(self, request_id: int, prefill_dp: int, kv_blocks: int, kv_bytes: int) -> Transfer:
         """The Prefill DP master registers a transfer: metadata only (P098)."""
@@ -149,23 +169,74 @@ class DistFlow:
         transfer.state = TransferState.IN_FLIGHT
         transfer.recv_ns = now_ns()
         transfer.decode_dp = decode_dp
+        self._moved()
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp, pair=self.pair)
+        if not self._link_up.is_set():  # a downed link stalls the transfer silently
+            await self._link_up.wait()
         if self.xccl is not None:
             await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
-        done = transfer.recv_ns
         part = transfer.kv_bytes / self.tp
-        for rank in range(self.tp):  # TP synchronisation: complete when every part landed
-            src = transfer.prefill_dp * self.tp + rank
-            start = max(transfer.recv_ns + self.engines.dma_startup_ns, self._egress.get(src, 0))
+        srcs = [transfer.prefill_dp * self.tp + rank for rank in range(self.tp)]
+        await sleep_until_ns(self._through_ports(srcs, decode_dp, part))
+        self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
+        """Closed form: book ``part`` bytes from each prefill die in ``srcs`` through its
+        egress port and the decode die's ingress port (FIFOs); when the last part lands (TP
+        synchronisation)."""
+        t0 = now_ns()
+        done = t0
+        for src in srcs:
+            start = max(t0 + self.engines.dma_startup_ns, self._egress.get(src, 0))
             start = max(start, self._ingress.get(decode_dp, 0))
             end = start + self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
             self._egress[src] = end
             self._ingress[decode_dp] = end
             done = max(done, end)
-        await sleep_until_ns(done)
-        self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+        return done
+
+    # -- link probing (SPEC 11.1) ----------------------------------------------------------------
+    def link_down(self) -> None:
+        """The pair's link fails silently: transfers and probes stall until it is restored."""
+        if self._link_up.is_set():
+            self._link_up = anyio.Event()
+            emit("distflow", "link-down", pair=self.pair)
+
+    def link_restore(self) -> None:
+        if not self._link_up.is_set():
+            self._link_up.set()
+            emit("distflow", "link-restored", pair=self.pair)
+
+    @property
+    def is_link_up(self) -> bool:
+        return self._link_up.is_set()
+
+    def queued_before(self, transfer_id: int) -> int:
+        """Transfers registered before ``transfer_id`` still waiting for their RECV."""
+        return sum(
+            t.transfer_id < transfer_id and t.state is TransferState.REGISTERED
+            for t in self.transfers.values()
+        )
+
+    async def probe(self, state: ProbeState, *, decode_dp: int = 0, nbytes: int = 64) -> None:
+        """Send a dummy payload of ``nbytes`` to decode DP ``decode_dp`` through the pair's
+        FIFO; ``state`` tracks where it is (queued, on the wire, delivered)."""
+        state.sent_ns = now_ns()
+        behind = self._next_id  # every transfer registered so far is ahead of the probe
+        while self.queued_before(behind):
+            posted = self._posted
+            await posted.wait()
+        state.on_wire_ns = now_ns()
+        while not self._link_up.is_set():
+            await self._link_up.wait()
+        await sleep_until_ns(self._through_ports([0], decode_dp, nbytes))
+        state.delivered_ns = now_ns()
+
+    def _moved(self) -> None:
+        self._posted.set()
+        self._posted = anyio.Event()
 
     async def _xccl_parts(self, transfer: Transfer, decode_dp: int) -> None:
         """Every TP rank's part as an XCCL send/receive pair; returns when all have landed."""
@@ -193,6 +264,8 @@ class DistFlow:
             self._finish(transfer, TransferState.CANCELLED)
 
     def _finish(self, transfer: Transfer, state: TransferState) -> None:
+        if transfer.state is TransferState.REGISTERED:
+            self._moved()
         transfer.state = state
         transfer.done_ns = now_ns()
         done = Completion(transfer.transfer_id, transfer.request_id, state)

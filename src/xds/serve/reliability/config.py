@@ -1,0 +1,190 @@
+"""What a fault-tolerant decode group is made of, and the faults a test can inject (SPEC 11).
+
+A :class:`ReliabilityConfig` describes a colocated decode group small enough to run layer by
+layer: ``dps`` DP groups (one die each, TP = 1) that meet at every MoE layer's dispatch and
+combine barrier, plus the reliability machinery of SPEC 11.3 with its knobs: the two heartbeat
+periods and the timeout (:class:`HeartbeatConfig`), the rollback broadcast and its error codes
+(:class:`RollbackConfig`), and a list of faults to inject. Each fault names the DP and the
+iteration (and for network errors the layer) where it strikes, so a run is exactly repeatable.
+
+The paper gives no values for the heartbeat periods or timeouts (A31) nor for the rollback
+codes; every default here is an [emulator choice] and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ...config import check_fields
+from ...docfields import document_fields
+from ...errors import ConfigError
+from ...units import MS, US
+
+Unhealthy = Literal["restart", "report"]
+"""What the control plane does when the TE-shell reports an unhealthy DP. ``restart``:
+restart-the-world (SPEC 11.2 stage 1): the engine stops and every request still in flight
+fails with the reason; ``report``: record the verdict and carry on (to study false positives
+without losing the run)."""
+
+
+class LayerTimes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-layer kernel times of one DP die (ns). Defaults: one MoE layer of SPEC 12.2's peak
+    run (DeepSeek-R1, batch 60 per die with one MTP token, 3K context) as
+    :func:`xds.serve.reliability.layer_times` prices it from the cost model; call it for any
+    other decode config."""
+
+    attention_ns: Annotated[int, Meta(ge=0)] = 619_245
+    """MLA prolog, attention, output projection and gating of one layer."""
+    dispatch_ns: Annotated[int, Meta(ge=0)] = 211_869
+    """Dispatch once every DP has arrived (the barrier-free cost)."""
+    expert_ns: Annotated[int, Meta(ge=0)] = 168_518
+    """The busiest expert die's GEMMs."""
+    combine_ns: Annotated[int, Meta(ge=0)] = 406_456
+    head_ns: Annotated[int, Meta(ge=0)] = 1_447_801
+    """LM head and sampling, once per iteration."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def iteration_ns(self, layers: int) -> int:
+        """A fault-free iteration without jitter: ``layers`` MoE layers plus the head."""
+        per = self.attention_ns + self.dispatch_ns + self.expert_ns + self.combine_ns
+        return layers * per + self.head_ns
+
+
+class HeartbeatConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The two-level heartbeat of SPEC 11.1 (P115): control plane -> TE-shell -> DP masters.
+    The two periods are set independently (SPEC 11.3); values are [emulator choice] (A31)."""
+
+    enabled: bool = True
+    control_period_ns: Annotated[int, Meta(gt=0)] = 1_000 * MS
+    """Control plane -> TE-shell."""
+    dp_period_ns: Annotated[int, Meta(gt=0)] = 500 * MS
+    """TE-shell -> each DP master."""
+    timeout_ns: Annotated[int, Meta(gt=0)] = 2_000 * MS
+    """A ping unanswered this long marks the DP unhealthy. An iteration longer than this is a
+    false positive (SPEC 11.3: the reply sits on the progress path)."""
+    on_unhealthy: Unhealthy = "restart"
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class RollbackConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Token recomputation after transient network errors (SPEC 11.2 stage 3, P120)."""
+
+    enabled: bool = True
+    codes: tuple[str, ...] = ("LINK_FLAP", "ROUTE_CONVERGENCE")
+    """Error codes that trigger a rollback (switch flaps, BGP convergence); any other code
+    escalates to component failover at once. [emulator choice]"""
+    broadcast_ns: Annotated[int, Meta(ge=0)] = 20 * US
+    """The dedicated thread's broadcast latency: from the error to the flag every poll loop
+    reads. [emulator choice]"""
+    max_retries: Annotated[int, Meta(ge=0)] = 2
+    """Rollbacks of the same iteration beyond this escalate to component failover."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class _Fault(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"
+):
+    """Where a fault strikes: DP ``dp``, in decode iteration ``iteration`` (0-based)."""
+
+    dp: Annotated[int, Meta(ge=0)]
+    iteration: Annotated[int, Meta(ge=0)]
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class ExecutorHang(_Fault, tag="executor_hang"):
+    """DP ``dp``'s executor blocks forever at the start of ``iteration``, before replying to
+    its master (a partial hang: the process lives, the loop does not move)."""
+
+
+class ExecutorCrash(_Fault, tag="executor_crash"):
+    """DP ``dp``'s executor dies at the start of ``iteration`` (fail-stop): its master stops."""
+
+
+class SlowIteration(_Fault, tag="slow_iteration"):
+    """DP ``dp`` spends ``extra_ns`` more before its first dispatch in ``iteration``: a
+    healthy but long operation (and every other DP waits for it at the barrier)."""
+
+    extra_ns: Annotated[int, Meta(ge=0)]
+
+
+class NetworkError(_Fault, tag="network_error"):
+    """DP ``dp``'s collective at ``layer`` of ``iteration`` fails with error ``code``, on the
+    first ``attempts`` tries of that iteration (each redo of the iteration is a new try)."""
+
+    layer: Annotated[int, Meta(ge=0)] = 0
+    code: str = "LINK_FLAP"
+    attempts: Annotated[int, Meta(ge=1)] = 1
+
+
+class MemoryFault(_Fault, tag="memory_fault"):
+    """An on-chip memory fault on DP ``dp``'s die, found before ``iteration``: KV blocks
+    ``first_block .. first_block + blocks - 1`` are bad (SPEC 11.2 stage 3)."""
+
+    first_block: Annotated[int, Meta(ge=0)]
+    blocks: Annotated[int, Meta(ge=1)] = 1
+
+
+Fault = ExecutorHang | ExecutorCrash | SlowIteration | NetworkError | MemoryFault
+
+
+class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A decode group with SPEC 11's detection and recovery, and the faults to inject."""
+
+    dps: Annotated[int, Meta(ge=1)] = 8
+    batch_per_dp: Annotated[int, Meta(ge=1)] = 4
+    layers: Annotated[int, Meta(ge=1)] = 4
+    """MoE layers per iteration (each a dispatch and a combine barrier)."""
+    prompt_tokens: Annotated[int, Meta(ge=1)] = 8
+    output_tokens: Annotated[int, Meta(ge=1)] = 16
+    times: LayerTimes = LayerTimes()
+    poll_ns: Annotated[int, Meta(gt=0)] = 5 * US
+    """Busy-poll interval of every barrier (dispatch, combine, commit)."""
+    scheduler_gap_ns: Annotated[int, Meta(ge=0)] = 2 * MS
+    block_tokens: Annotated[int, Meta(ge=1)] = 4
+    kv_blocks_per_dp: Annotated[int, Meta(ge=1)] = 64
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    rollback: RollbackConfig = RollbackConfig()
+    faults: tuple[Fault, ...] = ()
+    vocab: Annotated[int, Meta(ge=2)] = 64
+    """Vocabulary of the tiny content model that makes tokens (content mode, greedy)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for i, f in enumerate(self.faults):
+            where = f"faults[{i}].dp"
+            if f.dp >= self.dps:
+                raise ConfigError(f"DP {f.dp} does not exist ({self.dps} DPs)", field=where)
+            if isinstance(f, NetworkError) and f.layer >= self.layers:
+                raise ConfigError(
+                    f"layer {f.layer} does not exist ({self.layers} layers)",
+                    field=f"faults[{i}].layer",
+                )
+            if isinstance(f, MemoryFault) and f.first_block + f.blocks > self.kv_blocks_per_dp:
+                raise ConfigError(
+                    f"blocks {f.first_block}..{f.first_block + f.blocks - 1} lie outside the "
+                    f"DP's {self.kv_blocks_per_dp} KV blocks",
+                    field=f"faults[{i}].first_block",
+                )
+        need = -(-(self.prompt_tokens + self.output_tokens) // self.block_tokens)
+        if need * self.batch_per_dp > self.kv_blocks_per_dp:
+            raise ConfigError(
+                f"{self.batch_per_dp} sequences of {self.prompt_tokens + self.output_tokens} "
+                f"tokens need {need * self.batch_per_dp} KV blocks, a DP has "
+                f"{self.kv_blocks_per_dp}",
+                field="kv_blocks_per_dp",
+            )
+
+
+for _kind in (LayerTimes, HeartbeatConfig, RollbackConfig, ReliabilityConfig):
+    document_fields(_kind)

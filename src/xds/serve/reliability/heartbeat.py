@@ -1,0 +1,111 @@
+"""The multi-level heartbeat (SPEC 11.1, P115; 11.3 "Heartbeat").
+
+The control plane pings the TE-shell every ``control_period_ns``; the TE-shell pings every DP
+master every ``dp_period_ns``. A DP master answers pings only from its own single-threaded
+loop, between the steps where it waits for its executor (:mod:`.engine`), so an executor that
+hangs or crashes before replying leaves the pings unanswered, and so does a healthy iteration
+longer than the timeout (the false positive the paper accepts). A ping unanswered for
+``timeout_ns`` marks the DP unhealthy at that instant: within ``dp_period_ns + timeout_ns`` of
+the fault. The control plane learns it at its next ping of the TE-shell and acts
+(:data:`~.config.Unhealthy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from .config import HeartbeatConfig
+
+
+class Ping(msgspec.Struct, frozen=True):
+    seq: int
+    sent_ns: int
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """The TE-shell marked a DP unhealthy."""
+
+    dp: int
+    ping_ns: int
+    """When the unanswered ping was sent."""
+    marked_ns: int
+    seen_by_control_plane_ns: int = -1
+    fault_injected: bool
+    """Whether a hang or crash was injected on this DP (False: a false positive, or a DP
+    stalled behind another's fault at a global barrier)."""
+
+
+class TEShellHeartbeat:
+    """The TE-shell's side: one ping stream per DP master, and the health map."""
+
+    def __init__(self, config: HeartbeatConfig, dps: int, faulty: Callable[[int], bool]):
+        self.config = config
+        self.dps = dps
+        self._faulty = faulty
+        streams = [anyio.create_memory_object_stream[Ping](float("inf")) for _ in range(dps)]
+        self._to_dp: list[MemoryObjectSendStream[Ping]] = [s for s, _ in streams]
+        self.inbox: list[MemoryObjectReceiveStream[Ping]] = [r for _, r in streams]
+        """Per DP master: the pings waiting for its loop."""
+        self._answered = [0] * dps
+        self._answer = [anyio.Event() for _ in range(dps)]
+        self.verdicts: list[Verdict] = []
+
+    def pong(self, dp: int, ping: Ping) -> None:
+        """A DP master's reply (called from the master's own loop)."""
+        self._answered[dp] = max(self._answered[dp], ping.seq)
+        self._answer[dp].set()
+
+    def serve(self, dp: int) -> int:
+        """Answer every ping waiting for DP ``dp``'s master; returns how many."""
+        n = 0
+        while True:
+            try:
+                ping = self.inbox[dp].receive_nowait()
+            except anyio.WouldBlock:
+                return n
+            self.pong(dp, ping)
+            n += 1
+
+    async def watch(self, dp: int) -> None:
+        """Ping DP ``dp`` every period until one goes unanswered for the timeout."""
+        cfg = self.config
+        seq = 0
+        while True:
+            seq += 1
+            sent = now_ns()
+            self._to_dp[dp].send_nowait(Ping(seq, sent))
+            with anyio.move_on_after(cfg.timeout_ns / 1e9):
+                while self._answered[dp] < seq:
+                    self._answer[dp] = anyio.Event()
+                    await self._answer[dp].wait()
+            if self._answered[dp] < seq:
+                v = Verdict(
+                    dp=dp, ping_ns=sent, marked_ns=now_ns(), fault_injected=self._faulty(dp)
+                )
+                self.verdicts.append(v)
+                emit("te-shell", "dp-unhealthy", dp=dp, ping_ns=sent, fault=v.fault_injected)
+                return
+            await sleep_until_ns(max(now_ns(), sent + cfg.dp_period_ns))
+
+
+async def control_plane(
+    config: HeartbeatConfig, shell: TEShellHeartbeat, act: Callable[[list[Verdict]], None]
+) -> None:
+    """Ping the TE-shell every period; hand the verdicts new since the last ping to ``act``."""
+    seen = 0
+    while True:
+        await sleep_ns(config.control_period_ns)
+        if seen == len(shell.verdicts):
+            continue
+        for i in range(seen, len(shell.verdicts)):
+            shell.verdicts[i] = msgspec.structs.replace(
+                shell.verdicts[i], seen_by_control_plane_ns=now_ns()
+            )
+            emit("control-plane", "unhealthy", dp=shell.verdicts[i].dp)
+        act(shell.verdicts[seen:])
+        seen = len(shell.verdicts)

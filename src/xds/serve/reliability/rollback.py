@@ -1,0 +1,184 @@
+"""Token recomputation after transient network errors (SPEC 11.2 stage 3, 11.3 "Rollback").
+
+The pieces, named as in P120:
+
+* :class:`RollbackCoordinator` is the dedicated broadcast thread. An executor whose collective
+  fails reports the error code; a code in :attr:`RollbackConfig.codes` is broadcast, after
+  ``broadcast_ns``, as a flag tagged with the iteration and its attempt; any other code, or a
+  rollback of the same iteration beyond ``max_retries``, escalates to component failover.
+* :class:`PollBarrier` is a global-sync point (a layer's dispatch or combine, or the
+  iteration's commit) as the kernels implement it: a busy-poll loop. Each poll reads both the
+  barrier and the rollback flag, so a DP stuck in a dispatch busy-poll sees the rollback at its
+  next poll: within ``poll_ns`` of the broadcast (the polls are not simulated one by one: a
+  waiter wakes on the first poll tick, counted from its arrival, at or after the event).
+* After a rollback each DP master discards the attempt, restores its KV to the checkpoint and
+  acknowledges the epoch at :attr:`RollbackCoordinator.epoch_barrier`; no DP starts the redo
+  before all have (no mixed epochs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import msgspec
+
+from ...runtime import Barrier, call_at_ns, emit, now_ns, sleep_until_ns
+from .config import RollbackConfig
+
+
+class RolledBack(Exception):
+    """Raised inside an executor when it observes the rollback of its attempt."""
+
+
+class RollbackRecord(msgspec.Struct, kw_only=True):
+    """One rollback: where it came from and when each DP saw it."""
+
+    iteration: int
+    attempt: int
+    code: str
+    origin_dp: int
+    error_ns: int
+    broadcast_ns: int = -1
+    observed_ns: dict[int, int] = {}
+    """DP -> when its executor saw the flag."""
+    polling: list[int] = []
+    """DPs that were already inside a busy-poll when the flag was raised."""
+    redo_ns: int = -1
+    """When every DP had acknowledged the epoch and the redo began."""
+
+
+class _Flag(msgspec.Struct, frozen=True):
+    iteration: int
+    attempt: int
+    set_ns: int
+
+
+class RollbackCoordinator:
+    """The broadcast thread and the rollback bookkeeping of one decode group."""
+
+    def __init__(
+        self,
+        config: RollbackConfig,
+        dps: int,
+        poll_ns: int,
+        escalate: Callable[[str], None],
+    ):
+        self.config = config
+        self.dps = dps
+        self.poll_ns = poll_ns
+        self._escalate = escalate
+        self.flag: _Flag | None = None
+        self.records: list[RollbackRecord] = []
+        self.epoch_barrier = Barrier(dps)
+        self._tries: dict[int, int] = {}
+        self._open: list[PollBarrier] = []
+
+    def flagged(self, iteration: int, attempt: int) -> bool:
+        f = self.flag
+        return f is not None and f.iteration == iteration and f.attempt == attempt
+
+    def report(self, dp: int, iteration: int, attempt: int, code: str) -> None:
+        """An executor's collective failed with ``code``: roll back, or escalate. The
+        reporting executor has seen its own error: it counts as having observed the flag."""
+        if self._current(iteration, attempt) is not None:
+            self.observed(dp)
+            return  # this attempt is already being rolled back
+        emit("rollback", "error", dp=dp, iteration=iteration, attempt=attempt, code=code)
+        if not self.config.enabled or code not in self.config.codes:
+            self._escalate(f"DP {dp} failed with {code} in iteration {iteration}")
+            return
+        tries = self._tries[iteration] = self._tries.get(iteration, 0) + 1
+        if tries > self.config.max_retries:
+            self._escalate(
+                f"iteration {iteration} rolled back {tries - 1} times and failed again "
+                f"with {code} (max_retries {self.config.max_retries})"
+            )
+            return
+        record = RollbackRecord(
+            iteration=iteration, attempt=attempt, code=code, origin_dp=dp, error_ns=now_ns()
+        )
+        self.records.append(record)
+        self.observed(dp)
+        call_at_ns(now_ns() + self.config.broadcast_ns, self._broadcast, record)
+
+    def _broadcast(self, record: RollbackRecord) -> None:
+        record.broadcast_ns = now_ns()
+        self.flag = _Flag(record.iteration, record.attempt, record.broadcast_ns)
+        for barrier in self._open:
+            if barrier.iteration == record.iteration and barrier.attempt == record.attempt:
+                record.polling.extend(sorted(barrier.waiting))
+                barrier.wake.set()
+        record.polling.sort()
+        emit("rollback", "broadcast", iteration=record.iteration, attempt=record.attempt)
+
+    def _current(self, iteration: int, attempt: int) -> RollbackRecord | None:
+        last = self.records[-1] if self.records else None
+        if last is not None and (last.iteration, last.attempt) == (iteration, attempt):
+            return last
+        return None
+
+    def observed(self, dp: int) -> None:
+        """DP ``dp``'s executor saw the rollback now (first sighting counts)."""
+        self.records[-1].observed_ns.setdefault(dp, now_ns())
+
+    def redo_started(self) -> None:
+        rec = self.records[-1]
+        rec.redo_ns = now_ns()
+        self._open = [
+            b for b in self._open if (b.iteration, b.attempt) != (rec.iteration, rec.attempt)
+        ]
+
+    def barrier(self, iteration: int, attempt: int, name: str) -> PollBarrier:
+        """The global-sync point ``name`` of this attempt (created by its first arrival)."""
+        for b in self._open:
+            if (b.iteration, b.attempt, b.name) == (iteration, attempt, name):
+                return b
+        b = PollBarrier(self, iteration, attempt, name)
+        self._open.append(b)
+        return b
+
+    def close(self, barrier: PollBarrier) -> None:
+        if barrier in self._open:
+            self._open.remove(barrier)
+
+
+class PollBarrier:
+    """One busy-polled global-sync point of one attempt (all DPs take part)."""
+
+    def __init__(self, coord: RollbackCoordinator, iteration: int, attempt: int, name: str):
+        self.coord = coord
+        self.iteration = iteration
+        self.attempt = attempt
+        self.name = name
+        self.waiting: set[int] = set()
+        self.arrived = 0
+        self.release_ns = -1
+        self.wake = anyio.Event()
+
+    async def wait(self, dp: int) -> None:
+        """Poll until every DP has arrived; raise :class:`RolledBack` on the first poll that
+        reads this attempt's rollback flag."""
+        c = self.coord
+        arrival = now_ns()
+        if c.flagged(self.iteration, self.attempt):  # the first poll reads the flag
+            c.observed(dp)
+            raise RolledBack
+        self.arrived += 1
+        if self.arrived == c.dps:
+            self.release_ns = arrival
+            self.wake.set()
+            c.close(self)
+            return
+        self.waiting.add(dp)
+        try:
+            await self.wake.wait()
+        finally:
+            self.waiting.discard(dp)
+        released = self.release_ns >= 0
+        event = self.release_ns if released else c.flag.set_ns  # type: ignore[union-attr]
+        polls = -(-(event - arrival) // c.poll_ns)
+        await sleep_until_ns(arrival + polls * c.poll_ns)
+        if not released:
+            c.observed(dp)
+            raise RolledBack

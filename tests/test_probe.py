@@ -1,0 +1,103 @@
+"""SPEC 11.3 "Link probing": a dummy payload through a DistFlow pair tells saturation from a
+broken link."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from xds.errors import ConfigError
+from xds.hw import PodConfig
+from xds.runtime import run, sleep_ns
+from xds.serve.distflow import DistFlow, TransferState
+from xds.serve.probe import LinkMonitor, LinkVerdict, ProbeConfig, probe
+from xds.units import MS
+
+POD = PodConfig()
+
+
+def _flow() -> DistFlow:
+    return DistFlow(
+        0, tp=1, link=POD.ub, engines=POD.engines, prefill_dps=2, decode_dps=2, decode_te=0
+    )
+
+
+def test_a_healthy_pair_delivers_the_probe_at_normal_latency(xds_backend):
+    async def main():
+        return await probe(_flow())
+
+    res = run(main, backend=xds_backend)
+    assert res.verdict is LinkVerdict.HEALTHY and res.queued_ns == 0
+    wire = POD.engines.dma_startup_ns + POD.ub.latency_ns + round(64 / POD.ub.bandwidth * 1e9)
+    assert res.latency_ns == wire and res.pair == "P0-D0"
+
+
+def test_deferred_recvs_delay_the_probe_saturated_not_failed(xds_backend):
+    """Decode saturated: transfers wait for RECVs; the probe waits behind them, and completes
+    once the Decode side posts them (or is still queued at the timeout)."""
+
+    async def main():
+        flow = _flow()
+        ahead = [flow.register(i, 0, 4, 1 << 20) for i in range(3)]
+
+        async def decode_side():
+            await sleep_ns(30 * MS)  # KV blocks free up only now
+            async with anyio.create_task_group() as tg:
+                for t in ahead:
+                    tg.start_soon(flow.recv, t, 1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode_side)
+            late = await probe(flow)
+            queued = await probe(flow)  # nothing ahead now: healthy again
+        flow2 = _flow()
+        flow2.register(0, 0, 4, 1 << 20)  # never received
+        stuck = await probe(flow2, ProbeConfig(timeout_ns=10 * MS))
+        return late, queued, stuck, [t.state for t in ahead]
+
+    late, again, stuck, states = run(main, backend=xds_backend)
+    assert late.verdict is LinkVerdict.SATURATED and late.queued_ns == 30 * MS
+    assert late.latency_ns > 30 * MS
+    assert again.verdict is LinkVerdict.HEALTHY
+    assert stuck.verdict is LinkVerdict.SATURATED and stuck.queued_ns == -1
+    assert states == [TransferState.COMPLETED] * 3
+
+
+def test_a_downed_link_blocks_transfers_and_the_probe(xds_backend):
+    async def main():
+        flow = _flow()
+        t = flow.register(0, 0, 4, 1 << 20)
+        flow.link_down()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flow.recv, t, 0)  # the RECV is posted, but nothing moves
+            down = await probe(flow, ProbeConfig(timeout_ns=20 * MS))
+            assert t.state is TransferState.IN_FLIGHT
+            flow.link_restore()
+        return down, t, await probe(flow)
+
+    down, t, up = run(main, backend=xds_backend)
+    assert down.verdict is LinkVerdict.LINK_FAILURE and down.latency_ns == -1
+    assert down.queued_ns == 0  # it reached the wire: the link, not the queue, held it
+    assert t.state is TransferState.COMPLETED and t.done_ns > 20 * MS
+    assert up.verdict is LinkVerdict.HEALTHY
+
+
+def test_the_monitor_probes_every_pair_each_period():
+    async def main():
+        flows = [_flow(), _flow()]
+        flows[1].link_down()
+        monitor = LinkMonitor(flows, ProbeConfig(period_ns=200 * MS, timeout_ns=50 * MS))
+        with anyio.move_on_after(0.5):
+            await monitor.run()
+        return monitor.results
+
+    results = run(main)
+    assert [r.sent_ns for r in results] == [0, 0, 200 * MS, 200 * MS, 400 * MS, 400 * MS]
+    verdicts = {(r.sent_ns, r.verdict) for r in results}
+    assert (0, LinkVerdict.HEALTHY) in verdicts and (0, LinkVerdict.LINK_FAILURE) in verdicts
+
+
+def test_probe_config_errors_name_the_field():
+    with pytest.raises(ConfigError) as err:
+        ProbeConfig(timeout_ns=0)
+    assert err.value.field == "timeout_ns"

@@ -1,0 +1,320 @@
+"""SPEC 11.3: heartbeats, rollback, memory-fault remap and the global one-outcome invariant."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import xds
+from xds.errors import ConfigError, ModelDeadlock
+from xds.runtime import run
+from xds.serve.reliability import (
+    ExecutorCrash,
+    ExecutorHang,
+    HeartbeatConfig,
+    LayerTimes,
+    MemoryFault,
+    NetworkError,
+    ReliabilityConfig,
+    ReliabilityResult,
+    ReliableDecode,
+    RollbackConfig,
+    SlowIteration,
+)
+from xds.serve.reliability.kv_space import AddressedKV
+from xds.units import MS, US
+
+SMALL = ReliabilityConfig(dps=4, batch_per_dp=3, layers=3, output_tokens=10)
+
+
+def _run(cfg: ReliabilityConfig, *, seed: int = 0, backend: str = "asyncio", events=None):
+    async def main() -> ReliabilityResult:
+        result = await ReliableDecode(cfg).run()
+        if events is not None:
+            events.extend(xds.current_runtime().events)
+        return result
+
+    return run(main, seed=seed, backend=backend, event_log=events is not None)
+
+
+def _faults(*faults) -> ReliabilityConfig:
+    return msgspec.structs.replace(SMALL, faults=tuple(faults))
+
+
+@pytest.fixture(scope="module")
+def clean() -> ReliabilityResult:
+    return _run(SMALL)
+
+
+def _check_one_outcome_each(cfg: ReliabilityConfig, res: ReliabilityResult) -> None:
+    """The global invariant: every admitted request ends exactly once; tokens are streamed
+    once each, in order, and only after their commit."""
+    assert [o.request for o in res.outcomes] == list(range(cfg.dps * cfg.batch_per_dp))
+    for o in res.outcomes:
+        assert o.streamed == o.tokens  # every committed token streamed once, nothing else
+        if o.state == "completed":
+            assert len(o.tokens) == cfg.output_tokens
+        else:
+            assert o.reason
+
+
+def test_a_fault_free_run_completes_every_request(clean):
+    _check_one_outcome_each(SMALL, clean)
+    assert clean.completed() == 12 and not clean.stopped and not clean.rollbacks
+    assert clean.iterations == SMALL.output_tokens - 1
+    per = SMALL.times.iteration_ns(SMALL.layers) + SMALL.scheduler_gap_ns
+    assert clean.elapsed_ns == clean.iterations * per
+    assert len({t for o in clean.outcomes for t in o.tokens}) > 3  # tokens do vary
+
+
+def test_rollback_redoes_the_iteration_and_gives_the_fault_free_tokens(clean):
+    cfg = _faults(NetworkError(dp=2, iteration=4, layer=1))
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    assert [o.tokens for o in res.outcomes] == [o.tokens for o in clean.outcomes]
+    assert res.completed() == 12 and res.iterations == clean.iterations
+    (rb,) = res.rollbacks
+    assert (rb.iteration, rb.attempt, rb.code, rb.origin_dp) == (4, 0, "LINK_FLAP", 2)
+    assert rb.broadcast_ns == rb.error_ns + cfg.rollback.broadcast_ns
+    assert sorted(rb.observed_ns) == [0, 1, 2, 3]  # every DP saw it
+    assert rb.polling == [0, 1, 3]  # the others were in the layer-1 dispatch busy-poll
+    for dp in rb.polling:  # reach: within one poll interval
+        assert 0 <= rb.observed_ns[dp] - rb.broadcast_ns <= cfg.poll_ns
+    assert rb.redo_ns >= max(rb.observed_ns.values())  # nobody redoes before all acknowledged
+    # the cost: the lost part of the iteration, up to the broadcast
+    assert res.elapsed_ns > clean.elapsed_ns
+
+
+def test_rollback_reaches_a_die_busy_computing_at_its_next_poll():
+    """A DP that is computing when the flag is raised sees it as it enters its next barrier;
+    the DPs already polling see it within one poll interval of the broadcast."""
+    cfg = _faults(
+        NetworkError(dp=0, iteration=2, layer=0),
+        SlowIteration(dp=3, iteration=2, extra_ns=300 * US + 3),
+    )
+    res = _run(cfg)
+    (rb,) = res.rollbacks
+    assert 3 not in rb.polling and rb.polling == [1, 2]
+    arrival_3 = rb.error_ns + 300 * US + 3  # DP 3 reaches dispatch 0 late
+    assert rb.observed_ns[3] == arrival_3
+    assert all(0 <= rb.observed_ns[d] - rb.broadcast_ns <= cfg.poll_ns for d in (1, 2))
+    assert res.completed() == 12
+
+
+def test_tokens_differ_if_the_kv_is_not_restored(clean, monkeypatch):
+    """The exactness check has teeth: skip the KV restore and the redo's tokens change."""
+    monkeypatch.setattr(AddressedKV, "restore", lambda self: None)
+    res = _run(_faults(NetworkError(dp=1, iteration=3, layer=2)))
+    assert [o.tokens for o in res.outcomes] != [o.tokens for o in clean.outcomes]
+
+
+def test_repeated_errors_escalate_after_max_retries():
+    cfg = _faults(NetworkError(dp=1, iteration=3, layer=0, attempts=10))
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    assert len(res.rollbacks) == cfg.rollback.max_retries
+    assert [r.attempt for r in res.rollbacks] == [0, 1]
+    assert "rolled back 2 times and failed again with LINK_FLAP" in res.stopped
+    assert res.completed() == 0 and res.iterations == 3
+    assert all(o.reason == res.stopped for o in res.failed())
+    assert all(len(o.tokens) == 4 for o in res.outcomes)  # committed before the fault only
+
+
+def test_a_code_outside_the_rollback_list_escalates_at_once():
+    res = _run(_faults(NetworkError(dp=0, iteration=1, code="HBM_ECC")))
+    assert not res.rollbacks and "HBM_ECC" in res.stopped and res.completed() == 0
+    off = msgspec.structs.replace(
+        _faults(NetworkError(dp=0, iteration=1)), rollback=RollbackConfig(enabled=False)
+    )
+    assert "LINK_FLAP" in _run(off).stopped
+
+
+@pytest.mark.parametrize("fault", [ExecutorHang, ExecutorCrash])
+def test_a_hang_or_crash_is_caught_by_the_heartbeat_within_period_plus_timeout(fault):
+    hb = HeartbeatConfig(dp_period_ns=40 * MS, control_period_ns=100 * MS, timeout_ns=60 * MS)
+    cfg = msgspec.structs.replace(SMALL, heartbeat=hb, faults=(fault(dp=2, iteration=3),))
+    events: list = []
+    res = _run(cfg, events=events)
+    _check_one_outcome_each(cfg, res)
+    kind = "hang" if fault is ExecutorHang else "crashed"
+    (struck,) = [e.t_ns for e in events if (e.component, e.event) == ("executor", kind)]
+    (v2,) = [v for v in res.verdicts if v.dp == 2]
+    assert v2.fault_injected
+    assert 0 < v2.marked_ns - struck <= hb.dp_period_ns + hb.timeout_ns
+    assert v2.marked_ns == v2.ping_ns + hb.timeout_ns
+    # the others stall at the next dispatch barrier, so their masters go quiet too
+    assert {v.dp for v in res.verdicts} == {0, 1, 2, 3}
+    # the two periods are independent: pings on the DP grid, the control plane on its own
+    assert all(v.ping_ns % hb.dp_period_ns == 0 for v in res.verdicts)
+    assert v2.seen_by_control_plane_ns % hb.control_period_ns == 0
+    assert 0 <= v2.seen_by_control_plane_ns - v2.marked_ns <= hb.control_period_ns
+    assert res.stopped.startswith("restart-the-world: DPs 0, 1, 2, 3 missed")
+    assert res.completed() == 0 and res.iterations == 3
+    assert res.elapsed_ns == v2.seen_by_control_plane_ns
+
+
+def test_a_long_healthy_iteration_is_a_false_positive():
+    """The reply sits on the progress path: an iteration longer than the timeout gets the DP
+    marked although nothing is wrong (SPEC 11.3's trade-off)."""
+    hb = HeartbeatConfig(
+        dp_period_ns=5 * MS, control_period_ns=10 * MS, timeout_ns=20 * MS, on_unhealthy="report"
+    )
+    cfg = msgspec.structs.replace(
+        SMALL, heartbeat=hb, faults=(SlowIteration(dp=1, iteration=2, extra_ns=50 * MS),)
+    )
+    res = _run(cfg)
+    assert res.verdicts and not any(v.fault_injected for v in res.verdicts)
+    assert res.completed() == 12 and not res.stopped  # "report": the run goes on
+    # the same slow iteration under a generous timeout raises nothing
+    relaxed = msgspec.structs.replace(
+        cfg, heartbeat=msgspec.structs.replace(hb, timeout_ns=MS * 80)
+    )
+    assert not _run(relaxed).verdicts
+    # and restarts the world when the control plane acts on it
+    strict = msgspec.structs.replace(
+        cfg, heartbeat=msgspec.structs.replace(hb, on_unhealthy="restart")
+    )
+    assert _run(strict).stopped.startswith("restart-the-world")
+
+
+def test_a_hang_without_heartbeats_is_reported_as_a_deadlock():
+    cfg = msgspec.structs.replace(
+        _faults(ExecutorHang(dp=1, iteration=2)), heartbeat=HeartbeatConfig(enabled=False)
+    )
+    with pytest.raises(ModelDeadlock, match="executor-1"):
+        _run(cfg)
+
+
+def test_a_memory_fault_fails_only_the_requests_whose_kv_lay_there(clean):
+    # after prefill DP 1's sequences (requests 3, 4, 5) hold blocks 0-1, 2-3 and 4-5
+    # (8 prompt tokens, 4 a block); decoding takes blocks from 6 up
+    cfg = _faults(MemoryFault(dp=1, iteration=5, first_block=3, blocks=1))
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    failed = res.failed()
+    assert [o.request for o in failed] == [4]  # DP 1's second sequence
+    assert "on-chip memory fault (blocks 3..3)" in failed[0].reason
+    assert len(failed[0].tokens) == 6  # what it had committed stays streamed
+    assert res.masked_blocks == {1: [3]}
+    ok = {o.request: o.tokens for o in clean.outcomes}
+    assert all(o.tokens == ok[o.request] for o in res.outcomes if o.state == "completed")
+    assert res.completed() == 11 and not res.stopped
+
+
+def test_masked_blocks_are_never_allocated_again():
+    kv = AddressedKV(10, block_tokens=2)
+    kv.admit(1, 4)  # blocks 0, 1
+    assert kv.mask(1, 3) == [1]  # blocks 1-3 bad; request 1 held block 1
+    kv.release(1)
+    kv.check()
+    kv.admit(2, 12)  # six blocks: only 0 and 4.. are usable
+    assert kv.blocks_of(2) == [0, 4, 5, 6, 7, 8]
+    assert not kv.append(2, 4)  # two more blocks needed, one left
+    kv.check()
+
+
+def test_restore_truncates_to_the_checkpoint_and_frees_the_blocks():
+    kv = AddressedKV(8, block_tokens=2)
+    kv.admit(1, 3)
+    kv.admit(2, 2)
+    assert kv.append(1, 1) and kv.append(2, 1)  # 2 grows into a new block
+    kv.restore()
+    assert (kv.tokens(1), kv.tokens(2)) == (3, 2) and kv.blocks_of(2) == [2]
+    assert kv.free == 5
+    assert kv.append(2, 1)
+    kv.commit()
+    kv.restore()
+    assert kv.tokens(2) == 3
+    kv.check()
+
+
+def test_the_same_seed_gives_the_same_run_on_both_backends():
+    cfg = _faults(
+        NetworkError(dp=3, iteration=2, layer=2), MemoryFault(dp=0, iteration=6, first_block=0)
+    )
+    a = _run(cfg, seed=4)
+    assert a == _run(cfg, seed=4) == _run(cfg, seed=4, backend="trio")
+    assert a != _run(cfg, seed=5)  # content weights and prompts come from the seed
+
+
+def test_bad_fault_plans_name_the_field():
+    cases = [
+        (dict(faults=(ExecutorHang(dp=4, iteration=0),)), "faults[0].dp"),
+        (dict(faults=(NetworkError(dp=0, iteration=0, layer=3),)), "faults[0].layer"),
+        (
+            dict(faults=(MemoryFault(dp=0, iteration=0, first_block=63, blocks=2),)),
+            "faults[0].first_block",
+        ),
+        (dict(kv_blocks_per_dp=8), "kv_blocks_per_dp"),
+    ]
+    for change, field in cases:
+        with pytest.raises(ConfigError) as err:
+            msgspec.structs.replace(SMALL, **change)
+        assert err.value.field == field
+    with pytest.raises(ConfigError, match="iteration"):
+        SlowIteration(dp=0, iteration=-1, extra_ns=1)
+    loaded = msgspec.json.decode(
+        b'{"faults": [{"kind": "network_error", "dp": 1, "iteration": 2}]}', type=ReliabilityConfig
+    )
+    assert loaded.faults == (NetworkError(dp=1, iteration=2),)
+
+
+def test_layer_times_come_from_the_cost_model():
+    from xds.serve.reliability import layer_times
+
+    assert layer_times() == LayerTimes()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(
+                NetworkError,
+                dp=st.integers(0, 3),
+                iteration=st.integers(0, 8),
+                layer=st.integers(0, 2),
+                attempts=st.integers(1, 3),
+                code=st.sampled_from(["LINK_FLAP", "ROUTE_CONVERGENCE"]),
+            ),
+            st.builds(
+                MemoryFault,
+                dp=st.integers(0, 3),
+                iteration=st.integers(0, 8),
+                first_block=st.integers(0, 60),
+                blocks=st.integers(1, 4),
+            ),
+            st.builds(
+                SlowIteration,
+                dp=st.integers(0, 3),
+                iteration=st.integers(0, 8),
+                extra_ns=st.integers(0, 2 * MS),
+            ),
+        ),
+        max_size=4,
+    )
+)
+def test_any_plan_of_transient_faults_keeps_every_request_and_the_tokens(faults):
+    """Whatever network errors, memory faults and slow iterations strike: every request ends
+    once; a request that completes has exactly the fault-free tokens; KV is conserved (checked
+    at the end of every run); the run stops early only by escalation."""
+    cfg = _faults(*faults)
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    clean = _clean_tokens()
+    for o in res.outcomes:
+        assert o.tokens == clean[o.request][: len(o.tokens)]
+        if o.state == "failed" and not res.stopped:
+            assert "memory fault" in o.reason or "no KV block" in o.reason
+    assert not res.stopped or "rolled back" in res.stopped
+
+
+_CLEAN: dict[int, list[int]] = {}
+
+
+def _clean_tokens() -> dict[int, list[int]]:
+    if not _CLEAN:
+        _CLEAN.update({o.request: o.tokens for o in _run(SMALL).outcomes})
+    return _CLEAN
