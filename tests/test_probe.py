@@ -101,3 +101,67 @@ def test_probe_config_errors_name_the_field():
     with pytest.raises(ConfigError) as err:
         ProbeConfig(timeout_ns=0)
     assert err.value.field == "timeout_ns"
+
+
+def _replay_setup():
+    from xds.serve.decode import DecodeConfig
+    from xds.serve.jitter import JitterConfig
+    from xds.serve.prefill import PrefillConfig
+    from xds.serve.replay import PDConfig
+    from xds.trace.workload import Request, Workload
+
+    cfg = PDConfig(
+        prefill=PrefillConfig(tes=2, long_pool_tes=0),
+        decode=DecodeConfig(
+            dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+        ),
+    )
+    wl = Workload(tuple(Request(i, i * 100 * MS, 1500, 20) for i in range(24)))
+    return cfg, wl
+
+
+def test_a_replay_with_probing_takes_a_downed_pair_out_of_service():
+    """A link that goes down for good stalls transfers silently; the probes find it, the pair
+    is declared failed, the stalled requests fail with that reason, and later requests go
+    through the other Prefill TE's pair."""
+    import msgspec
+
+    from xds.serve.replay import DistFlowFault, replay
+
+    cfg, wl = _replay_setup()
+    probed = msgspec.structs.replace(cfg, probe=ProbeConfig(period_ns=200 * MS, timeout_ns=50 * MS))
+    fault = DistFlowFault(at_ns=0, prefill_te=0, kind="link_down")
+    res = replay(wl, probed, faults=[fault], event_log=True)
+    failed = [x for x in res.records if x.outcome == "failed"]
+    assert failed and all("link down, found by link probing" in x.reason for x in failed)
+    assert res.summary.completed + len(failed) == 24
+    (declared,) = res.events.select("distflow", "declared-failed")
+    first_failure = min(r.sent_ns for r in res.probes if r.verdict is LinkVerdict.LINK_FAILURE)
+    assert declared.t_ns == first_failure + 50 * MS  # at the probe's timeout
+    assert all(x.arrival_ns <= declared.t_ns for x in failed)  # later ones avoid P0
+    assert {r.verdict for r in res.probes if r.pair == "P1-D0"} == {LinkVerdict.HEALTHY}
+
+
+def test_a_link_that_comes_back_delays_transfers_and_fails_nothing():
+    from xds.serve.replay import DistFlowFault, replay
+
+    cfg, wl = _replay_setup()
+    clean = replay(wl, cfg)
+    fault = DistFlowFault(at_ns=0, prefill_te=0, kind="link_down", duration_ns=300 * MS)
+    res = replay(wl, cfg, faults=[fault])
+    assert res.summary.completed == 24
+    stalled = max(x.kv_transfer_ns for x in res.records)
+    assert stalled > 200 * MS > 100 * max(x.kv_transfer_ns for x in clean.records)
+    assert not res.probes  # probing is off by default
+
+
+def test_a_permanent_link_down_without_probing_is_refused():
+    from xds.serve.replay import DistFlowFault, replay
+
+    cfg, wl = _replay_setup()
+    with pytest.raises(ConfigError, match="link probing") as err:
+        replay(wl, cfg, faults=[DistFlowFault(at_ns=0, prefill_te=0, kind="link_down")])
+    assert err.value.field == "faults"
+    with pytest.raises(ConfigError) as err:
+        DistFlowFault(at_ns=0, prefill_te=0, duration_ns=5)
+    assert err.value.field == "duration_ns"

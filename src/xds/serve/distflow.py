@@ -137,8 +137,14 @@ class DistFlow:
         self.aivs = aivs
         self._pair_locks: dict[tuple[int, int], anyio.Lock] = {}
         """One message at a time per die pair, so each RECV matches its own SEND."""
-        self._link_up = anyio.Event()
-        self._link_up.set()
+        self.link_up = True
+        """False while the link is down (:meth:`link_down`): nothing moves."""
+        self._gate = anyio.Event()
+        """Set while transfers may go: the link is up, or the pair was declared failed (then
+        the stalled transfers end as failed at once)."""
+        self._gate.set()
+        self._awaiting_recv: set[int] = set()
+        """Registered transfers whose RECV has not been posted (the pair's FIFO)."""
         self._posted = anyio.Event()
         """Set (and replaced) whenever a registered transfer gets its RECV or ends."""
 
@@ -155,6 +161,7 @@ class DistFlow:
         )
         self._next_id += 1
         self.transfers[t.transfer_id] = t
+        self._awaiting_recv.add(t.transfer_id)
         emit("distflow", "registered", transfer=t.transfer_id, request=request_id, pair=self.pair)
         return t
 
@@ -169,10 +176,13 @@ class DistFlow:
         transfer.state = TransferState.IN_FLIGHT
         transfer.recv_ns = now_ns()
         transfer.decode_dp = decode_dp
-        self._moved()
+        self._moved(transfer)
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp, pair=self.pair)
-        if not self._link_up.is_set():  # a downed link stalls the transfer silently
-            await self._link_up.wait()
+        if not self._gate.is_set():  # a downed link stalls the transfer silently
+            await self._gate.wait()
+            if self.failed:  # declared failed while stalled: nothing moved
+                self._finish(transfer, TransferState.FAILED)
+                return
         if self.xccl is not None:
             await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
@@ -199,26 +209,31 @@ class DistFlow:
 
     # -- link probing (SPEC 11.1) ----------------------------------------------------------------
     def link_down(self) -> None:
-        """The pair's link fails silently: transfers and probes stall until it is restored."""
-        if self._link_up.is_set():
-            self._link_up = anyio.Event()
+        """The pair's link fails silently: transfers and probes stall until it is restored
+        (or the pair is declared failed)."""
+        if self.link_up:
+            self.link_up = False
+            if not self.failed:
+                self._gate = anyio.Event()
             emit("distflow", "link-down", pair=self.pair)
 
     def link_restore(self) -> None:
-        if not self._link_up.is_set():
-            self._link_up.set()
+        if not self.link_up:
+            self.link_up = True
+            self._gate.set()
             emit("distflow", "link-restored", pair=self.pair)
 
-    @property
-    def is_link_up(self) -> bool:
-        return self._link_up.is_set()
+    def declare_failed(self) -> None:
+        """Take the pair out of service (e.g. link probing found it down): transfers stalled
+        on the link, and every later one, end as failed."""
+        if not self.failed:
+            self.failed = True
+            self._gate.set()
+            emit("distflow", "declared-failed", pair=self.pair)
 
     def queued_before(self, transfer_id: int) -> int:
         """Transfers registered before ``transfer_id`` still waiting for their RECV."""
-        return sum(
-            t.transfer_id < transfer_id and t.state is TransferState.REGISTERED
-            for t in self.transfers.values()
-        )
+        return sum(t < transfer_id for t in self._awaiting_recv)
 
     async def probe(self, state: ProbeState, *, decode_dp: int = 0, nbytes: int = 64) -> None:
         """Send a dummy payload of ``nbytes`` to decode DP ``decode_dp`` through the pair's
@@ -229,12 +244,15 @@ class DistFlow:
             posted = self._posted
             await posted.wait()
         state.on_wire_ns = now_ns()
-        while not self._link_up.is_set():
-            await self._link_up.wait()
+        while not self._gate.is_set():
+            await self._gate.wait()
+        if self.failed and not self.link_up:
+            await anyio.sleep_forever()  # a failed link never delivers (the caller times out)
         await sleep_until_ns(self._through_ports([0], decode_dp, nbytes))
         state.delivered_ns = now_ns()
 
-    def _moved(self) -> None:
+    def _moved(self, transfer: Transfer) -> None:
+        self._awaiting_recv.discard(transfer.transfer_id)
         self._posted.set()
         self._posted = anyio.Event()
 
@@ -265,7 +283,7 @@ class DistFlow:
 
     def _finish(self, transfer: Transfer, state: TransferState) -> None:
         if transfer.state is TransferState.REGISTERED:
-            self._moved()
+            self._moved(transfer)
         transfer.state = state
         transfer.done_ns = now_ns()
         done = Completion(transfer.transfer_id, transfer.request_id, state)

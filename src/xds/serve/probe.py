@@ -23,6 +23,7 @@ periodically and keeps the verdicts.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Annotated
 
 import anyio
@@ -101,23 +102,35 @@ def _completed(flow: DistFlow) -> int:
 
 class LinkMonitor:
     """Probes DistFlow pairs every ``period_ns`` and keeps every result (run it as a task;
-    cancel it when done)."""
+    cancel it when done). Pairs already out of service are not probed; ``on_result`` sees
+    each result as it comes (the replay takes a LINK_FAILURE pair out of service)."""
 
-    def __init__(self, flows: list[DistFlow], config: ProbeConfig | None = None):
+    def __init__(
+        self,
+        flows: list[DistFlow],
+        config: ProbeConfig | None = None,
+        *,
+        on_result: Callable[[DistFlow, ProbeResult], None] | None = None,
+    ):
         self.flows = flows
         self.config = config or ProbeConfig()
         self.results: list[ProbeResult] = []
+        self._on_result = on_result
 
     async def run(self) -> None:
         while True:
             start = now_ns()
             async with anyio.create_task_group() as tg:
                 for flow in self.flows:
-                    tg.start_soon(self._one, flow)
+                    if not flow.failed:
+                        tg.start_soon(self._one, flow)
             await sleep_ns(max(0, start + self.config.period_ns - now_ns()))
 
     async def _one(self, flow: DistFlow) -> None:
-        self.results.append(await probe(flow, self.config))
+        result = await probe(flow, self.config)
+        self.results.append(result)
+        if self._on_result is not None:
+            self._on_result(flow, result)
 
 
 document_fields(ProbeConfig)

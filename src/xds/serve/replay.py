@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
-from ..runtime import Runtime, emit, now_ns, sleep_until_ns
+from ..runtime import Runtime, emit, now_ns, sleep_ns, sleep_until_ns
 from ..runtime.events import EventLog
 from ..runtime.loop import HORIZON_NS
 from ..runtime.sync import task_group_raising_single
@@ -55,6 +55,7 @@ from .kv import kv_capacity_blocks
 from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
+from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
@@ -88,6 +89,9 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     record_token_times: bool | None = None
     """Per-token times (for inter-token latency); None: only for workloads up to 5,000
     requests (they cost memory on long traces)."""
+    probe: ProbeConfig | None = None
+    """Link probing of every DistFlow pair (SPEC 11.1, :mod:`xds.serve.probe`); a pair found
+    LINK_FAILURE is taken out of service (None: no probing)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -119,15 +123,26 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class DistFlowFault(msgspec.Struct, frozen=True, kw_only=True):
-    """From virtual time ``at_ns`` the DistFlow instance of (``prefill_te``, ``decode_te``)
-    fails every transfer it completes (:meth:`Replay.inject_distflow_failure`)."""
+    """A fault of the DistFlow pair (``prefill_te``, ``decode_te``) from virtual time
+    ``at_ns`` (:meth:`Replay.inject_distflow_failure`).
+
+    ``kind = "transport"``: the instance fails every transfer it completes (a transport
+    error each side sees). ``kind = "link_down"``: the link stalls silently, transfers and
+    probes alike, for ``duration_ns`` (0: for good); only link probing
+    (:attr:`PDConfig.probe`) tells it from Decode saturation and takes the pair out of
+    service."""
 
     at_ns: Annotated[int, Meta(ge=0)]
     prefill_te: Annotated[int, Meta(ge=0)]
     decode_te: Annotated[int, Meta(ge=0)] = 0
+    kind: Literal["transport", "link_down"] = "transport"
+    duration_ns: Annotated[int, Meta(ge=0)] = 0
+    """``link_down`` only: when the link comes back (0: never)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.duration_ns and self.kind != "link_down":
+            raise ConfigError("only a link_down fault has a duration", field="duration_ns")
 
 
 class ReplayResult(msgspec.Struct):
@@ -139,6 +154,8 @@ class ReplayResult(msgspec.Struct):
     end_ns: int
     events: EventLog | None = None
     """The run's event log, with ``replay(..., event_log=True)``."""
+    probes: list[ProbeResult] = []
+    """Every link probe's outcome, with :attr:`PDConfig.probe` set."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -212,7 +229,8 @@ class Replay:
         self._link, self._engines = link, pod.engines
         self.distflow: dict[tuple[int, int], DistFlow] = {}
         self.xccl: XCCL | None = None
-        self._faults: list[tuple[int, int, int]] = []
+        self._faults: list[DistFlowFault] = []
+        self.monitor: LinkMonitor | None = None
         self._picked = [0] * cfg.prefill.tes  # when each Prefill TE was last picked
         self._picks = 0
         self.kv_bytes_per_token = model.kv_bytes_per_token(
@@ -358,25 +376,70 @@ class Replay:
                     rec.reason = (
                         f"KV transfer {done.state.value} (DistFlow P{flow.prefill_te}-D{dte.index})"
                     )
+                    if not flow.link_up:
+                        rec.reason += ": link down, found by link probing"
                     rec.finish_ns = now_ns()
                     dte.abandon(dp, rec)
                     self._ended(rec)
 
-    def inject_distflow_failure(self, at_ns: int, prefill_te: int, decode_te: int = 0) -> None:
-        """Fault injection: from virtual time ``at_ns`` the DistFlow instance of (Prefill TE,
-        Decode TE) fails every transfer it completes; other pairs are unaffected (isolation,
-        P102). Call before :meth:`run`."""
+    def inject_distflow_failure(
+        self,
+        at_ns: int,
+        prefill_te: int,
+        decode_te: int = 0,
+        *,
+        kind: Literal["transport", "link_down"] = "transport",
+        duration_ns: int = 0,
+    ) -> None:
+        """Fault injection (:class:`DistFlowFault`): from virtual time ``at_ns`` the DistFlow
+        instance of (Prefill TE, Decode TE) fails every transfer it completes, or its link
+        stalls silently; other pairs are unaffected (isolation, P102). Call before
+        :meth:`run`."""
         cfg = self.config
         if not (0 <= prefill_te < cfg.prefill.tes and 0 <= decode_te < cfg.decode_tes):
             raise ConfigError(f"no DistFlow instance P{prefill_te}-D{decode_te}", field="pair")
-        if at_ns < 0:
-            raise ConfigError(f"at_ns must be >= 0, got {at_ns}", field="at_ns")
-        self._faults.append((at_ns, prefill_te, decode_te))
+        fault = DistFlowFault(
+            at_ns=at_ns,
+            prefill_te=prefill_te,
+            decode_te=decode_te,
+            kind=kind,
+            duration_ns=duration_ns,
+        )
+        if kind == "link_down" and not duration_ns and cfg.probe is None:
+            raise ConfigError(
+                f"a link_down fault of P{prefill_te}-D{decode_te} for good stalls its transfers "
+                "forever unless link probing finds it: set the deployment's probe (e.g. "
+                "probe = {}) or give the fault a duration_ns",
+                field="faults",
+            )
+        self._faults.append(fault)
 
-    async def _fault(self, at_ns: int, pair: tuple[int, int]) -> None:
-        await sleep_until_ns(at_ns)
-        self.distflow[pair].failed = True
-        emit("distflow", "instance-failed", prefill_te=pair[0], decode_te=pair[1])
+    async def _fault(self, fault: DistFlowFault) -> None:
+        await sleep_until_ns(fault.at_ns)
+        flow = self.distflow[(fault.prefill_te, fault.decode_te)]
+        if fault.kind == "transport":
+            flow.failed = True
+            emit(
+                "distflow",
+                "instance-failed",
+                prefill_te=fault.prefill_te,
+                decode_te=fault.decode_te,
+            )
+            return
+        flow.link_down()
+        if fault.duration_ns:
+            await sleep_ns(fault.duration_ns)
+            flow.link_restore()
+
+    def _probed(self, flow: DistFlow, result: ProbeResult) -> None:
+        """Link probing found the pair down: take it out of service; the Job Executor avoids
+        it from now on, and the transfers stalled on it fail."""
+        if result.verdict is LinkVerdict.LINK_FAILURE and not flow.failed:
+            self._failed_pairs.setdefault((flow.prefill_te, flow.decode_te), now_ns())
+            emit(
+                "job-executor", "pair-avoided", prefill_te=flow.prefill_te, decode_te=flow.decode_te
+            )
+            flow.declare_failed()
 
     def _build_distflow(self, xccl: XCCL | None) -> None:
         """One DistFlow instance per (Prefill TE, Decode TE) pair; die numbering: the Prefill
@@ -423,8 +486,13 @@ class Replay:
                 system.start_soon(te.run, name=f"prefill-te-{te.index}")
             for dte in self.decode:
                 system.start_soon(dte.run, name=f"decode-te-{dte.index}")
-            for at_ns, p, d in self._faults:
-                system.start_soon(self._fault, at_ns, (p, d))
+            for fault in self._faults:
+                system.start_soon(self._fault, fault)
+            if self.config.probe is not None:
+                self.monitor = LinkMonitor(
+                    list(self.distflow.values()), self.config.probe, on_result=self._probed
+                )
+                system.start_soon(self.monitor.run, name="link-monitor")
             for (p, d), flow in self.distflow.items():
                 for dp in range(self.config.prefill.dps_per_te):
                     system.start_soon(self._prefill_poller, flow, dp, name=f"cq-P{p}-DP{dp}")
@@ -557,7 +625,13 @@ def replay(
             decode_te_selection=decode_te_selection,
         )
         for fault in faults:
-            r.inject_distflow_failure(fault.at_ns, fault.prefill_te, fault.decode_te)
+            r.inject_distflow_failure(
+                fault.at_ns,
+                fault.prefill_te,
+                fault.decode_te,
+                kind=fault.kind,
+                duration_ns=fault.duration_ns,
+            )
         return await r.run()
 
     runtime = Runtime(seed=seed, backend=backend, event_log=event_log)  # type: ignore[arg-type]
@@ -576,6 +650,7 @@ def replay(
         decode_iterations=sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
         events=runtime.events if event_log else None,
+        probes=r.monitor.results if r.monitor is not None else [],
     )
 
 
