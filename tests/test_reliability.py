@@ -318,3 +318,83 @@ def _clean_tokens() -> dict[int, list[int]]:
     if not _CLEAN:
         _CLEAN.update({o.request: o.tokens for o in _run(SMALL).outcomes})
     return _CLEAN
+
+
+SCALE = msgspec.structs.replace(
+    SMALL,
+    output_tokens=30,
+    heartbeat=HeartbeatConfig(
+        dp_period_ns=40 * MS,
+        control_period_ns=100 * MS,
+        timeout_ns=60 * MS,
+        on_unhealthy="scale_down",
+    ),
+)
+
+
+@pytest.mark.parametrize("fault", [ExecutorHang, ExecutorCrash])
+def test_scale_down_removes_the_dead_dp_and_the_others_go_on(fault):
+    """Stage 2 (P119): the DP that stopped outside a barrier is removed with its EP rank; its
+    requests fail with the reason; the survivors redo the interrupted iteration on fewer dies
+    and finish with exactly the fault-free tokens."""
+    clean = {o.request: o.tokens for o in _run(SCALE).outcomes}
+    cfg = msgspec.structs.replace(SCALE, faults=(fault(dp=2, iteration=3),))
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    assert not res.stopped
+    assert [o.request for o in res.failed()] == [6, 7, 8]  # DP 2's sequences
+    assert all("DP 2 removed by decode scale-down" in o.reason for o in res.failed())
+    assert all(o.tokens == clean[o.request] for o in res.outcomes if o.state == "completed")
+    (sd,) = res.scale_downs
+    assert sd.removed == [2] and sd.live_dps == 3 and sd.min_replicas >= 1
+    assert sd.expert_scale > 1  # experts 0 and 1 lost a replica: die 0 carries them alone
+    (abort,) = res.rollbacks
+    assert abort.code == "SCALE_DOWN" and abort.iteration == 3 and abort.polling == [0, 1, 3]
+    assert sorted(abort.observed_ns) == [0, 1, 3]
+    # the survivors' masters were stalled behind DP 2, marked too, and answer again
+    assert {v.dp for v in res.verdicts} == {0, 1, 2, 3}
+
+
+def test_scale_down_that_would_orphan_an_expert_restarts_the_world():
+    cfg = msgspec.structs.replace(
+        SCALE, slots_per_die=1, faults=(ExecutorCrash(dp=2, iteration=3),)
+    )
+    res = _run(cfg)
+    _check_one_outcome_each(cfg, res)
+    assert "would leave experts [2] without a replica" in res.stopped
+    assert res.completed() == 0 and not res.scale_downs
+
+
+def test_scale_down_is_the_same_run_on_both_backends():
+    cfg = msgspec.structs.replace(SCALE, faults=(ExecutorHang(dp=1, iteration=5),))
+    assert _run(cfg, seed=2) == _run(cfg, seed=2, backend="trio")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    experts=st.integers(1, 12),
+    dies=st.integers(1, 8),
+    slots=st.integers(1, 4),
+    lost=st.sets(st.integers(0, 7)),
+)
+def test_scale_down_keeps_a_replica_of_every_expert_or_refuses(experts, dies, slots, lost):
+    from xds.serve.reliability.experts import ExpertPlacement
+
+    if dies * slots < experts:
+        with pytest.raises(ConfigError):
+            ExpertPlacement.round_robin(experts, dies, slots)
+        return
+    full = ExpertPlacement.round_robin(experts, dies, slots)
+    assert sorted(full.replicas) == list(range(experts))
+    assert sum(map(len, full.replicas.values())) == dies * slots
+    lost = {d for d in lost if d < dies}
+    orphans = full.orphans(lost)
+    if orphans:
+        with pytest.raises(ConfigError, match="no replica"):
+            full.without(lost)
+        assert all(set(full.replicas[e]) <= lost for e in orphans)
+        return
+    after = full.without(lost)
+    assert after.min_replicas() >= 1
+    assert not {d for ds in after.replicas.values() for d in ds} & lost
+    assert after.busiest_share() >= full.busiest_share() - 1e-12  # load only concentrates

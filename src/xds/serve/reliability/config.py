@@ -23,11 +23,14 @@ from ...docfields import document_fields
 from ...errors import ConfigError
 from ...units import MS, US
 
-Unhealthy = Literal["restart", "report"]
-"""What the control plane does when the TE-shell reports an unhealthy DP. ``restart``:
+Unhealthy = Literal["restart", "scale_down", "report"]
+"""What the control plane does when the TE-shell reports unhealthy DPs. ``restart``:
 restart-the-world (SPEC 11.2 stage 1): the engine stops and every request still in flight
-fails with the reason; ``report``: record the verdict and carry on (to study false positives
-without losing the run)."""
+fails with the reason. ``scale_down``: decode vertical scale-down (stage 2, P119): the DPs
+whose executors stopped outside a global barrier (hung, crashed, or busy past the timeout) are
+removed with their EP ranks, their requests fail, the rest redo the interrupted iteration on
+fewer dies; if that would leave an expert without a replica, restart-the-world instead.
+``report``: record the verdicts and carry on (to study false positives)."""
 
 
 class LayerTimes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -156,6 +159,11 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     rollback: RollbackConfig = RollbackConfig()
     faults: tuple[Fault, ...] = ()
+    experts: Annotated[int, Meta(ge=0)] = 0
+    """Logical experts placed over the DP dies (0: one per DP)."""
+    slots_per_die: Annotated[int, Meta(ge=1)] = 2
+    """Expert slots per die, filled round-robin (:mod:`.experts`); more slots than experts
+    overall are redundant replicas, which scale-down relies on."""
     vocab: Annotated[int, Meta(ge=2)] = 64
     """Vocabulary of the tiny content model that makes tokens (content mode, greedy)."""
 
@@ -176,6 +184,12 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                     f"DP's {self.kv_blocks_per_dp} KV blocks",
                     field=f"faults[{i}].first_block",
                 )
+        if self.dps * self.slots_per_die < self.n_experts:
+            raise ConfigError(
+                f"{self.dps} dies x {self.slots_per_die} slots cannot hold {self.n_experts} "
+                "experts",
+                field="slots_per_die",
+            )
         need = -(-(self.prompt_tokens + self.output_tokens) // self.block_tokens)
         if need * self.batch_per_dp > self.kv_blocks_per_dp:
             raise ConfigError(
@@ -184,6 +198,10 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 f"{self.kv_blocks_per_dp}",
                 field="kv_blocks_per_dp",
             )
+
+    @property
+    def n_experts(self) -> int:
+        return self.experts or self.dps
 
 
 for _kind in (LayerTimes, HeartbeatConfig, RollbackConfig, ReliabilityConfig):

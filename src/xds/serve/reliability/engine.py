@@ -46,6 +46,7 @@ from .config import (
     SlowIteration,
 )
 from .content import TinyDecoder
+from .experts import ExpertPlacement
 from .heartbeat import TEShellHeartbeat, Verdict, control_plane
 from .kv_space import AddressedKV
 from .rollback import RollbackCoordinator, RollbackRecord, RolledBack
@@ -65,6 +66,18 @@ class RequestOutcome(msgspec.Struct, kw_only=True):
     finished_ns: int
 
 
+class ScaleDown(msgspec.Struct, frozen=True, kw_only=True):
+    """One decode vertical scale-down."""
+
+    at_ns: int
+    removed: list[int]
+    live_dps: int
+    expert_scale: float
+    """Expert time from now on, relative to the full group."""
+    min_replicas: int
+    """The fewest dies any expert is left on (at least 1)."""
+
+
 class ReliabilityResult(msgspec.Struct, kw_only=True):
     outcomes: list[RequestOutcome]
     iterations: int
@@ -77,6 +90,7 @@ class ReliabilityResult(msgspec.Struct, kw_only=True):
     """Why the engine stopped before the end ("": it ran to completion)."""
     masked_blocks: dict[int, list[int]] = {}
     """DP -> KV blocks masked after memory faults."""
+    scale_downs: list[ScaleDown] = []
 
     def completed(self) -> int:
         return sum(o.state == "completed" for o in self.outcomes)
@@ -132,6 +146,13 @@ class ReliableDecode:
         self.stopped = ""
         self.commits = [0] * n
         self._scope: anyio.CancelScope | None = None
+        self._dp_scopes = [anyio.CancelScope() for _ in range(n)]
+        self.live = list(range(n))
+        self.placement = ExpertPlacement.round_robin(config.n_experts, n, config.slots_per_die)
+        self._share0 = self.placement.busiest_share()
+        self.expert_scale = 1.0
+        """Expert time relative to the full group (grows as scale-down concentrates load)."""
+        self.scale_downs: list[ScaleDown] = []
         self._run_send: list[MemoryObjectSendStream[_Run]] = []
         self._run_recv: list[MemoryObjectReceiveStream[_Run]] = []
         self._reply_send: list[MemoryObjectSendStream[_Reply]] = []
@@ -165,8 +186,7 @@ class ReliableDecode:
                 )
             async with anyio.create_task_group() as tg:
                 for dp in range(cfg.dps):
-                    tg.start_soon(self._master, dp, name=f"dp-master-{dp}")
-                    tg.start_soon(self._executor, dp, name=f"executor-{dp}")
+                    tg.start_soon(self._dp_group, dp, name=f"dp-group-{dp}")
                     tg.start_soon(self._output_processor, dp, name=f"output-processor-{dp}")
             outer.cancel_scope.cancel()  # the engine finished: stop the heartbeats
         return self._result(now_ns() - start)
@@ -193,14 +213,17 @@ class ReliableDecode:
             seqs.clear()
         for kv in self.kv:
             kv.check()
+        for record in self.coord.records:  # the same run reads the same on every backend
+            record.observed_ns = dict(sorted(record.observed_ns.items()))
         return ReliabilityResult(
             outcomes=[self.outcomes[r] for r in sorted(self.outcomes)],
             iterations=max(self.commits),
             elapsed_ns=elapsed,
             rollbacks=self.coord.records,
-            verdicts=self.shell.verdicts,
+            verdicts=sorted(self.shell.verdicts, key=lambda v: (v.marked_ns, v.dp)),
             stopped=self.stopped,
             masked_blocks={dp: sorted(kv.masked) for dp, kv in enumerate(self.kv) if kv.masked},
+            scale_downs=self.scale_downs,
         )
 
     def _end(self, s: _Seq, state: Literal["completed", "failed"], reason: str = "") -> None:
@@ -224,16 +247,69 @@ class ReliableDecode:
             self._scope.cancel()
 
     def _unhealthy(self, verdicts: list[Verdict]) -> None:
-        if self.config.heartbeat.on_unhealthy == "restart":
-            dps = ", ".join(str(v.dp) for v in verdicts)
-            who = f"DP {dps}" if len(verdicts) == 1 else f"DPs {dps}"
+        mode = self.config.heartbeat.on_unhealthy
+        if mode == "report":
+            return
+        dps = ", ".join(str(v.dp) for v in verdicts)
+        who = f"DP {dps}" if len(verdicts) == 1 else f"DPs {dps}"
+        why = (
+            f"{who} missed a heartbeat (unanswered for "
+            f"{self.config.heartbeat.timeout_ns / 1e6:g} ms; first ping at "
+            f"{verdicts[0].ping_ns / 1e6:g} ms)"
+        )
+        if mode == "restart":
+            self._stop(f"restart-the-world: {why}")
+            return
+        # scale-down: remove the DPs stopped outside a global barrier; the others are stalled
+        # behind them at a barrier and will answer once the group goes on without them
+        culprits = [
+            d for d in self.live if d in self.shell.unhealthy and not self.coord.is_polling(d)
+        ]
+        if not culprits:
+            return  # everyone marked is waiting at a barrier: nothing to remove (yet)
+        survivors = [d for d in self.live if d not in culprits]
+        orphans = self.placement.orphans(set(culprits))
+        if not survivors or orphans:
+            lost = f"experts {orphans} without a replica" if orphans else "no DP"
             self._stop(
-                f"restart-the-world: {who} missed a heartbeat (unanswered for "
-                f"{self.config.heartbeat.timeout_ns / 1e6:g} ms; first ping at "
-                f"{verdicts[0].ping_ns / 1e6:g} ms)"
+                f"restart-the-world: {why}; removing DP {', '.join(map(str, culprits))} "
+                f"would leave {lost}"
             )
+            return
+        self._scale_down(culprits, survivors)
+
+    def _scale_down(self, culprits: list[int], survivors: list[int]) -> None:
+        """Decode vertical scale-down (P119): fewer DP groups and EP ranks, every expert kept."""
+        self.placement = self.placement.without(set(culprits))
+        self.expert_scale = self.placement.busiest_share() / self._share0
+        self.live = survivors
+        self.coord.set_parties(len(survivors))
+        reason = "DP {} removed by decode scale-down after it stopped answering; its KV is lost"
+        for dp in culprits:
+            self._dp_scopes[dp].cancel()
+            self.shell.retire(dp)
+            for s in list(self.active[dp]):
+                self._fail(s, reason.format(dp))
+        self.coord.abort(culprits[0], "SCALE_DOWN")  # the survivors redo the iteration
+        self.scale_downs.append(
+            ScaleDown(
+                at_ns=now_ns(),
+                removed=culprits,
+                live_dps=len(survivors),
+                expert_scale=self.expert_scale,
+                min_replicas=self.placement.min_replicas(),
+            )
+        )
+        emit("reliability", "scale-down", removed=culprits, live=len(survivors))
 
     # -- DP master ----------------------------------------------------------------------------
+    async def _dp_group(self, dp: int) -> None:
+        """A DP group's master and executor, in a scope a scale-down can cancel."""
+        with self._dp_scopes[dp]:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._master, dp, name=f"dp-master-{dp}")
+                tg.start_soon(self._executor, dp, name=f"executor-{dp}")
+
     async def _master(self, dp: int) -> None:
         cfg = self.config
         kv = self.kv[dp]
@@ -245,6 +321,7 @@ class ReliableDecode:
                 attempt = 0
                 while True:
                     self._reserve(dp)
+                    self.coord.current = (it, attempt)
                     await self._run_send[dp].send(_Run(it, attempt))
                     try:
                         reply = await self._reply_recv[dp].receive()  # blocks the loop
@@ -256,8 +333,7 @@ class ReliableDecode:
                     kv.restore()  # discard the attempt: KV back to the end of it - 1
                     for s in self.active[dp]:
                         del s.rows[kv.tokens(s.request) :]
-                    if await self.coord.epoch_barrier.wait() == cfg.dps - 1:
-                        self.coord.redo_started()
+                    await self.coord.epoch_barrier.wait()
                     attempt += 1
                 self._commit(dp, reply.tokens, out)
                 await self._gap(dp)
@@ -345,7 +421,7 @@ class ReliableDecode:
                     coord.report(dp, it, attempt, f.code)
                     raise RolledBack
             await coord.barrier(it, attempt, f"dispatch-{layer}").wait(dp)
-            await sleep_ns(t.dispatch_ns + t.expert_ns)
+            await sleep_ns(t.dispatch_ns + round(t.expert_ns * self.expert_scale))
             await coord.barrier(it, attempt, f"combine-{layer}").wait(dp)
             await sleep_ns(t.combine_ns)
         await sleep_ns(t.head_ns)

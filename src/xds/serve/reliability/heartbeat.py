@@ -54,6 +54,9 @@ class TEShellHeartbeat:
         self._answered = [0] * dps
         self._answer = [anyio.Event() for _ in range(dps)]
         self.verdicts: list[Verdict] = []
+        self.unhealthy: set[int] = set()
+        """DPs marked unhealthy that have not answered since."""
+        self._scopes: dict[int, anyio.CancelScope] = {}
 
     def pong(self, dp: int, ping: Ping) -> None:
         """A DP master's reply (called from the master's own loop)."""
@@ -72,7 +75,20 @@ class TEShellHeartbeat:
             n += 1
 
     async def watch(self, dp: int) -> None:
-        """Ping DP ``dp`` every period until one goes unanswered for the timeout."""
+        """Ping DP ``dp`` every period. A ping unanswered for the timeout marks it unhealthy;
+        the answer, if it ever comes, marks it healthy again (e.g. a DP that was stalled
+        behind another's fault). Cancelled when the DP is removed."""
+        with anyio.CancelScope() as scope:
+            self._scopes[dp] = scope
+            await self._watch(dp)
+
+    def retire(self, dp: int) -> None:
+        """Stop watching a removed DP."""
+        if dp in self._scopes:
+            self._scopes[dp].cancel()
+        self.unhealthy.discard(dp)
+
+    async def _watch(self, dp: int) -> None:
         cfg = self.config
         seq = 0
         while True:
@@ -80,32 +96,46 @@ class TEShellHeartbeat:
             sent = now_ns()
             self._to_dp[dp].send_nowait(Ping(seq, sent))
             with anyio.move_on_after(cfg.timeout_ns / 1e9):
-                while self._answered[dp] < seq:
-                    self._answer[dp] = anyio.Event()
-                    await self._answer[dp].wait()
+                await self._answered_to(dp, seq)
             if self._answered[dp] < seq:
                 v = Verdict(
                     dp=dp, ping_ns=sent, marked_ns=now_ns(), fault_injected=self._faulty(dp)
                 )
                 self.verdicts.append(v)
+                self.unhealthy.add(dp)
                 emit("te-shell", "dp-unhealthy", dp=dp, ping_ns=sent, fault=v.fault_injected)
-                return
+                await self._answered_to(dp, seq)
+                self.unhealthy.discard(dp)
+                emit("te-shell", "dp-recovered", dp=dp)
             await sleep_until_ns(max(now_ns(), sent + cfg.dp_period_ns))
+
+    async def _answered_to(self, dp: int, seq: int) -> None:
+        while self._answered[dp] < seq:
+            self._answer[dp] = anyio.Event()
+            await self._answer[dp].wait()
 
 
 async def control_plane(
     config: HeartbeatConfig, shell: TEShellHeartbeat, act: Callable[[list[Verdict]], None]
 ) -> None:
-    """Ping the TE-shell every period; hand the verdicts new since the last ping to ``act``."""
-    seen = 0
+    """Ping the TE-shell every period; hand the verdicts marked since the last ping to
+    ``act``, in (time, DP) order. A verdict marked at the very instant of a ping waits for the
+    next one, so same-instant ordering never decides what the control plane sees."""
+    seen: set[int] = set()
     while True:
         await sleep_ns(config.control_period_ns)
-        if seen == len(shell.verdicts):
+        now = now_ns()
+        new = sorted(
+            (v.marked_ns, v.dp, i)
+            for i, v in enumerate(shell.verdicts)
+            if i not in seen and v.marked_ns < now
+        )
+        if not new:
             continue
-        for i in range(seen, len(shell.verdicts)):
+        for _, dp, i in new:
+            seen.add(i)
             shell.verdicts[i] = msgspec.structs.replace(
-                shell.verdicts[i], seen_by_control_plane_ns=now_ns()
+                shell.verdicts[i], seen_by_control_plane_ns=now
             )
-            emit("control-plane", "unhealthy", dp=shell.verdicts[i].dp)
-        act(shell.verdicts[seen:])
-        seen = len(shell.verdicts)
+            emit("control-plane", "unhealthy", dp=dp)
+        act([shell.verdicts[i] for _, _, i in new])

@@ -14,6 +14,8 @@ The pieces, named as in P120:
 * After a rollback each DP master discards the attempt, restores its KV to the checkpoint and
   acknowledges the epoch at :attr:`RollbackCoordinator.epoch_barrier`; no DP starts the redo
   before all have (no mixed epochs).
+* A scale-down aborts the current attempt the same way (:meth:`RollbackCoordinator.abort`)
+  and lowers the number of parties every barrier waits for.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
-from ...runtime import Barrier, call_at_ns, emit, now_ns, sleep_until_ns
+from ...runtime import call_at_ns, emit, now_ns, sleep_until_ns
 from .config import RollbackConfig
 
 
@@ -70,9 +72,33 @@ class RollbackCoordinator:
         self._escalate = escalate
         self.flag: _Flag | None = None
         self.records: list[RollbackRecord] = []
-        self.epoch_barrier = Barrier(dps)
+        self.epoch_barrier = EpochBarrier(self)
         self._tries: dict[int, int] = {}
         self._open: list[PollBarrier] = []
+        self.current = (0, 0)
+        """The (iteration, attempt) the DP masters last started."""
+
+    def set_parties(self, dps: int) -> None:
+        """The live DP count changed (scale-down): barriers wait for this many from now."""
+        self.dps = dps
+        self.epoch_barrier.check()
+
+    def is_polling(self, dp: int) -> bool:
+        """Whether DP ``dp``'s executor is inside a global barrier's busy-poll right now."""
+        return any(dp in b.waiting for b in self._open)
+
+    def abort(self, dp: int, code: str) -> None:
+        """Abort the current attempt on every DP (a rollback not caused by an error, e.g. a
+        scale-down changing the parties); not counted against ``max_retries``."""
+        iteration, attempt = self.current
+        if self._current(iteration, attempt) is not None:
+            return  # already being rolled back: the epoch barrier now waits for fewer DPs
+        record = RollbackRecord(
+            iteration=iteration, attempt=attempt, code=code, origin_dp=dp, error_ns=now_ns()
+        )
+        self.records.append(record)
+        emit("rollback", "abort", dp=dp, iteration=iteration, attempt=attempt, code=code)
+        call_at_ns(now_ns() + self.config.broadcast_ns, self._broadcast, record)
 
     def flagged(self, iteration: int, attempt: int) -> bool:
         f = self.flag
@@ -143,6 +169,32 @@ class RollbackCoordinator:
             self._open.remove(barrier)
 
 
+class EpochBarrier:
+    """Every live DP acknowledges the rolled-back epoch before any starts the redo; the
+    number of live DPs may drop while they wait (scale-down)."""
+
+    def __init__(self, coord: RollbackCoordinator):
+        self.coord = coord
+        self.waiting = 0
+        self._release = anyio.Event()
+
+    async def wait(self) -> None:
+        self.waiting += 1
+        release = self._release
+        if not self.check():
+            await release.wait()
+
+    def check(self) -> bool:
+        """Release the waiters if all live DPs are here; True if it did."""
+        if not self.waiting or self.waiting < self.coord.dps:
+            return False
+        self.waiting = 0
+        self._release.set()
+        self._release = anyio.Event()
+        self.coord.redo_started()
+        return True
+
+
 class PollBarrier:
     """One busy-polled global-sync point of one attempt (all DPs take part)."""
 
@@ -165,7 +217,7 @@ class PollBarrier:
             c.observed(dp)
             raise RolledBack
         self.arrived += 1
-        if self.arrived == c.dps:
+        if self.arrived >= c.dps:
             self.release_ns = arrival
             self.wake.set()
             c.close(self)
