@@ -153,3 +153,36 @@ def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
     dep.write_text("microbatches = 0\n")
     assert main(["ma-decode", "--deployment", str(dep)]) == 2
     assert "microbatches" in capsys.readouterr().err
+
+
+def test_faults_injects_and_reports_recovery(capsys, tmp_path):
+    argv = ["faults", "--fault", "network_error:dp=2,iteration=4,layer=1"]
+    argv += ["--fault", "memory_fault:dp=1,iteration=6,first_block=3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "31 of 32" in out and "LINK_FLAP" in out and "ran to completion" in out
+    assert "failed x1: KV lost to an on-chip memory fault (blocks 3..3)" in out
+    cfg = tmp_path / "group.toml"
+    cfg.write_text(
+        "dps = 4\nbatch_per_dp = 2\n[heartbeat]\ndp_period_ns = 40_000_000\n"
+        "timeout_ns = 60_000_000\ncontrol_period_ns = 100_000_000\n"
+        '[[faults]]\nkind = "executor_crash"\ndp = 3\niteration = 2\n'
+    )
+    assert main(["faults", "--config", str(cfg), "--on-unhealthy", "scale_down", "--json"]) == 0
+    import json
+
+    res = json.loads(capsys.readouterr().out)
+    assert res["scale_downs"][0]["removed"] == [3] and not res["stopped"]
+    assert sum(o["state"] == "completed" for o in res["outcomes"]) == 6
+
+
+def test_faults_rejects_bad_fault_specs_in_one_line(capsys):
+    for spec, expected in (
+        ("bogus:dp=1", "unknown fault kind 'bogus'"),
+        ("network_error:dp=x,iteration=1", "Expected `int`"),
+        ("network_error:dp=9,iteration=1", "faults[0].dp: DP 9 does not exist"),
+        ("network_error:dp", "expected KEY=VALUE"),
+    ):
+        assert main(["faults", "--fault", spec]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1

@@ -1000,6 +1000,116 @@ def capacity(
     console.print(compare)
 
 
+@app.command()
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    help="A .toml/.json file of ReliabilityConfig fields (faults included).",
+)
+@click.option(
+    "--fault",
+    "fault_specs",
+    multiple=True,
+    metavar="KIND:KEY=VALUE,...",
+    help="Inject a fault, e.g. network_error:dp=2,iteration=4,layer=1 or "
+    "executor_hang:dp=1,iteration=3; kinds: executor_hang, executor_crash, slow_iteration, "
+    "network_error, memory_fault. Repeatable; added to the config's faults.",
+)
+@click.option(
+    "--on-unhealthy",
+    type=click.Choice(["restart", "scale_down", "report"]),
+    default=None,
+    help="What the control plane does with DPs that miss heartbeats (default: the config's).",
+)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@_backend_option
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def faults(
+    config_path: str | None,
+    fault_specs: tuple[str, ...],
+    on_unhealthy: str | None,
+    seed: int,
+    backend: str,
+    as_json: bool,
+) -> None:
+    """Inject faults into a decode group and watch SPEC 11's detection and recovery."""
+    import msgspec
+
+    from xds.config import load_config
+    from xds.runtime import run
+    from xds.serve.reliability import ReliabilityConfig, ReliableDecode, parse_fault
+
+    cfg = load_config(config_path, ReliabilityConfig) if config_path else ReliabilityConfig()
+    extra = tuple(parse_fault(spec) for spec in fault_specs)
+    changes: dict = {"faults": cfg.faults + extra}
+    if on_unhealthy is not None:
+        changes["heartbeat"] = msgspec.structs.replace(cfg.heartbeat, on_unhealthy=on_unhealthy)
+    cfg = msgspec.structs.replace(cfg, **changes)
+    res = run(lambda: ReliableDecode(cfg).run(), seed=seed, backend=backend, event_log=False)  # type: ignore[arg-type]
+    if as_json:
+        print(msgspec.json.encode(res).decode())
+        return
+    table = Table(title=f"faults: {cfg.dps} DPs x batch {cfg.batch_per_dp}, {cfg.layers} layers")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("faults injected", str(len(cfg.faults)))
+    table.add_row("requests completed", f"{res.completed()} of {len(res.outcomes)}")
+    table.add_row("iterations committed", f"{res.iterations} of {cfg.output_tokens - 1}")
+    table.add_row("virtual time", fmt_ns(res.elapsed_ns))
+    table.add_row("stopped", escape(res.stopped) or "no: ran to completion")
+    console.print(table)
+    if res.rollbacks:
+        rb = Table(title="rollbacks (SPEC 11.2 stage 3)")
+        for col in (
+            "iteration",
+            "attempt",
+            "code",
+            "from DP",
+            "broadcast",
+            "slowest reach",
+            "redo",
+        ):
+            rb.add_column(col, justify="right")
+        for r in res.rollbacks:
+            reach = max(r.observed_ns.values(), default=r.broadcast_ns) - r.broadcast_ns
+            rb.add_row(
+                str(r.iteration),
+                str(r.attempt),
+                r.code,
+                str(r.origin_dp),
+                fmt_ns(r.broadcast_ns),
+                fmt_ns(max(0, reach)),
+                fmt_ns(r.redo_ns) if r.redo_ns >= 0 else "-",
+            )
+        console.print(rb)
+    if res.verdicts:
+        hb = Table(title="heartbeat verdicts (TE-shell)")
+        for col in ("DP", "ping sent", "marked", "control plane saw", "fault injected"):
+            hb.add_column(col, justify="right")
+        for v in res.verdicts:
+            seen = fmt_ns(v.seen_by_control_plane_ns) if v.seen_by_control_plane_ns >= 0 else "-"
+            hb.add_row(
+                str(v.dp),
+                fmt_ns(v.ping_ns),
+                fmt_ns(v.marked_ns),
+                seen,
+                "yes" if v.fault_injected else "no",
+            )
+        console.print(hb)
+    for sd in res.scale_downs:
+        console.print(
+            f"scale-down at {fmt_ns(sd.at_ns)}: removed DP "
+            f"{', '.join(map(str, sd.removed))}, {sd.live_dps} DPs "
+            f"left, expert time x{sd.expert_scale:.2f}, every expert on >= {sd.min_replicas} die"
+        )
+    reasons: dict[str, int] = {}
+    for o in res.failed():
+        reasons[o.reason] = reasons.get(o.reason, 0) + 1
+    for reason, n in sorted(reasons.items()):
+        console.print(f"failed x{n}: {escape(reason)}")
+
+
 _FLAG_OF_FIELD = {
     "rate_scale": "--rate-scale",
     "rate_per_s": "--rate",

@@ -25,8 +25,9 @@ from .config import (
     ReliabilityConfig,
     RollbackConfig,
     SlowIteration,
+    parse_fault,
 )
-from .engine import ReliabilityResult, ReliableDecode, RequestOutcome
+from .engine import ReliabilityResult, ReliableDecode, RequestOutcome, ScaleDown
 from .heartbeat import Verdict
 from .rollback import RollbackRecord
 from .times import layer_times
@@ -45,7 +46,9 @@ __all__ = [
     "RequestOutcome",
     "RollbackConfig",
     "RollbackRecord",
+    "ScaleDown",
     "SlowIteration",
     "Verdict",
     "layer_times",
+    "parse_fault",
 ]

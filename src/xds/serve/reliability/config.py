@@ -153,6 +153,10 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     times: LayerTimes = LayerTimes()
     poll_ns: Annotated[int, Meta(gt=0)] = 5 * US
     """Busy-poll interval of every barrier (dispatch, combine, commit)."""
+    host_jitter_mean_ns: Annotated[int, Meta(ge=0)] = 20 * US
+    """Mean of the exponential host delay each DP adds before its first dispatch in every
+    attempt (the residual jitter with core pinning, as :class:`xds.serve.jitter.JitterConfig`;
+    0: DPs in exact lockstep)."""
     scheduler_gap_ns: Annotated[int, Meta(ge=0)] = 2 * MS
     block_tokens: Annotated[int, Meta(ge=1)] = 4
     kv_blocks_per_dp: Annotated[int, Meta(ge=1)] = 64
@@ -206,3 +210,33 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 for _kind in (LayerTimes, HeartbeatConfig, RollbackConfig, ReliabilityConfig):
     document_fields(_kind)
+
+
+_FAULT_KINDS = {
+    "executor_hang": ExecutorHang,
+    "executor_crash": ExecutorCrash,
+    "slow_iteration": SlowIteration,
+    "network_error": NetworkError,
+    "memory_fault": MemoryFault,
+}
+
+
+def parse_fault(spec: str) -> Fault:
+    """A fault from its short form ``KIND:KEY=VALUE,...``, e.g.
+    ``network_error:dp=2,iteration=4,layer=1`` (the command line's ``--fault``)."""
+    kind, _, rest = spec.partition(":")
+    if kind not in _FAULT_KINDS:
+        raise ConfigError(
+            f"{spec!r}: unknown fault kind {kind!r}; known: {', '.join(_FAULT_KINDS)}",
+            field="fault",
+        )
+    fields: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"{spec!r}: expected KEY=VALUE, got {item!r}", field="fault")
+        fields[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    try:
+        return msgspec.convert(fields, _FAULT_KINDS[kind])
+    except (msgspec.ValidationError, ConfigError) as exc:
+        raise ConfigError(f"{spec!r}: {exc}", field="fault") from None

@@ -131,6 +131,7 @@ class ReliableDecode:
         self.config = config
         n = config.dps
         self.decoder = TinyDecoder(config.vocab, rng("reliability/content"))
+        self._jitter = [rng(f"reliability/jitter/dp{dp}") for dp in range(n)]
         self.kv = [
             AddressedKV(config.kv_blocks_per_dp, block_tokens=config.block_tokens) for _ in range(n)
         ]
@@ -410,6 +411,8 @@ class ReliableDecode:
                 raise ExecutorCrashed
             if isinstance(f, SlowIteration):
                 extra += f.extra_ns
+        if cfg.host_jitter_mean_ns:
+            extra += int(self._jitter[dp].exponential(cfg.host_jitter_mean_ns))
         seqs = list(self.active[dp])
         for layer in range(cfg.layers):
             await sleep_ns(t.attention_ns + (extra if layer == 0 else 0))
