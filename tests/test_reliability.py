@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xds
-from xds.errors import ConfigError, ModelDeadlock
+from xds.errors import ConfigError
 from xds.runtime import run
 from xds.serve.reliability import (
     ExecutorCrash,
@@ -186,12 +186,18 @@ def test_a_long_healthy_iteration_is_a_false_positive():
     assert _run(strict).stopped.startswith("restart-the-world")
 
 
-def test_a_hang_without_heartbeats_is_reported_as_a_deadlock():
-    cfg = msgspec.structs.replace(
-        _faults(ExecutorHang(dp=1, iteration=2)), heartbeat=HeartbeatConfig(enabled=False)
-    )
-    with pytest.raises(ModelDeadlock, match="executor-1"):
-        _run(cfg)
+def test_a_hang_nobody_detects_ends_by_the_watchdog():
+    """Heartbeats off, or on but only reporting: the watchdog still ends the run, naming the
+    DP stopped outside a barrier, and every request ends with that reason."""
+    for hb in (HeartbeatConfig(enabled=False), HeartbeatConfig(on_unhealthy="report")):
+        cfg = msgspec.structs.replace(
+            _faults(ExecutorHang(dp=1, iteration=2)), heartbeat=hb, stall_limit_ns=5_000 * MS
+        )
+        res = _run(cfg)
+        _check_one_outcome_each(cfg, res)
+        assert res.stopped.startswith("watchdog: no iteration committed for 5 s")
+        assert res.stopped.endswith("outside a global barrier: 1")
+        assert res.completed() == 0 and res.iterations == 2
 
 
 def test_a_memory_fault_fails_only_the_requests_whose_kv_lay_there(clean):

@@ -160,6 +160,10 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     scheduler_gap_ns: Annotated[int, Meta(ge=0)] = 2 * MS
     block_tokens: Annotated[int, Meta(ge=1)] = 4
     kv_blocks_per_dp: Annotated[int, Meta(ge=1)] = 64
+    stall_limit_ns: Annotated[int, Meta(gt=0)] = 60_000 * MS
+    """Watchdog [emulator choice]: no iteration committed for this long stops the engine,
+    naming the DPs stopped outside a global barrier, so a run always ends (e.g. a hang with
+    heartbeats off or ``on_unhealthy = "report"``)."""
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     rollback: RollbackConfig = RollbackConfig()
     faults: tuple[Fault, ...] = ()

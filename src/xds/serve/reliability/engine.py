@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ...runtime import emit, now_ns, rng, sleep_ns
+from ...runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
 from .config import (
     ExecutorCrash,
     ExecutorHang,
@@ -154,6 +154,7 @@ class ReliableDecode:
         self.expert_scale = 1.0
         """Expert time relative to the full group (grows as scale-down concentrates load)."""
         self.scale_downs: list[ScaleDown] = []
+        self._last_commit_ns = 0
         self._run_send: list[MemoryObjectSendStream[_Run]] = []
         self._run_recv: list[MemoryObjectReceiveStream[_Run]] = []
         self._reply_send: list[MemoryObjectSendStream[_Reply]] = []
@@ -179,6 +180,7 @@ class ReliableDecode:
             self._out_recv.append(recv)
         async with anyio.create_task_group() as outer:
             self._scope = outer.cancel_scope
+            outer.start_soon(self._watchdog, name="watchdog")
             if cfg.heartbeat.enabled:
                 for dp in range(cfg.dps):
                     outer.start_soon(self.shell.watch, dp, name=f"te-shell-heartbeat-{dp}")
@@ -205,6 +207,20 @@ class ReliableDecode:
                 self.kv[dp].admit(s.request, cfg.prompt_tokens)
                 self.streamed[s.request] = list(s.tokens)
                 self.active[dp].append(s)
+
+    async def _watchdog(self) -> None:
+        """Stop the engine if no iteration commits for ``stall_limit_ns``."""
+        limit = self.config.stall_limit_ns
+        while True:
+            seen = self._last_commit_ns
+            await sleep_until_ns(seen + limit)
+            if self._last_commit_ns == seen:
+                stuck = [d for d in self.live if not self.coord.is_polling(d)]
+                self._stop(
+                    f"watchdog: no iteration committed for {limit / 1e9:g} s; DPs stopped "
+                    f"outside a global barrier: {', '.join(map(str, stuck)) or 'none'}"
+                )
+                return
 
     def _result(self, elapsed: int) -> ReliabilityResult:
         for dp, seqs in enumerate(self.active):  # restart-the-world: the rest fail
@@ -367,6 +383,7 @@ class ReliableDecode:
         """The iteration committed globally: checkpoint the KV, release the tokens."""
         self.kv[dp].commit()
         self.commits[dp] += 1
+        self._last_commit_ns = now_ns()
         for s in list(self.active[dp]):
             s.tokens.append(tokens[s.request])
             out.send_nowait((s.request, tokens[s.request]))
