@@ -186,3 +186,22 @@ def test_faults_rejects_bad_fault_specs_in_one_line(capsys):
         assert main(["faults", "--fault", spec]) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1
+
+
+def test_replay_injects_node_and_link_faults(capsys):
+    argv = ["replay", "--synthetic", "400", "--rate", "1", "--fault", "node:at=30,server=3"]
+    assert main([*argv, "--probe"]) == 0
+    out = capsys.readouterr().out
+    assert "restart-the-world" in out and "in flight failed" in out and "with 3 TEs" in out
+    assert "service unavailable: restart-the-world" in out
+    assert "link probes" in out and "healthy" in out
+    for spec, expected in (
+        ("node:at=1", "needs server"),
+        ("node:at=1,server=99", "--fault: server 99 does not exist"),
+        ("link_down:at=1,prefill_te=0", "--probe on the command line"),
+        ("bogus:at=1", "unknown kind 'bogus'"),
+        ("node:at=-1,server=0", "at must be >= 0"),
+    ):
+        assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1

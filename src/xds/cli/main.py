@@ -618,6 +618,18 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option(
+    "--fault",
+    "fault_specs",
+    multiple=True,
+    metavar="KIND:KEY=VALUE,...",
+    help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (restart-the-"
+    "world), link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] (a silent stall), "
+    "transport:at=10,prefill_te=0[,decode_te=0] (transfers fail). Repeatable.",
+)
+@click.option(
+    "--probe", is_flag=True, help="Probe every DistFlow pair's link (SPEC 11.1) during the replay."
+)
 def replay(
     trace: str | None,
     fmt: str | None,
@@ -635,6 +647,8 @@ def replay(
     sort: bool,
     seed: int,
     as_json: bool,
+    fault_specs: tuple[str, ...] = (),
+    probe: bool = False,
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
@@ -655,6 +669,11 @@ def replay(
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
     cfg = pd_config(deployment)
+    if probe:
+        from xds.serve.probe import ProbeConfig
+
+        cfg = msgspec.structs.replace(cfg, probe=cfg.probe or ProbeConfig())
+    faults = [_replay_fault(spec) for spec in fault_specs]
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
     if trace is None:
@@ -675,7 +694,7 @@ def replay(
         def progress(t_ns: int, done: int, total: int) -> None:
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
-        result = run_replay(workload, cfg, seed=seed, progress=progress)
+        result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults)
     if out_dir is not None:
         write(out_dir, result.records, result.summary, csv=as_csv)
     s = result.summary
@@ -711,9 +730,71 @@ def replay(
     busy = ", ".join(f"{b:.0%}" for b in result.prefill_busy)
     totals.add_row("prefill TEs busy (first arrival to last first token)", busy)
     totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
+    for r in result.restarts:
+        up = fmt_ns(r.prefill_up_ns) if r.prefill_up_ns >= 0 else "not before the replay ended"
+        totals.add_row(
+            "restart-the-world",
+            f"at {fmt_ns(r.started_ns)}: {r.failed} in flight failed; Decode back "
+            f"{fmt_ns(r.decode_up_ns) if r.decode_up_ns >= 0 else '-'}, Prefill back {up}"
+            + (f" with {r.prefill_tes} TEs" if r.prefill_tes >= 0 else ""),
+        )
+    if result.probes:
+        counts: dict[str, int] = {}
+        for pr in result.probes:
+            counts[pr.verdict.value] = counts.get(pr.verdict.value, 0) + 1
+        totals.add_row("link probes", ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))
     console.print(totals)
+
+
+def _replay_fault(spec: str):
+    """``--fault`` of ``xds replay``: KIND:KEY=VALUE,... with times in seconds."""
+    from xds.serve.recovery import NodeFault
+    from xds.serve.replay import DistFlowFault
+
+    kind, _, rest = spec.partition(":")
+    keys = {
+        "node": {"at", "server", "repair"},
+        "link_down": {"at", "prefill_te", "decode_te", "duration"},
+        "transport": {"at", "prefill_te", "decode_te"},
+    }
+    if kind not in keys:
+        raise click.UsageError(
+            f"--fault {spec}: unknown kind {kind!r}; choose node, link_down or transport"
+        )
+    values: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in keys[kind]:
+            raise click.UsageError(
+                f"--fault {spec}: expected KEY=VALUE with KEY in {', '.join(sorted(keys[kind]))}"
+                f", got {item!r}"
+            )
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise click.UsageError(
+                f"--fault {spec}: {key} must be a number, got {value!r}"
+            ) from None
+        if not math.isfinite(values[key]) or values[key] < 0:
+            raise click.UsageError(f"--fault {spec}: {key} must be >= 0, got {value!r}")
+    needed = {"at", "server"} if kind == "node" else {"at", "prefill_te"}
+    if missing := needed - values.keys():
+        raise click.UsageError(f"--fault {spec}: needs {', '.join(sorted(missing))}")
+
+    def ns(key: str) -> int:
+        return round(values.get(key, 0.0) * 1e9)
+
+    if kind == "node":
+        return NodeFault(at_ns=ns("at"), server=int(values["server"]), repair_ns=ns("repair"))
+    return DistFlowFault(
+        at_ns=ns("at"),
+        prefill_te=int(values["prefill_te"]),
+        decode_te=int(values.get("decode_te", 0)),
+        kind=kind,  # type: ignore[arg-type]
+        duration_ns=ns("duration"),
+    )
 
 
 def _bounds(binding: str) -> str:
@@ -1111,6 +1192,8 @@ def faults(
 
 
 _FLAG_OF_FIELD = {
+    "server": "--fault",
+    "faults": "--fault",
     "rate_scale": "--rate-scale",
     "rate_per_s": "--rate",
     "max_scale": "--max-scale",

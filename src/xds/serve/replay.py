@@ -19,10 +19,12 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Literal
 
 import anyio
+import anyio.abc
 import msgspec
 from msgspec import Meta
 
@@ -56,6 +58,7 @@ from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
+from .recovery import NodeFault, RecoveryConfig, Restart, restart_placement
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
@@ -92,6 +95,8 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     probe: ProbeConfig | None = None
     """Link probing of every DistFlow pair (SPEC 11.1, :mod:`xds.serve.probe`); a pair found
     LINK_FAILURE is taken out of service (None: no probing)."""
+    recovery: RecoveryConfig = RecoveryConfig()
+    """Restart-the-world after a :class:`~xds.serve.recovery.NodeFault` (SPEC 11.2 stage 1)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -112,6 +117,24 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 f"prefill.dies_per_te + decode_tes x decode.dies = {dies} dies",
                 field="kv_transfer",
             )
+
+    @property
+    def prefill_servers_per_te(self) -> int:
+        p = self.prefill
+        return -(-p.dies_per_te // (16 if p.hardware == "910c" else 8))
+
+    @property
+    def decode_servers(self) -> int:
+        """Servers the Decode TEs span (16 dies each)."""
+        return self.decode_tes * -(-self.decode.dies // 16)
+
+    @property
+    def servers(self) -> int:
+        """Servers of the deployment, spares included (NodeFault numbering: Prefill TEs'
+        first, then the Decode TEs', then the spares)."""
+        p = self.prefill
+        spare = self.recovery.spare_servers
+        return p.tes * self.prefill_servers_per_te + self.decode_servers + spare
 
     @property
     def chips(self) -> int:
@@ -156,6 +179,8 @@ class ReplayResult(msgspec.Struct):
     """The run's event log, with ``replay(..., event_log=True)``."""
     probes: list[ProbeResult] = []
     """Every link probe's outcome, with :attr:`PDConfig.probe` set."""
+    restarts: list[Restart] = []
+    """Every restart-the-world after a node fault."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -201,37 +226,22 @@ class Replay:
         pod = PodConfig()
         die, link = prefill_hardware(cfg.prefill, pod)
         self.prefill_cost = PrefillCost(model, cfg.prefill, die, pod.engines, link)
-        kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
-        self.prefill = [
-            PrefillTE(
-                i,
-                cfg.prefill,
-                self.prefill_cost,
-                kv_blocks_per_dp=kv_dp,
-                placement=prefill_placement,
-            )
-            for i in range(cfg.prefill.tes)
-        ]
+        self._kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
+        self._prefill_placement = prefill_placement
+        self._decode_routing = decode_routing
+        self._grid = grid
         record = cfg.record_token_times
-        if record is None:
-            record = len(workload) <= 5_000
-        self.decode = [
-            DecodeTE(
-                cfg.decode,
-                grid,
-                index=d,
-                record_token_times=record,
-                on_finish=self._ended,
-                routing=decode_routing,
-            )
-            for d in range(cfg.decode_tes)
-        ]
+        self._record_tokens = len(workload) <= 5_000 if record is None else record
+        self.prefill: list[PrefillTE] = []
+        self.decode: list[DecodeTE] = []
+        self._prefill_cfg = cfg.prefill
+        self._build_tes(cfg.prefill.tes)
         self._link, self._engines = link, pod.engines
         self.distflow: dict[tuple[int, int], DistFlow] = {}
         self.xccl: XCCL | None = None
         self._faults: list[DistFlowFault] = []
+        self._node_faults: list[NodeFault] = []
         self.monitor: LinkMonitor | None = None
-        self._picked = [0] * cfg.prefill.tes  # when each Prefill TE was last picked
         self._picks = 0
         self.kv_bytes_per_token = model.kv_bytes_per_token(
             int8_nope=cfg.decode.precision.kv_int8_nope
@@ -241,13 +251,61 @@ class Replay:
         self._failed_pairs: dict[tuple[int, int], int] = {}
         """DistFlow pairs the Job Executor has seen fail a transfer, and when: it stops
         choosing them (an ordered dict used as a set)."""
+        # restart-the-world (SPEC 11.2 stage 1)
+        self._system: anyio.abc.TaskGroup | None = None
+        self._inflight: dict[int, anyio.CancelScope] = {}
+        """Request -> the scope of its task, while it has not ended."""
+        self._ended_ids: set[int] = set()
+        self._engine_scopes: list[anyio.CancelScope] = []
+        """Scopes of the current engine's tasks (TEs, completion-queue pollers)."""
+        self.down = ""
+        """Why the engine is not serving ("" while it is)."""
+        self._torn_down = False
+        self.tainted: set[int] = set()
+        self.restarts: list[Restart] = []
+        self._retired_steps = 0
+        self._retired_iterations = 0
+        self._retired_busy: dict[int, int] = {}
+
+    def _build_tes(self, prefill_tes: int) -> None:
+        """Fresh Prefill and Decode TEs (at the start, and after a restart with
+        ``prefill_tes`` Prefill TEs)."""
+        cfg = self.config
+        p = cfg.prefill
+        if prefill_tes != p.tes:
+            p = msgspec.structs.replace(
+                p, tes=prefill_tes, long_pool_tes=min(p.long_pool_tes, prefill_tes - 1)
+            )
+        self._prefill_cfg = p
+        self.prefill = [
+            PrefillTE(
+                i,
+                p,
+                self.prefill_cost,
+                kv_blocks_per_dp=self._kv_dp,
+                placement=self._prefill_placement,
+            )
+            for i in range(prefill_tes)
+        ]
+        self.decode = [
+            DecodeTE(
+                cfg.decode,
+                self._grid,
+                index=d,
+                record_token_times=self._record_tokens,
+                on_finish=self._ended,
+                routing=self._decode_routing,
+            )
+            for d in range(cfg.decode_tes)
+        ]
+        self._picked = [0] * prefill_tes  # when each Prefill TE was last picked
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
         """By request length, cache state and load (P096): long inputs go to the long-input
         pool; within the pool the ``prefill_te_selection`` policy chooses (by default
         :func:`~xds.serve.job_executor.earliest_first_token`)."""
-        p = self.config.prefill
+        p = self._prefill_cfg
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
         pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
@@ -305,6 +363,7 @@ class Replay:
         return ""
 
     def _ended(self, record: RequestRecord) -> None:
+        self._ended_ids.add(record.request_id)
         self.ended += 1
         if self.progress is not None:
             self.progress(record.finish_ns, self.ended, len(self.workload))
@@ -408,8 +467,9 @@ class Replay:
         if kind == "link_down" and not duration_ns and cfg.probe is None:
             raise ConfigError(
                 f"a link_down fault of P{prefill_te}-D{decode_te} for good stalls its transfers "
-                "forever unless link probing finds it: set the deployment's probe (e.g. "
-                "probe = {}) or give the fault a duration_ns",
+                "forever unless link probing finds it: set the deployment's probe (probe = {} "
+                "in a deployment file, --probe on the command line) or give the fault a "
+                "duration_ns",
                 field="faults",
             )
         self._faults.append(fault)
@@ -445,7 +505,8 @@ class Replay:
         """One DistFlow instance per (Prefill TE, Decode TE) pair; die numbering: the Prefill
         TEs' dies first, then the Decode TEs'."""
         cfg = self.config
-        p, tp = cfg.prefill, cfg.prefill.attention_tp
+        p, tp = self._prefill_cfg, cfg.prefill.attention_tp
+        self.distflow = {}
         decode_base = p.tes * p.dies_per_te
         ingress: list[dict[int, int]] = [{} for _ in self.decode]  # per decode die
         egress: list[dict[int, int]] = [{} for _ in range(p.tes)]  # per prefill die
@@ -482,10 +543,35 @@ class Replay:
 
     async def _run(self) -> list[RequestRecord]:
         async with task_group_raising_single() as system:  # a policy's error as itself
+            self._system = system
+            self._start_engine(first=True)
+            for fault in self._node_faults:
+                system.start_soon(self._node_fault, fault, name=f"node-fault-{fault.server}")
+            async with anyio.create_task_group() as requests:
+                for req in self.workload.requests:
+                    await sleep_until_ns(req.arrival_ns)
+                    requests.start_soon(self._request, req, name=f"request-{req.request_id}")
+            system.cancel_scope.cancel()
+        if not self._torn_down:  # the TEs of an engine torn down by a restart are gone
             for te in self.prefill:
-                system.start_soon(te.run, name=f"prefill-te-{te.index}")
+                te.check()
             for dte in self.decode:
-                system.start_soon(dte.run, name=f"decode-te-{dte.index}")
+                dte.check()
+            for flow in self.distflow.values():
+                flow.check()
+        records = [self.records[r.request_id] for r in self.workload.requests]
+        return records
+
+    def _start_engine(self, *, first: bool = False) -> None:
+        """Start the engine's tasks: TEs, DistFlow completion-queue pollers, and (once) the
+        fault injectors and the link monitor."""
+        system = self._system
+        assert system is not None
+        for te in self.prefill:
+            system.start_soon(self._engine_task, te.run, name=f"prefill-te-{te.index}")
+        for dte in self.decode:
+            system.start_soon(self._engine_task, dte.run, name=f"decode-te-{dte.index}")
+        if first:
             for fault in self._faults:
                 system.start_soon(self._fault, fault)
             if self.config.probe is not None:
@@ -493,26 +579,139 @@ class Replay:
                     list(self.distflow.values()), self.config.probe, on_result=self._probed
                 )
                 system.start_soon(self.monitor.run, name="link-monitor")
-            for (p, d), flow in self.distflow.items():
-                for dp in range(self.config.prefill.dps_per_te):
-                    system.start_soon(self._prefill_poller, flow, dp, name=f"cq-P{p}-DP{dp}")
-                for dp in range(self.config.decode.dies):
-                    system.start_soon(
-                        self._decode_poller, flow, self.decode[d], dp, name=f"cq-D{d}-DP{dp}"
-                    )
-            async with anyio.create_task_group() as requests:
-                for req in self.workload.requests:
-                    await sleep_until_ns(req.arrival_ns)
-                    requests.start_soon(self._serve, req, name=f"request-{req.request_id}")
-            system.cancel_scope.cancel()
+        elif self.monitor is not None:
+            self.monitor.flows = list(self.distflow.values())
+        for (p, d), flow in self.distflow.items():
+            for dp in range(self.config.prefill.dps_per_te):
+                system.start_soon(
+                    self._engine_task,
+                    functools.partial(self._prefill_poller, flow, dp),
+                    name=f"cq-P{p}-DP{dp}",
+                )
+            for dp in range(self.config.decode.dies):
+                system.start_soon(
+                    self._engine_task,
+                    functools.partial(self._decode_poller, flow, self.decode[d], dp),
+                    name=f"cq-D{d}-DP{dp}",
+                )
+
+    async def _engine_task(self, fn: Callable[[], Awaitable[None]]) -> None:
+        with anyio.CancelScope() as scope:
+            self._engine_scopes.append(scope)
+            await fn()
+
+    async def _request(self, req: Request) -> None:
+        """One request's task, in a scope a restart-the-world cancels."""
+        if self.down:
+            rec = RequestRecord(req.request_id, req.arrival_ns, req.input_tokens, req.output_tokens)
+            self.records[req.request_id] = rec
+            self._fail(rec, f"service unavailable: {self.down}")
+            return
+        with anyio.CancelScope() as scope:
+            self._inflight[req.request_id] = scope
+            try:
+                await self._serve(req)
+            finally:
+                del self._inflight[req.request_id]
+
+    def _fail(self, rec: RequestRecord, reason: str) -> None:
+        rec.outcome, rec.reason = "failed", reason
+        rec.finish_ns = now_ns()
+        self._ended(rec)
+
+    def inject_node_fault(self, fault: NodeFault) -> None:
+        """Fault injection (SPEC 11.2 stage 1): an NPU fault on a server; the engine restarts
+        the world (:mod:`xds.serve.recovery`). Call before :meth:`run`."""
+        if not isinstance(fault, NodeFault):
+            raise ConfigError(f"expected a NodeFault, got {fault!r}", field="faults")
+        if fault.server >= self.config.servers:
+            raise ConfigError(
+                f"server {fault.server} does not exist (the deployment has "
+                f"{self.config.servers} servers)",
+                field="server",
+            )
+        if self.config.kv_transfer == "xccl":
+            raise ConfigError(
+                "node faults need kv_transfer = 'closed-form' (the xccl tier's fabric is not "
+                "rebuilt on restart)",
+                field="kv_transfer",
+            )
+        self._node_faults.append(fault)
+
+    async def _node_fault(self, fault: NodeFault) -> None:
+        rec = self.config.recovery
+        await sleep_until_ns(fault.at_ns)
+        emit("node", "npu-fault", server=fault.server)
+        await sleep_ns(rec.detect_ns)
+        self.tainted.add(fault.server)
+        emit("k8s", "taint", server=fault.server)
+        if fault.repair_ns:
+            self._system.start_soon(self._repair, fault)  # type: ignore[union-attr]
+        await self._restart_world(f"restart-the-world after an NPU fault on server {fault.server}")
+
+    async def _repair(self, fault: NodeFault) -> None:
+        await sleep_until_ns(fault.at_ns + fault.repair_ns)
+        self.tainted.discard(fault.server)
+        emit("k8s", "untaint", server=fault.server)
+
+    async def _restart_world(self, reason: str) -> None:
+        """Stage 1 (P118): every request in flight fails; Decode restarts, then Prefill, on
+        the untainted servers; serving resumes on what fits."""
+        if self.down:
+            return  # already restarting: the taint counts when the layout is chosen
+        cfg, rc = self.config, self.config.recovery
+        started = now_ns()
+        self.down = reason
+        self._torn_down = True
+        emit("engine", "restart-the-world", reason=reason)
+        failed = 0
+        for rid, scope in list(self._inflight.items()):
+            scope.cancel()
+            if rid not in self._ended_ids:
+                self._fail(self.records[rid], reason)
+                failed += 1
+        for scope in self._engine_scopes:
+            scope.cancel()
+        self._engine_scopes = []
+        if self.monitor is not None:  # nothing to probe until the engine is back
+            self.monitor.flows = []
+        self._retired_steps += sum(te.steps for te in self.prefill)
+        self._retired_iterations += sum(d.iterations for d in self.decode)
         for te in self.prefill:
-            te.check()
-        for dte in self.decode:
-            dte.check()
-        for flow in self.distflow.values():
-            flow.check()
-        records = [self.records[r.request_id] for r in self.workload.requests]
-        return records
+            self._retired_busy[te.index] = self._retired_busy.get(te.index, 0) + te.busy_ns
+        restart = Restart(reason=reason, started_ns=started, failed=failed)
+        self.restarts.append(restart)
+        await sleep_ns(rc.decode_restart_ns)  # Decode first (P118)
+        restart.decode_up_ns = now_ns()
+        emit("engine", "decode-restarted")
+        await sleep_ns(rc.prefill_restart_ns)
+        placement = restart_placement(
+            servers=cfg.servers,
+            tainted=self.tainted,
+            prefill_tes=cfg.prefill.tes,
+            prefill_servers_per_te=cfg.prefill_servers_per_te,
+            decode_tes=cfg.decode_tes,
+            decode_servers_per_te=cfg.decode_servers // cfg.decode_tes,
+        )
+        tes = len(placement.prefill)
+        restart.prefill_tes, restart.placement = tes, placement
+        if tes:
+            restart.prefill_up_ns = now_ns()
+        if not tes:
+            self.down = (
+                f"{reason}: {cfg.servers - len(self.tainted)} untainted servers cannot hold "
+                f"the Decode TEs ({cfg.decode_servers} servers) and a Prefill TE "
+                f"({cfg.prefill_servers_per_te})"
+            )
+            emit("engine", "down", reason=self.down)
+            return
+        emit("engine", "prefill-restarted", prefill_tes=tes)
+        self._build_tes(tes)
+        self._failed_pairs = {}
+        self._build_distflow(None)
+        self._start_engine()
+        self.down = ""
+        self._torn_down = False
 
 
 DAY_NS = 86_400 * 10**9
@@ -585,24 +784,30 @@ def replay(
     decode_routing: DecodeRouting = lowest_kv,
     prefill_te_selection: PrefillTESelection = earliest_first_token,
     decode_te_selection: DecodeTESelection = fewest_sequences,
-    faults: Sequence[DistFlowFault] = (),
+    faults: Sequence[DistFlowFault | NodeFault] = (),
     event_log: bool = False,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
     configuration (:func:`~xds.serve.decode_te.comm_grid`); the policy keywords plug in your
-    own (see :class:`Replay`). ``faults`` are injected before the run starts; with
+    own (see :class:`Replay`). ``faults`` (:class:`DistFlowFault`,
+    :class:`~xds.serve.recovery.NodeFault`) are injected before the run starts; with
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
     cfg = config or PDConfig()
     _check_workload(workload)
-    if isinstance(faults, DistFlowFault) or not isinstance(faults, Sequence):
+    if isinstance(faults, DistFlowFault | NodeFault) or not isinstance(faults, Sequence):
         raise ConfigError(
-            f"faults is a list of DistFlowFault, got {type(faults).__name__}", field="faults"
+            f"faults is a list of DistFlowFault or NodeFault, got {type(faults).__name__}",
+            field="faults",
         )
     for fault in faults:
+        if isinstance(fault, NodeFault):
+            continue  # checked by Replay.inject_node_fault
         if not isinstance(fault, DistFlowFault):
-            raise ConfigError(f"expected DistFlowFault entries, got {fault!r}", field="faults")
+            raise ConfigError(
+                f"expected DistFlowFault or NodeFault entries, got {fault!r}", field="faults"
+            )
         if fault.prefill_te >= cfg.prefill.tes or fault.decode_te >= cfg.decode_tes:
             raise ConfigError(
                 f"no DistFlow instance P{fault.prefill_te}-D{fault.decode_te} (the deployment "
@@ -625,6 +830,9 @@ def replay(
             decode_te_selection=decode_te_selection,
         )
         for fault in faults:
+            if isinstance(fault, NodeFault):
+                r.inject_node_fault(fault)
+                continue
             r.inject_distflow_failure(
                 fault.at_ns,
                 fault.prefill_te,
@@ -638,7 +846,11 @@ def replay(
     records = runtime.run(main)
     check_complete(records, len(workload))
     r = holder["r"]
-    busy = [te.busy_ns / _prefill_phase_ns(records) for te in r.prefill]
+    phase = _prefill_phase_ns(records)
+    busy_ns = dict(r._retired_busy)
+    for te in r.prefill:
+        busy_ns[te.index] = busy_ns.get(te.index, 0) + te.busy_ns
+    busy = [busy_ns.get(i, 0) / phase for i in range(cfg.prefill.tes)]
     summary = msgspec.structs.replace(
         summarize(records, chips=cfg.chips, sla=cfg.sla), prefill_busy=busy
     )
@@ -646,11 +858,12 @@ def replay(
         records=records,
         summary=summary,
         chips=cfg.chips,
-        prefill_steps=sum(te.steps for te in r.prefill),
-        decode_iterations=sum(d.iterations for d in r.decode),
+        prefill_steps=r._retired_steps + sum(te.steps for te in r.prefill),
+        decode_iterations=r._retired_iterations + sum(d.iterations for d in r.decode),
         end_ns=max((x.finish_ns for x in records), default=0),
         events=runtime.events if event_log else None,
         probes=r.monitor.results if r.monitor is not None else [],
+        restarts=r.restarts,
     )
 
 

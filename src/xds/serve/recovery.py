@@ -1,0 +1,122 @@
+"""Restart-the-world for a PD deployment (SPEC 11.2 stage 1, P118; 11.3 "Stage 1").
+
+Small clusters such as 4P1D restart the whole engine on any fault. In a replay a
+:class:`NodeFault` strikes one server; ``detect_ns`` later (the heartbeat's period plus
+timeout, :mod:`xds.serve.reliability.heartbeat`) Kubernetes taints the node and the engine
+restarts:
+
+1. every request in flight fails with the reason (tokens already streamed are not taken back,
+   P120 c); requests that arrive until the engine is back fail as "service unavailable";
+2. the **Decode** TEs restart first (``decode_restart_ns``), on untainted servers, so the
+   cross-node Decode stays runnable on the degraded cluster;
+3. then the **Prefill** TEs (``prefill_restart_ns``), as many whole TEs as the untainted
+   servers left over hold (:func:`restart_placement`);
+4. serving resumes on the new layout. A tainted node is never scheduled until its repair
+   (``repair_ns``) untaints it, and even then only at the next restart.
+
+Restart times are [emulator choice]: the paper gives none (it says only that recovery is slow).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from ..config import check_fields
+from ..docfields import document_fields
+from ..units import MS, S
+
+
+class RecoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a PD deployment recovers from a node fault (stage 1, restart-the-world)."""
+
+    detect_ns: Annotated[int, Meta(ge=0)] = 2_500 * MS
+    """From the fault to the taint: the default heartbeat's DP period plus timeout."""
+    decode_restart_ns: Annotated[int, Meta(ge=0)] = 180 * S
+    """Decode TEs back (weights loaded, graphs captured). [emulator choice]"""
+    prefill_restart_ns: Annotated[int, Meta(ge=0)] = 120 * S
+    """Prefill TEs back, after the Decode TEs. [emulator choice]"""
+    spare_servers: Annotated[int, Meta(ge=0)] = 0
+    """Healthy idle servers in the cluster a restart may use."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class NodeFault(msgspec.Struct, frozen=True, kw_only=True):
+    """An NPU fault on server ``server`` at virtual time ``at_ns`` (servers are numbered
+    Prefill TEs first, two per 910C TE of 32 dies, then the Decode TEs, then the spares)."""
+
+    at_ns: Annotated[int, Meta(ge=0)]
+    server: Annotated[int, Meta(ge=0)]
+    repair_ns: Annotated[int, Meta(ge=0)] = 0
+    """From the fault until the node is untainted (0: never)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class Restart(msgspec.Struct, kw_only=True):
+    """One restart-the-world; times are -1 until reached (the replay may end first)."""
+
+    reason: str
+    started_ns: int
+    failed: int
+    """Requests in flight that failed."""
+    decode_up_ns: int = -1
+    prefill_up_ns: int = -1
+    prefill_tes: int = -1
+    """Prefill TEs after the restart (0: the engine could not come back)."""
+    placement: Placement | None = None
+    """The servers each TE restarted on."""
+
+
+class Placement(msgspec.Struct, frozen=True):
+    """Servers of each TE after a restart (none of them tainted)."""
+
+    decode: list[list[int]]
+    prefill: list[list[int]]
+    """Empty if the engine cannot come back (the Decode TEs, or a Prefill TE, do not fit)."""
+
+
+def restart_placement(
+    *,
+    servers: int,
+    tainted: set[int],
+    prefill_tes: int,
+    prefill_servers_per_te: int,
+    decode_tes: int,
+    decode_servers_per_te: int,
+) -> Placement:
+    """Where the TEs restart. Servers are numbered as in :class:`NodeFault`: Prefill TEs',
+    then Decode TEs', then spares. Decode goes first (P118): each Decode TE keeps its own
+    untainted servers and replaces tainted ones with spares, then with servers taken from the
+    last Prefill TEs. The Prefill TEs then take whole groups of untainted servers from what is
+    left, in order, up to their original number. Tainted servers are never used."""
+    first_decode = prefill_tes * prefill_servers_per_te
+    first_spare = first_decode + decode_tes * decode_servers_per_te
+    free = [s for s in range(servers) if s not in tainted]
+    spares = [s for s in free if s >= first_spare]
+    prefill_pool = [s for s in free if s < first_decode]
+    decode: list[list[int]] = []
+    for d in range(decode_tes):
+        own = range(
+            first_decode + d * decode_servers_per_te, first_decode + (d + 1) * decode_servers_per_te
+        )
+        te = [s for s in own if s not in tainted]
+        while len(te) < decode_servers_per_te and (spares or prefill_pool):
+            te.append(spares.pop(0) if spares else prefill_pool.pop())
+        if len(te) < decode_servers_per_te:
+            return Placement([], [])
+        decode.append(sorted(te))
+    left = sorted(prefill_pool + spares)
+    k = min(prefill_tes, len(left) // prefill_servers_per_te)
+    if not k:
+        return Placement([], [])
+    n = prefill_servers_per_te
+    return Placement(decode, [left[i * n : (i + 1) * n] for i in range(k)])
+
+
+document_fields(RecoveryConfig, NodeFault, Restart, Placement)
