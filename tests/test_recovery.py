@@ -157,3 +157,95 @@ def test_a_restart_never_places_a_te_on_a_tainted_server(
         assert len(p.prefill) == want and all(len(t) == per_prefill for t in p.prefill)
     else:
         assert p.decode == [] and p.prefill == []
+
+
+IND = msgspec.structs.replace(
+    CFG, recovery=msgspec.structs.replace(CFG.recovery, mode="independent")
+)
+LONG = Workload(tuple(Request(i, i * 200 * MS, 1500, 40) for i in range(130)))  # 26 s
+
+
+def _in_flight_at(records, t_ns):
+    return [r for r in records if r.arrival_ns < t_ns]
+
+
+def test_independent_failover_of_a_prefill_te_never_touches_decode():
+    """Stage 2 (P119): a Prefill TE's fault fails only what it holds; the Decode TE and the
+    other Prefill TEs go on; with a spare it comes back."""
+    spare = msgspec.structs.replace(
+        IND, recovery=msgspec.structs.replace(IND.recovery, spare_servers=1)
+    )
+    heavy = Workload(tuple(Request(i, i * 100 * MS, 30_000, 40) for i in range(120)))
+    res = replay(heavy, spare, faults=[NodeFault(at_ns=3 * S + 50 * MS, server=2)])
+    (fo,) = res.failovers
+    assert fo.te == "P1" and fo.down_ns == 3 * S + 50 * MS + CFG.recovery.detect_ns
+    assert fo.failed > 0  # the prompts it was prefilling
+    assert fo.back_ns == fo.down_ns + CFG.recovery.prefill_restart_ns and fo.servers == [3, 8]
+    assert not res.restarts and not any("unavailable" in r.reason for r in res.records)
+    for r in res.records:
+        if r.outcome == "failed":
+            assert r.reason == "Prefill TE 1 lost to an NPU fault on server 2"
+            assert r.first_token_ns < 0  # still prefilling on P1
+    assert fo.failed == len([r for r in res.records if r.outcome == "failed"])
+    decoding = [r for r in res.records if 0 <= r.first_token_ns < fo.down_ns < r.finish_ns]
+    assert decoding and all(r.outcome == "completed" for r in decoding)  # Decode untouched
+    assert {r.prefill_placement[:2] for r in res.records if r.arrival_ns > fo.back_ns} >= {"P1"}
+
+
+def test_a_prefill_te_that_cannot_come_back_stays_down_and_the_rest_serve():
+    res = replay(LONG, IND, faults=[NodeFault(at_ns=3 * S, server=2)])
+    (fo,) = res.failovers
+    assert fo.back_ns == -1
+    later = [r for r in res.records if r.arrival_ns > fo.down_ns]
+    assert later and all(r.outcome == "completed" for r in later)
+    assert not any(r.prefill_placement.startswith("P1") for r in later)
+
+
+def test_a_decode_fault_kills_a_prefill_to_preserve_decode():
+    """No spare: the Decode TE takes a Prefill TE's server (kill-P-to-preserve-D); requests
+    decoding at the fault fail; requests prefilled during the outage wait for the Decode TE
+    and complete."""
+    res = replay(LONG, IND, faults=[NodeFault(at_ns=3 * S, server=6)], event_log=True)
+    decode, killed = res.failovers
+    assert decode.te == "D0" and killed.te == "P0" and killed.back_ns == -1
+    assert "killed to preserve Decode TE 0" in killed.reason
+    assert decode.back_ns == decode.down_ns + CFG.recovery.decode_restart_ns
+    assert decode.servers == [0, 7]  # the killed Prefill TE's first server
+    (kill,) = res.events.select("failover", "kill-p-to-preserve-d")
+    assert kill.fields == {"prefill_te": 0, "decode_te": 0}
+    failed = [r for r in res.records if r.outcome == "failed"]
+    assert len(failed) == decode.failed + killed.failed > 0
+    assert all(r.finish_ns == decode.down_ns for r in failed)
+    waited = [r for r in res.records if decode.down_ns < r.arrival_ns < decode.back_ns]
+    assert waited and all(r.outcome == "completed" for r in waited)
+    assert all(r.finish_ns > decode.back_ns for r in waited)  # decode resumed only then
+    assert res.summary.completed + res.summary.failed == len(LONG)
+
+
+def test_with_a_spare_a_decode_fault_kills_no_prefill():
+    spare = msgspec.structs.replace(
+        IND, recovery=msgspec.structs.replace(IND.recovery, spare_servers=1)
+    )
+    res = replay(LONG, spare, faults=[NodeFault(at_ns=3 * S, server=6)])
+    (decode,) = res.failovers
+    assert decode.servers == [7, 8]
+
+
+def test_losing_every_decode_server_fails_the_waiting_requests_with_a_reason():
+    faults = [NodeFault(at_ns=3 * S, server=s) for s in range(8)]
+    res = replay(LONG, IND, faults=faults)
+    assert res.summary.completed + res.summary.failed == len(LONG)
+    late = [r for r in res.records if r.arrival_ns > 4 * S]
+    assert late and all(r.outcome == "failed" for r in late)
+    assert {r.reason for r in late} <= {
+        "no Prefill TE in service (every one lost to node faults)",
+        "Decode TE 0 lost to an NPU fault on server 6; too few healthy servers to restart it",
+    }
+
+
+def test_independent_failover_is_deterministic():
+    fault = [NodeFault(at_ns=3 * S, server=6)]
+    a, b = replay(LONG, IND, faults=fault), replay(LONG, IND, faults=fault)
+    assert [(r.outcome, r.reason, r.finish_ns) for r in a.records] == [
+        (r.outcome, r.reason, r.finish_ns) for r in b.records
+    ]

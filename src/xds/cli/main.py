@@ -630,6 +630,12 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 @click.option(
     "--probe", is_flag=True, help="Probe every DistFlow pair's link (SPEC 11.1) during the replay."
 )
+@click.option(
+    "--recovery",
+    type=click.Choice(["restart_world", "independent"]),
+    default=None,
+    help="How node faults are recovered (default: the deployment's, restart_world).",
+)
 def replay(
     trace: str | None,
     fmt: str | None,
@@ -649,6 +655,7 @@ def replay(
     as_json: bool,
     fault_specs: tuple[str, ...] = (),
     probe: bool = False,
+    recovery: str | None = None,
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
@@ -673,6 +680,10 @@ def replay(
         from xds.serve.probe import ProbeConfig
 
         cfg = msgspec.structs.replace(cfg, probe=cfg.probe or ProbeConfig())
+    if recovery is not None:
+        cfg = msgspec.structs.replace(
+            cfg, recovery=msgspec.structs.replace(cfg.recovery, mode=recovery)
+        )
     faults = [_replay_fault(spec) for spec in fault_specs]
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
@@ -737,6 +748,15 @@ def replay(
             f"at {fmt_ns(r.started_ns)}: {r.failed} in flight failed; Decode back "
             f"{fmt_ns(r.decode_up_ns) if r.decode_up_ns >= 0 else '-'}, Prefill back {up}"
             + (f" with {r.prefill_tes} TEs" if r.prefill_tes >= 0 else ""),
+        )
+    for fo in result.failovers:
+        back = (
+            f"back {fmt_ns(fo.back_ns)} on servers {fo.servers}"
+            if fo.back_ns >= 0
+            else "stayed down"
+        )
+        totals.add_row(
+            f"failover {fo.te}", f"down {fmt_ns(fo.down_ns)} ({fo.failed} failed), {back}"
         )
     if result.probes:
         counts: dict[str, int] = {}

@@ -19,7 +19,7 @@ Restart times are [emulator choice]: the paper gives none (it says only that rec
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -30,8 +30,12 @@ from ..units import MS, S
 
 
 class RecoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a PD deployment recovers from a node fault (stage 1, restart-the-world)."""
+    """How a PD deployment recovers from a node fault."""
 
+    mode: Literal["restart_world", "independent"] = "restart_world"
+    """``restart_world``: stage 1 (P118), for small clusters such as 4P1D; ``independent``:
+    stage 2 (P119), only the TE on the failed server goes down and restarts, with
+    kill-P-to-preserve-D when a Decode TE lacks servers (:mod:`xds.serve.failover`)."""
     detect_ns: Annotated[int, Meta(ge=0)] = 2_500 * MS
     """From the fault to the taint: the default heartbeat's DP period plus timeout."""
     decode_restart_ns: Annotated[int, Meta(ge=0)] = 180 * S

@@ -19,8 +19,7 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import anyio
@@ -43,6 +42,7 @@ from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, comm_grid
 from .distflow import DistFlow, TransferState
+from .failover import Failover, TEFailover
 from .jitter import JitterConfig
 from .job_executor import (
     DecodeTESelection,
@@ -58,7 +58,7 @@ from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
-from .recovery import NodeFault, RecoveryConfig, Restart, restart_placement
+from .recovery import NodeFault, RecoveryConfig, Restart
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
@@ -181,6 +181,8 @@ class ReplayResult(msgspec.Struct):
     """Every link probe's outcome, with :attr:`PDConfig.probe` set."""
     restarts: list[Restart] = []
     """Every restart-the-world after a node fault."""
+    failovers: list[TEFailover] = []
+    """Every TE an independent failover took down (``recovery.mode = "independent"``)."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -189,7 +191,7 @@ class ReplayResult(msgspec.Struct):
         return self.summary.prefill_busy
 
 
-class Replay:
+class Replay(Failover):
     """The deployment as tasks: Prefill TEs, DistFlow instances, Decode TEs, request tasks."""
 
     def __init__(
@@ -251,21 +253,13 @@ class Replay:
         self._failed_pairs: dict[tuple[int, int], int] = {}
         """DistFlow pairs the Job Executor has seen fail a transfer, and when: it stops
         choosing them (an ordered dict used as a set)."""
-        # restart-the-world (SPEC 11.2 stage 1)
         self._system: anyio.abc.TaskGroup | None = None
         self._inflight: dict[int, anyio.CancelScope] = {}
         """Request -> the scope of its task, while it has not ended."""
         self._ended_ids: set[int] = set()
-        self._engine_scopes: list[anyio.CancelScope] = []
-        """Scopes of the current engine's tasks (TEs, completion-queue pollers)."""
-        self.down = ""
-        """Why the engine is not serving ("" while it is)."""
-        self._torn_down = False
-        self.tainted: set[int] = set()
-        self.restarts: list[Restart] = []
-        self._retired_steps = 0
-        self._retired_iterations = 0
-        self._retired_busy: dict[int, int] = {}
+        self._ingress: list[dict[int, int]] = []
+        self._egress: list[dict[int, int]] = []
+        self._init_failover()
 
     def _build_tes(self, prefill_tes: int) -> None:
         """Fresh Prefill and Decode TEs (at the start, and after a restart with
@@ -277,28 +271,28 @@ class Replay:
                 p, tes=prefill_tes, long_pool_tes=min(p.long_pool_tes, prefill_tes - 1)
             )
         self._prefill_cfg = p
-        self.prefill = [
-            PrefillTE(
-                i,
-                p,
-                self.prefill_cost,
-                kv_blocks_per_dp=self._kv_dp,
-                placement=self._prefill_placement,
-            )
-            for i in range(prefill_tes)
-        ]
-        self.decode = [
-            DecodeTE(
-                cfg.decode,
-                self._grid,
-                index=d,
-                record_token_times=self._record_tokens,
-                on_finish=self._ended,
-                routing=self._decode_routing,
-            )
-            for d in range(cfg.decode_tes)
-        ]
+        self.prefill = [self._new_prefill_te(i) for i in range(prefill_tes)]
+        self.decode = [self._new_decode_te(d) for d in range(cfg.decode_tes)]
         self._picked = [0] * prefill_tes  # when each Prefill TE was last picked
+
+    def _new_prefill_te(self, k: int) -> PrefillTE:
+        return PrefillTE(
+            k,
+            self._prefill_cfg,
+            self.prefill_cost,
+            kv_blocks_per_dp=self._kv_dp,
+            placement=self._prefill_placement,
+        )
+
+    def _new_decode_te(self, d: int) -> DecodeTE:
+        return DecodeTE(
+            self.config.decode,
+            self._grid,
+            index=d,
+            record_token_times=self._record_tokens,
+            on_finish=self._ended,
+            routing=self._decode_routing,
+        )
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
@@ -309,6 +303,9 @@ class Replay:
         n_long = p.long_pool_tes
         long = n_long and req.input_tokens > p.long_input_threshold
         pool = self.prefill[-n_long:] if long else self.prefill[: len(self.prefill) - n_long]
+        pool = [te for te in pool if te.index not in self._prefill_down] or [
+            te for te in self.prefill if te.index not in self._prefill_down
+        ]
         working = [te for te in pool if self._decode_tes_from(te.index)]
         pool = working or pool  # none left: the request fails after its prefill, with a reason
         now = now_ns()
@@ -330,8 +327,13 @@ class Replay:
         return te
 
     def _decode_tes_from(self, prefill_te: int) -> list[DecodeTE]:
-        """The Decode TEs whose DistFlow pair with ``prefill_te`` has not failed a transfer."""
-        return [d for d in self.decode if (prefill_te, d.index) not in self._failed_pairs]
+        """The Decode TEs in service whose DistFlow pair with ``prefill_te`` has not failed a
+        transfer."""
+        return [
+            d
+            for d in self.decode
+            if (prefill_te, d.index) not in self._failed_pairs and d.index not in self._decode_down
+        ]
 
     def select_decode(self, req: Request, prefill_te: int) -> DecodeTE | None:
         """By real-time load (P099): the ``decode_te_selection`` policy (by default
@@ -364,6 +366,7 @@ class Replay:
 
     def _ended(self, record: RequestRecord) -> None:
         self._ended_ids.add(record.request_id)
+        self._where.pop(record.request_id, None)
         self.ended += 1
         if self.progress is not None:
             self.progress(record.finish_ns, self.ended, len(self.workload))
@@ -378,10 +381,16 @@ class Replay:
             rec.finish_ns = req.arrival_ns
             self._ended(rec)
             return
+        if len(self._prefill_down) == len(self.prefill):
+            self._fail(rec, "no Prefill TE in service (every one lost to node faults)")
+            return
         te = self.select_prefill(req)
+        where = self._where_of(req.request_id)
+        where.prefill = te.index
         job = await te.prefill(
             PrefillJob(req.request_id, req.input_tokens, req.prefix_hashes, req.arrival_ns)
         )
+        where.prefill_dp = job.dp
         rec.first_token_ns = job.first_token_ns
         rec.queue_ns = job.start_ns - req.arrival_ns
         rec.cached_tokens = job.cached_tokens
@@ -394,6 +403,11 @@ class Replay:
             te.release(job.dp, req.request_id)
             rec.finish_ns = job.first_token_ns
             self._ended(rec)
+            return
+        await self._await_decode()  # every Decode TE restarting: the KV waits here
+        if self._decode_lost:
+            te.release(job.dp, req.request_id)
+            self._fail(rec, self._decode_lost)
             return
         dte = self.select_decode(req, te.index)
         if dte is None:  # every pair from this Prefill TE has failed a transfer
@@ -408,9 +422,12 @@ class Replay:
         transfer = flow.register(
             req.request_id, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token
         )
+        where.decode = dte.index
         dp = await dte.route(rec)
+        where.decode_dp = dp
         await dte.reserve(dp, rec)
         await flow.recv(transfer, dp)
+        where.transferred = True
         rec.kv_transfer_ns = transfer.done_ns - transfer.recv_ns
         await dte.done[req.request_id].wait()
 
@@ -504,29 +521,33 @@ class Replay:
     def _build_distflow(self, xccl: XCCL | None) -> None:
         """One DistFlow instance per (Prefill TE, Decode TE) pair; die numbering: the Prefill
         TEs' dies first, then the Decode TEs'."""
+        self.xccl = xccl
+        self.distflow = {}
+        self._ingress = [{} for _ in self.decode]  # per decode TE: its dies' ports
+        self._egress = [{} for _ in self.prefill]  # per prefill TE: its dies' ports
+        for te in range(len(self.prefill)):
+            for d in range(len(self.decode)):
+                self.distflow[(te, d)] = self._new_flow(te, d)
+
+    def _new_flow(self, te: int, d: int) -> DistFlow:
         cfg = self.config
         p, tp = self._prefill_cfg, cfg.prefill.attention_tp
-        self.distflow = {}
         decode_base = p.tes * p.dies_per_te
-        ingress: list[dict[int, int]] = [{} for _ in self.decode]  # per decode die
-        egress: list[dict[int, int]] = [{} for _ in range(p.tes)]  # per prefill die
-        for te in range(p.tes):
-            for d in range(cfg.decode_tes):
-                self.distflow[(te, d)] = DistFlow(
-                    te,
-                    tp=tp,
-                    link=self._link,
-                    engines=self._engines,
-                    prefill_dps=p.dps_per_te,
-                    decode_dps=cfg.decode.dies,
-                    ingress=ingress[d],
-                    egress=egress[te],
-                    xccl=xccl,
-                    prefill_die=lambda dp, rank, te=te: te * p.dies_per_te + dp * tp + rank,
-                    decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
-                    aivs=cfg.kv_aivs,
-                    decode_te=d,
-                )
+        return DistFlow(
+            te,
+            tp=tp,
+            link=self._link,
+            engines=self._engines,
+            prefill_dps=p.dps_per_te,
+            decode_dps=cfg.decode.dies,
+            ingress=self._ingress[d],
+            egress=self._egress[te],
+            xccl=self.xccl,
+            prefill_die=lambda dp, rank, te=te: te * p.dies_per_te + dp * tp + rank,
+            decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
+            aivs=cfg.kv_aivs,
+            decode_te=d,
+        )
 
     async def run(self) -> list[RequestRecord]:
         if self.config.kv_transfer == "xccl":
@@ -535,7 +556,6 @@ class Replay:
             pod = CloudMatrix384(servers=-(-dies // 16))
             fabric = UBFabric(pod, payload_mode="size", app_bytes=1 << 40)
             async with XCCL(fabric) as xccl:
-                self.xccl = xccl
                 self._build_distflow(xccl)
                 return await self._run()
         self._build_distflow(None)
@@ -553,12 +573,15 @@ class Replay:
                     requests.start_soon(self._request, req, name=f"request-{req.request_id}")
             system.cancel_scope.cancel()
         if not self._torn_down:  # the TEs of an engine torn down by a restart are gone
-            for te in self.prefill:
-                te.check()
+            for te in self.prefill:  # so are TEs a failover left down
+                if te.index not in self._prefill_down:
+                    te.check()
             for dte in self.decode:
-                dte.check()
-            for flow in self.distflow.values():
-                flow.check()
+                if dte.index not in self._decode_down:
+                    dte.check()
+            for (p, d), flow in self.distflow.items():
+                if p not in self._prefill_down and d not in self._decode_down:
+                    flow.check()
         records = [self.records[r.request_id] for r in self.workload.requests]
         return records
 
@@ -567,10 +590,10 @@ class Replay:
         fault injectors and the link monitor."""
         system = self._system
         assert system is not None
-        for te in self.prefill:
-            system.start_soon(self._engine_task, te.run, name=f"prefill-te-{te.index}")
-        for dte in self.decode:
-            system.start_soon(self._engine_task, dte.run, name=f"decode-te-{dte.index}")
+        for k in range(len(self.prefill)):
+            self._start_prefill_te(k)
+        for d in range(len(self.decode)):
+            self._start_decode_te(d)
         if first:
             for fault in self._faults:
                 system.start_soon(self._fault, fault)
@@ -582,23 +605,7 @@ class Replay:
         elif self.monitor is not None:
             self.monitor.flows = list(self.distflow.values())
         for (p, d), flow in self.distflow.items():
-            for dp in range(self.config.prefill.dps_per_te):
-                system.start_soon(
-                    self._engine_task,
-                    functools.partial(self._prefill_poller, flow, dp),
-                    name=f"cq-P{p}-DP{dp}",
-                )
-            for dp in range(self.config.decode.dies):
-                system.start_soon(
-                    self._engine_task,
-                    functools.partial(self._decode_poller, flow, self.decode[d], dp),
-                    name=f"cq-D{d}-DP{dp}",
-                )
-
-    async def _engine_task(self, fn: Callable[[], Awaitable[None]]) -> None:
-        with anyio.CancelScope() as scope:
-            self._engine_scopes.append(scope)
-            await fn()
+            self._start_pollers(p, d, flow, prefill=True, decode=True)
 
     async def _request(self, req: Request) -> None:
         """One request's task, in a scope a restart-the-world cancels."""
@@ -637,81 +644,6 @@ class Replay:
                 field="kv_transfer",
             )
         self._node_faults.append(fault)
-
-    async def _node_fault(self, fault: NodeFault) -> None:
-        rec = self.config.recovery
-        await sleep_until_ns(fault.at_ns)
-        emit("node", "npu-fault", server=fault.server)
-        await sleep_ns(rec.detect_ns)
-        self.tainted.add(fault.server)
-        emit("k8s", "taint", server=fault.server)
-        if fault.repair_ns:
-            self._system.start_soon(self._repair, fault)  # type: ignore[union-attr]
-        await self._restart_world(f"restart-the-world after an NPU fault on server {fault.server}")
-
-    async def _repair(self, fault: NodeFault) -> None:
-        await sleep_until_ns(fault.at_ns + fault.repair_ns)
-        self.tainted.discard(fault.server)
-        emit("k8s", "untaint", server=fault.server)
-
-    async def _restart_world(self, reason: str) -> None:
-        """Stage 1 (P118): every request in flight fails; Decode restarts, then Prefill, on
-        the untainted servers; serving resumes on what fits."""
-        if self.down:
-            return  # already restarting: the taint counts when the layout is chosen
-        cfg, rc = self.config, self.config.recovery
-        started = now_ns()
-        self.down = reason
-        self._torn_down = True
-        emit("engine", "restart-the-world", reason=reason)
-        failed = 0
-        for rid, scope in list(self._inflight.items()):
-            scope.cancel()
-            if rid not in self._ended_ids:
-                self._fail(self.records[rid], reason)
-                failed += 1
-        for scope in self._engine_scopes:
-            scope.cancel()
-        self._engine_scopes = []
-        if self.monitor is not None:  # nothing to probe until the engine is back
-            self.monitor.flows = []
-        self._retired_steps += sum(te.steps for te in self.prefill)
-        self._retired_iterations += sum(d.iterations for d in self.decode)
-        for te in self.prefill:
-            self._retired_busy[te.index] = self._retired_busy.get(te.index, 0) + te.busy_ns
-        restart = Restart(reason=reason, started_ns=started, failed=failed)
-        self.restarts.append(restart)
-        await sleep_ns(rc.decode_restart_ns)  # Decode first (P118)
-        restart.decode_up_ns = now_ns()
-        emit("engine", "decode-restarted")
-        await sleep_ns(rc.prefill_restart_ns)
-        placement = restart_placement(
-            servers=cfg.servers,
-            tainted=self.tainted,
-            prefill_tes=cfg.prefill.tes,
-            prefill_servers_per_te=cfg.prefill_servers_per_te,
-            decode_tes=cfg.decode_tes,
-            decode_servers_per_te=cfg.decode_servers // cfg.decode_tes,
-        )
-        tes = len(placement.prefill)
-        restart.prefill_tes, restart.placement = tes, placement
-        if tes:
-            restart.prefill_up_ns = now_ns()
-        if not tes:
-            self.down = (
-                f"{reason}: {cfg.servers - len(self.tainted)} untainted servers cannot hold "
-                f"the Decode TEs ({cfg.decode_servers} servers) and a Prefill TE "
-                f"({cfg.prefill_servers_per_te})"
-            )
-            emit("engine", "down", reason=self.down)
-            return
-        emit("engine", "prefill-restarted", prefill_tes=tes)
-        self._build_tes(tes)
-        self._failed_pairs = {}
-        self._build_distflow(None)
-        self._start_engine()
-        self.down = ""
-        self._torn_down = False
 
 
 DAY_NS = 86_400 * 10**9
@@ -864,6 +796,7 @@ def replay(
         events=runtime.events if event_log else None,
         probes=r.monitor.results if r.monitor is not None else [],
         restarts=r.restarts,
+        failovers=r.failovers,
     )
 
 

@@ -1,0 +1,388 @@
+"""Node faults in a PD replay: restart-the-world and independent P/D failover (SPEC 11.2).
+
+:class:`Failover` is the part of :class:`xds.serve.replay.Replay` that reacts to a
+:class:`~xds.serve.recovery.NodeFault`. It tracks, for every request in flight, which Prefill
+and Decode TE hold its state (:class:`Where`), which servers each TE runs on
+(:class:`~xds.serve.recovery.Placement`) and which are tainted, and recovers in one of two
+ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
+
+* ``restart_world`` (stage 1, P118): see :mod:`xds.serve.recovery`.
+* ``independent`` (stage 2, P119): only the TE on the failed server goes down.
+
+  - A **Prefill** TE's fault fails the requests whose KV it holds (prefilling, or waiting for
+    their transfer) and nothing else: **killing a Prefill never kills its Decodes**, and the
+    other Prefill TEs keep serving. It restarts after ``prefill_restart_ns`` on its untainted
+    servers plus spares, or stays down if they do not make a TE.
+  - A **Decode** TE's fault fails the requests it holds (decoding, or reserved and in
+    transfer); requests that finish prefill meanwhile keep their KV on the Prefill side and
+    wait for a Decode TE (backpressure). It restarts after ``decode_restart_ns`` on its
+    untainted servers plus spares; if that is not enough, **kill-P-to-preserve-D**: the Prefill
+    TE holding the fewest requests is killed (its requests fail) and its servers go to the
+    Decode TE.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import msgspec
+
+from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from .recovery import NodeFault, Placement, Restart, restart_placement
+
+if TYPE_CHECKING:
+    from ..trace.metrics import RequestRecord
+    from .decode_te import DecodeTE
+    from .distflow import DistFlow
+    from .prefill import PrefillTE
+    from .replay import PDConfig
+
+
+class Where:
+    """Which TEs hold a request's state (-1: none yet)."""
+
+    __slots__ = ("decode", "decode_dp", "prefill", "prefill_dp", "transferred")
+
+    def __init__(self) -> None:
+        self.prefill = -1
+        self.prefill_dp = -1
+        self.decode = -1
+        self.decode_dp = -1
+        self.transferred = False
+        """The KV reached the Decode side (the Prefill side frees it on the completion)."""
+
+
+class TEFailover(msgspec.Struct, kw_only=True):
+    """One TE taken down by an independent failover; times are -1 until reached."""
+
+    te: str
+    """``P<k>`` or ``D<d>``."""
+    reason: str
+    down_ns: int
+    failed: int
+    """Requests it held that failed."""
+    back_ns: int = -1
+    servers: list[int] = []
+    """The servers it restarted on."""
+
+
+class Failover:
+    """Mixed into :class:`~xds.serve.replay.Replay` (which provides the TEs and requests)."""
+
+    config: PDConfig
+    prefill: list[PrefillTE]
+    decode: list[DecodeTE]
+    distflow: dict[tuple[int, int], DistFlow]
+    records: dict[int, RequestRecord]
+    _system: anyio.abc.TaskGroup | None
+    _inflight: dict[int, anyio.CancelScope]
+    _ended_ids: set[int]
+
+    def _init_failover(self) -> None:
+        cfg = self.config
+        self._engine_scopes: list[anyio.CancelScope] = []
+        self._te_scopes: dict[tuple[str, int], list[anyio.CancelScope]] = {}
+        self.down = ""
+        """Why the whole engine is not serving ("" while it is; restart-the-world)."""
+        self._torn_down = False
+        self.tainted: set[int] = set()
+        self.restarts: list[Restart] = []
+        self.failovers: list[TEFailover] = []
+        self._where: dict[int, Where] = {}
+        self._prefill_down: set[int] = set()
+        self._decode_down: set[int] = set()
+        self._decode_back = anyio.Event()
+        self._decode_lost = ""
+        """Set when no Decode TE can come back: requests waiting for one fail with it."""
+        per_p, per_d = cfg.prefill_servers_per_te, cfg.decode_servers // cfg.decode_tes
+        first_d = cfg.prefill.tes * per_p
+        self.placement = Placement(
+            [
+                list(range(first_d + d * per_d, first_d + (d + 1) * per_d))
+                for d in range(cfg.decode_tes)
+            ],
+            [list(range(k * per_p, (k + 1) * per_p)) for k in range(cfg.prefill.tes)],
+        )
+        self._spares = list(range(first_d + cfg.decode_tes * per_d, cfg.servers))
+        self._retired_steps = 0
+        self._retired_iterations = 0
+        self._retired_busy: dict[int, int] = {}
+
+    # -- hooks the replay calls --------------------------------------------------------------
+    async def _engine_task(self, key: tuple[str, int], fn: Callable[[], Awaitable[None]]) -> None:
+        """Run one engine task (a TE, a completion-queue poller) in a scope a failover of its
+        TE, or a restart-the-world, cancels."""
+        with anyio.CancelScope() as scope:
+            self._engine_scopes.append(scope)
+            self._te_scopes.setdefault(key, []).append(scope)
+            await fn()
+
+    def _where_of(self, request_id: int) -> Where:
+        w = self._where.get(request_id)
+        if w is None:
+            w = self._where[request_id] = Where()
+        return w
+
+    async def _await_decode(self) -> None:
+        """While every Decode TE is restarting: wait (the KV stays on the Prefill side)."""
+        while self._decode_down and len(self._decode_down) == len(self.decode):
+            if self._decode_lost:
+                return
+            await self._decode_back.wait()
+
+    # -- node faults ---------------------------------------------------------------------------
+    async def _node_fault(self, fault: NodeFault) -> None:
+        rc = self.config.recovery
+        await sleep_until_ns(fault.at_ns)
+        emit("node", "npu-fault", server=fault.server)
+        await sleep_ns(rc.detect_ns)
+        self.tainted.add(fault.server)
+        emit("k8s", "taint", server=fault.server)
+        if fault.repair_ns:
+            assert self._system is not None
+            self._system.start_soon(self._repair, fault)
+        why = f"NPU fault on server {fault.server}"
+        if rc.mode == "restart_world":
+            await self._restart_world(f"restart-the-world after an {why}")
+            return
+        if fault.server in self._spares:
+            self._spares.remove(fault.server)
+            return
+        for k, servers in enumerate(self.placement.prefill):
+            if fault.server in servers:
+                await self._prefill_failover(k, f"Prefill TE {k} lost to an {why}")
+                return
+        for d, servers in enumerate(self.placement.decode):
+            if fault.server in servers:
+                await self._decode_failover(d, f"Decode TE {d} lost to an {why}")
+                return
+
+    async def _repair(self, fault: NodeFault) -> None:
+        await sleep_until_ns(fault.at_ns + fault.repair_ns)
+        self.tainted.discard(fault.server)
+        emit("k8s", "untaint", server=fault.server)
+        used = {s for te in self.placement.prefill + self.placement.decode for s in te}
+        if fault.server not in used and fault.server not in self._spares:
+            self._spares.append(fault.server)  # back in the pool for the next restart
+
+    # -- stage 1 ---------------------------------------------------------------------------------
+    async def _restart_world(self, reason: str) -> None:
+        """Stage 1 (P118): every request in flight fails; Decode restarts, then Prefill, on
+        the untainted servers; serving resumes on what fits."""
+        if self.down:
+            return  # already restarting: the taint counts when the layout is chosen
+        cfg, rc = self.config, self.config.recovery
+        started = now_ns()
+        self.down = reason
+        self._torn_down = True
+        emit("engine", "restart-the-world", reason=reason)
+        failed = self._fail_held(lambda w: True, reason, undo=False)
+        for scope in self._engine_scopes:
+            scope.cancel()
+        self._engine_scopes, self._te_scopes = [], {}
+        if self.monitor is not None:  # type: ignore[attr-defined]
+            self.monitor.flows = []  # type: ignore[attr-defined]
+        for k in range(len(self.prefill)):
+            self._retire_prefill(k)
+        self._retired_iterations += sum(d.iterations for d in self.decode)
+        restart = Restart(reason=reason, started_ns=started, failed=failed)
+        self.restarts.append(restart)
+        await sleep_ns(rc.decode_restart_ns)  # Decode first (P118)
+        restart.decode_up_ns = now_ns()
+        emit("engine", "decode-restarted")
+        await sleep_ns(rc.prefill_restart_ns)
+        placement = restart_placement(
+            servers=cfg.servers,
+            tainted=self.tainted,
+            prefill_tes=cfg.prefill.tes,
+            prefill_servers_per_te=cfg.prefill_servers_per_te,
+            decode_tes=cfg.decode_tes,
+            decode_servers_per_te=cfg.decode_servers // cfg.decode_tes,
+        )
+        tes = len(placement.prefill)
+        restart.prefill_tes, restart.placement = tes, placement
+        if not tes:
+            self.down = (
+                f"{reason}: {cfg.servers - len(self.tainted)} untainted servers cannot hold "
+                f"the Decode TEs ({cfg.decode_servers} servers) and a Prefill TE "
+                f"({cfg.prefill_servers_per_te})"
+            )
+            emit("engine", "down", reason=self.down)
+            return
+        restart.prefill_up_ns = now_ns()
+        emit("engine", "prefill-restarted", prefill_tes=tes)
+        self.placement = placement
+        used = {s for te in placement.prefill + placement.decode for s in te}
+        self._spares = [s for s in range(cfg.servers) if s not in used and s not in self.tainted]
+        self._build_tes(tes)  # type: ignore[attr-defined]
+        self._failed_pairs = {}
+        self._build_distflow(None)  # type: ignore[attr-defined]
+        self._start_engine()  # type: ignore[attr-defined]
+        self.down = ""
+        self._torn_down = False
+
+    # -- stage 2 ---------------------------------------------------------------------------------
+    async def _prefill_failover(self, k: int, reason: str, *, restart: bool = True) -> None:
+        if k in self._prefill_down:
+            return
+        rec = self._take_down("P", k, reason)
+        self._prefill_down.add(k)
+        rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
+        self._retire_prefill(k)
+        if not restart:
+            return
+        await sleep_ns(self.config.recovery.prefill_restart_ns)
+        servers = self._servers_for(self.placement.prefill[k], self.config.prefill_servers_per_te)
+        if servers is None:  # its healthy servers idle as spares
+            self._spares.extend(s for s in self.placement.prefill[k] if s not in self.tainted)
+            self.placement.prefill[k] = []
+            emit("failover", "stays-down", te=f"P{k}")
+            return
+        self.placement.prefill[k] = servers
+        self.prefill[k] = self._new_prefill_te(k)  # type: ignore[attr-defined]
+        self._start_prefill_te(k)
+        self._prefill_down.discard(k)
+        for d in range(len(self.decode)):
+            self._build_pair(k, d)
+        rec.back_ns, rec.servers = now_ns(), servers
+        emit("failover", "back", te=f"P{k}")
+
+    async def _decode_failover(self, d: int, reason: str) -> None:
+        if d in self._decode_down:
+            return
+        cfg = self.config
+        rec = self._take_down("D", d, reason)
+        self._decode_down.add(d)
+        rec.failed = self._fail_held(lambda w: w.decode == d, reason)
+        self._retired_iterations += self.decode[d].iterations
+        need = cfg.decode_servers // cfg.decode_tes
+        servers = self._servers_for(self.placement.decode[d], need)
+        while servers is None:  # kill-P-to-preserve-D (P119)
+            live = [k for k in range(len(self.prefill)) if k not in self._prefill_down]
+            if not live:
+                break
+            held = {k: 0 for k in live}
+            for w in self._where.values():
+                if w.prefill in held and not w.transferred:
+                    held[w.prefill] += 1
+            victim = min(live, key=lambda k: (held[k], k))
+            emit("failover", "kill-p-to-preserve-d", prefill_te=victim, decode_te=d)
+            await self._prefill_failover(
+                victim, f"Prefill TE {victim} killed to preserve Decode TE {d}", restart=False
+            )
+            self._spares.extend(s for s in self.placement.prefill[victim] if s not in self.tainted)
+            self.placement.prefill[victim] = []
+            servers = self._servers_for(self.placement.decode[d], need)
+        if servers is None:
+            self._decode_lost = f"{reason}; too few healthy servers to restart it"
+            self._decode_back.set()
+            emit("failover", "stays-down", te=f"D{d}")
+            return
+        self.placement.decode[d] = servers
+        await sleep_ns(cfg.recovery.decode_restart_ns)
+        self.decode[d] = self._new_decode_te(d)  # type: ignore[attr-defined]
+        self._start_decode_te(d)
+        self._decode_down.discard(d)
+        for k in range(len(self.prefill)):
+            self._build_pair(k, d)
+        rec.back_ns, rec.servers = now_ns(), servers
+        self._decode_back.set()
+        self._decode_back = anyio.Event()
+        emit("failover", "back", te=f"D{d}")
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _take_down(self, side: str, index: int, reason: str) -> TEFailover:
+        for scope in self._te_scopes.pop((side, index), []):
+            scope.cancel()
+        rec = TEFailover(te=f"{side}{index}", reason=reason, down_ns=now_ns(), failed=0)
+        self.failovers.append(rec)
+        emit("failover", "down", te=rec.te, reason=reason)
+        return rec
+
+    def _retire_prefill(self, k: int) -> None:
+        te = self.prefill[k]
+        self._retired_steps += te.steps
+        self._retired_busy[k] = self._retired_busy.get(k, 0) + te.busy_ns
+        te.steps = te.busy_ns = 0
+
+    def _servers_for(self, own: list[int], need: int) -> list[int] | None:
+        """A TE's untainted servers topped up from the spares (taken only if enough)."""
+        servers = [s for s in own if s not in self.tainted]
+        if len(servers) + len(self._spares) < need:
+            return None
+        while len(servers) < need:
+            servers.append(self._spares.pop(0))
+        return sorted(servers)
+
+    def _fail_held(self, held: Callable[[Where], bool], reason: str, *, undo: bool = True) -> int:
+        """Fail every request in flight whose state ``held`` says the lost TE holds; with
+        ``undo``, give back what it holds on the surviving side."""
+        failed = 0
+        for rid in sorted(self._where):
+            w = self._where[rid]
+            if rid in self._ended_ids or not held(w):
+                continue
+            scope = self._inflight.get(rid)
+            if scope is not None:
+                scope.cancel()
+            rec = self.records[rid]
+            alive = w.prefill >= 0 and w.prefill not in self._prefill_down
+            if undo and alive and w.prefill_dp >= 0 and not w.transferred:
+                self.prefill[w.prefill].release(w.prefill_dp, rid)
+            if undo and w.decode >= 0 and w.decode not in self._decode_down and w.decode_dp >= 0:
+                self.decode[w.decode].abandon(w.decode_dp, rec)
+            self._fail(rec, reason)  # type: ignore[attr-defined]
+            failed += 1
+        return failed
+
+    def _start_prefill_te(self, k: int) -> None:
+        assert self._system is not None
+        self._system.start_soon(
+            self._engine_task, ("P", k), self.prefill[k].run, name=f"prefill-te-{k}"
+        )
+
+    def _start_decode_te(self, d: int) -> None:
+        assert self._system is not None
+        self._system.start_soon(
+            self._engine_task, ("D", d), self.decode[d].run, name=f"decode-te-{d}"
+        )
+
+    def _start_pollers(
+        self, p: int, d: int, flow: DistFlow, *, prefill: bool, decode: bool
+    ) -> None:
+        assert self._system is not None
+        cfg = self.config
+        if prefill:
+            for dp in range(cfg.prefill.dps_per_te):
+                self._system.start_soon(
+                    self._engine_task,
+                    ("P", p),
+                    functools.partial(self._prefill_poller, flow, dp),  # type: ignore[attr-defined]
+                    name=f"cq-P{p}-DP{dp}",
+                )
+        if decode:
+            for dp in range(cfg.decode.dies):
+                self._system.start_soon(
+                    self._engine_task,
+                    ("D", d),
+                    functools.partial(self._decode_poller, flow, self.decode[d], dp),  # type: ignore[attr-defined]
+                    name=f"cq-D{d}-DP{dp}",
+                )
+
+    def _build_pair(self, p: int, d: int) -> None:
+        """A fresh DistFlow instance for (Prefill TE ``p``, Decode TE ``d``) after either came
+        back; its pollers start on the sides that are up. The old instance's pollers keep
+        draining what it already completed."""
+        flow = self.distflow[(p, d)] = self._new_flow(p, d)  # type: ignore[attr-defined]
+        self._failed_pairs.pop((p, d), None)
+        self._start_pollers(
+            p, d, flow, prefill=p not in self._prefill_down, decode=d not in self._decode_down
+        )
+        if self.monitor is not None:  # type: ignore[attr-defined]
+            self.monitor.flows = list(self.distflow.values())  # type: ignore[attr-defined]
+
+    _failed_pairs: dict[tuple[int, int], int]
