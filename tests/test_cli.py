@@ -205,3 +205,11 @@ def test_replay_injects_node_and_link_faults(capsys):
         assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1
+
+
+def test_dataflow_compares_the_modes(capsys):
+    assert main(["dataflow", "--slow", "attention:0:200", "--requests", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens equal the dense reference" in out and "NO" not in out
+    assert main(["dataflow", "--slow", "gpu:0:1"]) == 2
+    assert "--slow: component must be" in capsys.readouterr().err

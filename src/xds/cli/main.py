@@ -1211,7 +1211,98 @@ def faults(
         console.print(f"failed x{n}: {escape(reason)}")
 
 
+@app.command()
+@click.option(
+    "--slow",
+    "slow_specs",
+    multiple=True,
+    metavar="COMPONENT:EXTRA_US",
+    help="Slow a component, e.g. attention:0:200 (each of its steps 200 us longer) or "
+    "expert:2:300. Repeatable.",
+)
+@click.option(
+    "--duplicates",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Probability that a link delivers a message twice.",
+)
+@click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--queue-depth", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print both results as JSON.")
+def dataflow(
+    slow_specs: tuple[str, ...],
+    duplicates: float,
+    requests: int,
+    queue_depth: int,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Synchronous A2E/E2A vs the dataflow mode (SPEC 10.4) on a small MoE-attention
+    deployment: the same tokens, and who waits for a slow component."""
+    import msgspec
+
+    from xds.runtime import run
+    from xds.serve.dataflow import ComponentDelay, Dataflow, DataflowConfig, reference_tokens
+
+    delays = []
+    for spec in slow_specs:
+        component, _, extra = spec.rpartition(":")
+        try:
+            extra_ns = round(float(extra) * 1e3)
+        except ValueError:
+            raise click.UsageError(
+                f"--slow {spec}: expected COMPONENT:EXTRA_US, e.g. attention:0:200"
+            ) from None
+        delays.append(ComponentDelay(component=component, extra_ns=extra_ns))
+    base = DataflowConfig(
+        requests=requests,
+        queue_depth=queue_depth,
+        duplicate_probability=duplicates,
+        delays=tuple(delays),
+    )
+    reference = reference_tokens(base, seed=seed)
+    results = {}
+    for mode in ("sync", "dataflow"):
+        cfg = msgspec.structs.replace(base, mode=mode)
+        results[mode] = run(
+            lambda cfg=cfg: Dataflow(cfg, model_seed=seed).run(), seed=seed, event_log=False
+        )
+    if as_json:
+        print(msgspec.json.encode(results).decode())
+        return
+    table = Table(
+        title=f"dataflow vs sync: {base.attention_workers} attention x {base.expert_workers} "
+        f"expert workers, {requests} requests"
+    )
+    table.add_column("metric")
+    for mode in results:
+        table.add_column(mode, justify="right")
+
+    def row(name: str, fn) -> None:
+        table.add_row(name, *(fn(r) for r in results.values()))
+
+    def latency(r, worker=None) -> float:
+        xs = [x.finished_ns - x.admitted_ns for x in r.requests if worker in (None, x.worker)]
+        return sum(xs) / len(xs) / 1e6 if xs else float("nan")
+
+    row("virtual time", lambda r: fmt_ns(r.elapsed_ns))
+    row("mean request latency", lambda r: f"{latency(r):.2f} ms")
+    for w in range(base.attention_workers):
+        row(f"  on attention worker {w}", lambda r, w=w: f"{latency(r, w):.2f} ms")
+    row("messages", lambda r: f"{r.messages:,}")
+    row("duplicates sent / dropped", lambda r: f"{r.duplicates_sent} / {r.duplicates_dropped}")
+    row("largest queue (inbox / link)", lambda r: f"{r.max_queue['inbox']} / {r.max_queue['link']}")
+    row(
+        "tokens equal the dense reference",
+        lambda r: "yes" if [x.tokens for x in r.requests] == reference else "NO",
+    )
+    console.print(table)
+
+
 _FLAG_OF_FIELD = {
+    "component": "--slow",
     "server": "--fault",
     "faults": "--fault",
     "rate_scale": "--rate-scale",
