@@ -200,7 +200,7 @@ def test_replay_injects_node_and_link_faults(capsys):
         ("node:at=1,server=99", "--fault: server 99 does not exist"),
         ("link_down:at=1,prefill_te=0", "--probe on the command line"),
         ("bogus:at=1", "unknown kind 'bogus'"),
-        ("node:at=-1,server=0", "at must be >= 0"),
+        ("node:at=-1,server=0", "at must be in 0..1e+06"),
     ):
         assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2
         err = capsys.readouterr().err
@@ -213,3 +213,17 @@ def test_dataflow_compares_the_modes(capsys):
     assert "tokens equal the dense reference" in out and "NO" not in out
     assert main(["dataflow", "--slow", "gpu:0:1"]) == 2
     assert "--slow: component must be" in capsys.readouterr().err
+
+
+def test_out_of_range_fault_numbers_are_one_line_errors(capsys):
+    for argv, expected in (
+        (
+            ["replay", "--synthetic", "10", "--fault", "node:at=1,server=2,repair=1e300"],
+            "repair must be in",
+        ),
+        (["replay", "--synthetic", "10", "--fault", "node:at=1,server=2.7"], "whole number"),
+        (["dataflow", "--slow", "attention:0:inf"], "expected COMPONENT:EXTRA_US"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1

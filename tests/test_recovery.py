@@ -238,7 +238,7 @@ def test_losing_every_decode_server_fails_the_waiting_requests_with_a_reason():
     late = [r for r in res.records if r.arrival_ns > 4 * S]
     assert late and all(r.outcome == "failed" for r in late)
     assert {r.reason for r in late} <= {
-        "no Prefill TE in service (every one lost to node faults)",
+        "service unavailable: no Prefill TE in service (node faults)",
         "Decode TE 0 lost to an NPU fault on server 6; too few healthy servers to restart it",
     }
 
@@ -249,3 +249,76 @@ def test_independent_failover_is_deterministic():
     assert [(r.outcome, r.reason, r.finish_ns) for r in a.records] == [
         (r.outcome, r.reason, r.finish_ns) for r in b.records
     ]
+
+
+def test_a_decode_te_never_restarts_on_a_server_that_failed_while_it_restarted():
+    """Faults on the servers a restarting Decode TE was given: it re-places and restarts
+    again, never on a tainted server."""
+    spare = msgspec.structs.replace(
+        IND, recovery=msgspec.structs.replace(IND.recovery, spare_servers=1)
+    )
+    for cfg, faults in (
+        (IND, [NodeFault(at_ns=3 * S, server=6), NodeFault(at_ns=3 * S, server=7)]),
+        (spare, [NodeFault(at_ns=3 * S, server=6), NodeFault(at_ns=4 * S, server=8)]),
+    ):
+        res = replay(LONG, cfg, faults=faults)
+        decode = next(f for f in res.failovers if f.te == "D0")
+        assert decode.back_ns > 0
+        assert not set(decode.servers) & {f.server for f in faults}
+
+
+def test_a_failover_racing_a_request_leaks_nothing():
+    """D0 comes back at the instant P1's fault is detected: the requests P1 held, woken by
+    D0's return, fail and give back their Decode reservations (the TEs' checks run at the
+    end of every replay)."""
+    faults = [NodeFault(at_ns=3 * S, server=6), NodeFault(at_ns=7 * S, server=2)]
+    a = replay(LONG, IND, faults=faults)
+    b = replay(LONG, IND, faults=faults, backend="trio")
+    assert a.summary.completed + a.summary.failed == len(LONG)
+    assert (a.summary.completed, a.summary.failed) == (b.summary.completed, b.summary.failed)
+
+
+def test_a_lost_decode_te_waits_for_repairs_and_the_other_decode_te_serves():
+    two = msgspec.structs.replace(IND, prefill=PrefillConfig(tes=2, long_pool_tes=0), decode_tes=2)
+    wl = Workload(tuple(Request(i, i * 200 * MS, 1500, 40) for i in range(100)))
+    faults = [
+        NodeFault(at_ns=1 * S, server=0, repair_ns=1 * S),
+        NodeFault(at_ns=1 * S, server=2, repair_ns=1 * S),
+        NodeFault(at_ns=1 * S + 100 * MS, server=4),  # D0's
+    ]
+    res = replay(wl, two, faults=faults)
+    late = [r for r in res.records if r.arrival_ns > 5 * S]
+    assert late and all(r.outcome == "completed" for r in late)
+    decode = next(f for f in res.failovers if f.te == "D0")
+    assert decode.back_ns > 0 and 4 not in decode.servers
+
+
+def test_transport_and_link_faults_on_one_pair_end_every_request():
+    from xds.serve.probe import ProbeConfig
+    from xds.serve.replay import DistFlowFault
+
+    cfg = PDConfig(
+        prefill=PrefillConfig(tes=1, long_pool_tes=0), decode=CFG.decode, probe=ProbeConfig()
+    )
+    faults = [
+        DistFlowFault(at_ns=2_200 * MS, prefill_te=0, kind="link_down"),
+        DistFlowFault(at_ns=2_500 * MS, prefill_te=0, kind="transport"),
+    ]
+    res = replay(WL, cfg, faults=faults)  # used to hang: the stalled transfers never ended
+    assert res.summary.completed + res.summary.failed == len(WL) and res.summary.failed
+
+
+def test_faults_on_spares_and_vanished_pairs_are_harmless():
+    from xds.serve.replay import DistFlowFault
+
+    spare = msgspec.structs.replace(
+        CFG, recovery=msgspec.structs.replace(CFG.recovery, spare_servers=1)
+    )
+    res = replay(WL, spare, faults=[NodeFault(at_ns=3 * S, server=8)])  # an idle spare
+    assert not res.restarts and res.summary.completed == len(WL)
+    res = replay(
+        WL,
+        CFG,
+        faults=[NodeFault(at_ns=3 * S, server=2), DistFlowFault(at_ns=12 * S, prefill_te=2)],
+    )  # the restart brought back only Prefill TEs 0 and 1
+    assert res.summary.completed + res.summary.failed == len(WL)

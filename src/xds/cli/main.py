@@ -797,8 +797,11 @@ def _replay_fault(spec: str):
             raise click.UsageError(
                 f"--fault {spec}: {key} must be a number, got {value!r}"
             ) from None
-        if not math.isfinite(values[key]) or values[key] < 0:
-            raise click.UsageError(f"--fault {spec}: {key} must be >= 0, got {value!r}")
+        limit = 1e6 if key in ("at", "repair", "duration") else 1e9  # seconds: about 11 days
+        if not math.isfinite(values[key]) or not 0 <= values[key] <= limit:
+            raise click.UsageError(f"--fault {spec}: {key} must be in 0..{limit:g}, got {value!r}")
+        if key not in ("at", "repair", "duration") and not values[key].is_integer():
+            raise click.UsageError(f"--fault {spec}: {key} must be a whole number, got {value!r}")
     needed = {"at", "server"} if kind == "node" else {"at", "prefill_te"}
     if missing := needed - values.keys():
         raise click.UsageError(f"--fault {spec}: needs {', '.join(sorted(missing))}")
@@ -1250,7 +1253,10 @@ def dataflow(
     for spec in slow_specs:
         component, _, extra = spec.rpartition(":")
         try:
-            extra_ns = round(float(extra) * 1e3)
+            extra_us = float(extra)
+            if not math.isfinite(extra_us) or not 0 <= extra_us <= 1e9:
+                raise ValueError
+            extra_ns = round(extra_us * 1e3)
         except ValueError:
             raise click.UsageError(
                 f"--slow {spec}: expected COMPONENT:EXTRA_US, e.g. attention:0:200"

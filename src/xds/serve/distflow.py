@@ -143,6 +143,8 @@ class DistFlow:
         """Set while transfers may go: the link is up, or the pair was declared failed (then
         the stalled transfers end as failed at once)."""
         self._gate.set()
+        self.declared_failed = False
+        """Taken out of service by :meth:`declare_failed` (link probing)."""
         self._awaiting_recv: set[int] = set()
         """Registered transfers whose RECV has not been posted (the pair's FIFO)."""
         self._posted = anyio.Event()
@@ -223,11 +225,18 @@ class DistFlow:
             self._gate.set()
             emit("distflow", "link-restored", pair=self.pair)
 
+    def fail_transfers(self) -> None:
+        """A transport error: from now on every transfer ends failed (those stalled on a
+        downed link at once)."""
+        self.failed = True
+        if not self.link_up:
+            self._gate.set()
+
     def declare_failed(self) -> None:
         """Take the pair out of service (e.g. link probing found it down): transfers stalled
         on the link, and every later one, end as failed."""
-        if not self.failed:
-            self.failed = True
+        if not self.declared_failed:
+            self.failed = self.declared_failed = True
             self._gate.set()
             emit("distflow", "declared-failed", pair=self.pair)
 

@@ -43,14 +43,24 @@ if TYPE_CHECKING:
 
 
 class Where:
-    """Which TEs hold a request's state (-1: none yet)."""
+    """Which TEs hold a request's state (-1 / None: none yet)."""
 
-    __slots__ = ("decode", "decode_dp", "prefill", "prefill_dp", "transferred")
+    __slots__ = (
+        "decode",
+        "decode_dp",
+        "decode_te",
+        "prefill",
+        "prefill_dp",
+        "prefill_te",
+        "transferred",
+    )
 
     def __init__(self) -> None:
         self.prefill = -1
+        self.prefill_te: PrefillTE | None = None
         self.prefill_dp = -1
         self.decode = -1
+        self.decode_te: DecodeTE | None = None
         self.decode_dp = -1
         self.transferred = False
         """The KV reached the Decode side (the Prefill side frees it on the completion)."""
@@ -93,11 +103,17 @@ class Failover:
         self.restarts: list[Restart] = []
         self.failovers: list[TEFailover] = []
         self._where: dict[int, Where] = {}
+        self.failed_by_failover: set[int] = set()
+        """Requests a node fault failed (their tasks undo what they hold elsewhere)."""
         self._prefill_down: set[int] = set()
         self._decode_down: set[int] = set()
         self._decode_back = anyio.Event()
-        self._decode_lost = ""
-        """Set when no Decode TE can come back: requests waiting for one fail with it."""
+        self._decode_lost: dict[int, str] = {}
+        """Decode TEs that cannot come back (too few healthy servers, no repair pending)."""
+        self._pending_repairs = 0
+        self._prefill_restarting = 0
+        self._servers_freed = anyio.Event()
+        """Set (and replaced) when servers return to the pool (a repair, a TE left down)."""
         per_p, per_d = cfg.prefill_servers_per_te, cfg.decode_servers // cfg.decode_tes
         first_d = cfg.prefill.tes * per_p
         self.placement = Placement(
@@ -127,12 +143,35 @@ class Failover:
             w = self._where[request_id] = Where()
         return w
 
-    async def _await_decode(self) -> None:
-        """While every Decode TE is restarting: wait (the KV stays on the Prefill side)."""
-        while self._decode_down and len(self._decode_down) == len(self.decode):
-            if self._decode_lost:
-                return
+    async def _await_decode(self) -> str:
+        """While every Decode TE is down: wait (the KV stays on the Prefill side). Returns why
+        none will come back, or "" once one is in service."""
+        while len(self._decode_down) == len(self.decode):
+            if len(self._decode_lost) == len(self.decode):
+                return "; ".join(self._decode_lost[d] for d in sorted(self._decode_lost))
             await self._decode_back.wait()
+        return ""
+
+    def _live_prefill(self, te: PrefillTE | None) -> bool:
+        return (
+            te is not None and te.index not in self._prefill_down and self.prefill[te.index] is te
+        )
+
+    def _live_decode(self, te: DecodeTE | None) -> bool:
+        return te is not None and te.index not in self._decode_down and self.decode[te.index] is te
+
+    def _undo(self, request_id: int) -> None:
+        """A request failed by a failover gives back what it holds on TEs still in service
+        (called by its own task once it has stopped: the task may have run on past the
+        failure up to its next checkpoint). A transferred request's Decode side is undone by
+        the completion poller, which sees the completion."""
+        w = self._where.get(request_id)
+        if w is None or w.transferred:
+            return
+        if self._live_prefill(w.prefill_te) and w.prefill_dp >= 0:
+            w.prefill_te.release(w.prefill_dp, request_id)  # type: ignore[union-attr]
+        if self._live_decode(w.decode_te) and w.decode_dp >= 0:
+            w.decode_te.abandon(w.decode_dp, self.records[request_id])  # type: ignore[union-attr]
 
     # -- node faults ---------------------------------------------------------------------------
     async def _node_fault(self, fault: NodeFault) -> None:
@@ -144,13 +183,14 @@ class Failover:
         emit("k8s", "taint", server=fault.server)
         if fault.repair_ns:
             assert self._system is not None
+            self._pending_repairs += 1
             self._system.start_soon(self._repair, fault)
         why = f"NPU fault on server {fault.server}"
+        if fault.server in self._spares:  # an idle server: nothing to recover
+            self._spares.remove(fault.server)
+            return
         if rc.mode == "restart_world":
             await self._restart_world(f"restart-the-world after an {why}")
-            return
-        if fault.server in self._spares:
-            self._spares.remove(fault.server)
             return
         for k, servers in enumerate(self.placement.prefill):
             if fault.server in servers:
@@ -164,10 +204,16 @@ class Failover:
     async def _repair(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns + fault.repair_ns)
         self.tainted.discard(fault.server)
+        self._pending_repairs -= 1
         emit("k8s", "untaint", server=fault.server)
         used = {s for te in self.placement.prefill + self.placement.decode for s in te}
         if fault.server not in used and fault.server not in self._spares:
             self._spares.append(fault.server)  # back in the pool for the next restart
+        self._free_servers()
+
+    def _free_servers(self) -> None:
+        self._servers_freed.set()
+        self._servers_freed = anyio.Event()
 
     # -- stage 1 ---------------------------------------------------------------------------------
     async def _restart_world(self, reason: str) -> None:
@@ -180,7 +226,7 @@ class Failover:
         self.down = reason
         self._torn_down = True
         emit("engine", "restart-the-world", reason=reason)
-        failed = self._fail_held(lambda w: True, reason, undo=False)
+        failed = self._fail_held(lambda w: True, reason)
         for scope in self._engine_scopes:
             scope.cancel()
         self._engine_scopes, self._te_scopes = [], {}
@@ -226,20 +272,23 @@ class Failover:
         self._torn_down = False
 
     # -- stage 2 ---------------------------------------------------------------------------------
-    async def _prefill_failover(self, k: int, reason: str, *, restart: bool = True) -> None:
+    async def _prefill_failover(self, k: int, reason: str) -> None:
         if k in self._prefill_down:
             return
         rec = self._take_down("P", k, reason)
         self._prefill_down.add(k)
         rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
         self._retire_prefill(k)
-        if not restart:
-            return
-        await sleep_ns(self.config.recovery.prefill_restart_ns)
+        self._prefill_restarting += 1
+        try:
+            await sleep_ns(self.config.recovery.prefill_restart_ns)
+        finally:
+            self._prefill_restarting -= 1
         servers = self._servers_for(self.placement.prefill[k], self.config.prefill_servers_per_te)
         if servers is None:  # its healthy servers idle as spares
             self._spares.extend(s for s in self.placement.prefill[k] if s not in self.tainted)
             self.placement.prefill[k] = []
+            self._free_servers()
             emit("failover", "stays-down", te=f"P{k}")
             return
         self.placement.prefill[k] = servers
@@ -249,50 +298,79 @@ class Failover:
         for d in range(len(self.decode)):
             self._build_pair(k, d)
         rec.back_ns, rec.servers = now_ns(), servers
+        self._free_servers()  # a Decode TE waiting for servers may kill it now
         emit("failover", "back", te=f"P{k}")
 
     async def _decode_failover(self, d: int, reason: str) -> None:
         if d in self._decode_down:
-            return
+            return  # already restarting: it re-checks its servers before coming back
         cfg = self.config
         rec = self._take_down("D", d, reason)
         self._decode_down.add(d)
         rec.failed = self._fail_held(lambda w: w.decode == d, reason)
         self._retired_iterations += self.decode[d].iterations
         need = cfg.decode_servers // cfg.decode_tes
-        servers = self._servers_for(self.placement.decode[d], need)
-        while servers is None:  # kill-P-to-preserve-D (P119)
-            live = [k for k in range(len(self.prefill)) if k not in self._prefill_down]
-            if not live:
+        while True:
+            servers = self._decode_servers(d, need)
+            if servers is None:
+                if not self._pending_repairs and not self._prefill_restarting:
+                    self._decode_lost[d] = f"{reason}; too few healthy servers to restart it"
+                    self._decode_back.set()  # waiting requests learn it
+                    self._decode_back = anyio.Event()
+                    emit("failover", "stays-down", te=f"D{d}")
+                    return
+                await self._servers_freed.wait()  # a repair may bring one back
+                continue
+            self.placement.decode[d] = servers
+            await sleep_ns(cfg.recovery.decode_restart_ns)
+            if not set(self.placement.decode[d]) & self.tainted:
                 break
-            held = {k: 0 for k in live}
-            for w in self._where.values():
-                if w.prefill in held and not w.transferred:
-                    held[w.prefill] += 1
-            victim = min(live, key=lambda k: (held[k], k))
-            emit("failover", "kill-p-to-preserve-d", prefill_te=victim, decode_te=d)
-            await self._prefill_failover(
-                victim, f"Prefill TE {victim} killed to preserve Decode TE {d}", restart=False
-            )
-            self._spares.extend(s for s in self.placement.prefill[victim] if s not in self.tainted)
-            self.placement.prefill[victim] = []
-            servers = self._servers_for(self.placement.decode[d], need)
-        if servers is None:
-            self._decode_lost = f"{reason}; too few healthy servers to restart it"
-            self._decode_back.set()
-            emit("failover", "stays-down", te=f"D{d}")
-            return
-        self.placement.decode[d] = servers
-        await sleep_ns(cfg.recovery.decode_restart_ns)
+            emit("failover", "restart-again", te=f"D{d}")  # a server failed meanwhile
         self.decode[d] = self._new_decode_te(d)  # type: ignore[attr-defined]
         self._start_decode_te(d)
         self._decode_down.discard(d)
         for k in range(len(self.prefill)):
             self._build_pair(k, d)
-        rec.back_ns, rec.servers = now_ns(), servers
+        rec.back_ns, rec.servers = now_ns(), self.placement.decode[d]
         self._decode_back.set()
         self._decode_back = anyio.Event()
         emit("failover", "back", te=f"D{d}")
+
+    def _decode_servers(self, d: int, need: int) -> list[int] | None:
+        """Decode TE ``d``'s healthy servers topped up from the spares, and if that is not
+        enough, kill-P-to-preserve-D (P119): the Prefill TEs in service holding the fewest
+        requests are killed, only if that frees enough servers."""
+        servers = self._servers_for(self.placement.decode[d], need)
+        if servers is not None:
+            return servers
+        short = need - len([s for s in self.placement.decode[d] if s not in self.tainted])
+        short -= len(self._spares)
+        live = [k for k in range(len(self.prefill)) if k not in self._prefill_down]
+        held = {k: 0 for k in live}
+        for rid, w in self._where.items():
+            if w.prefill in held and not w.transferred and rid not in self._ended_ids:
+                held[w.prefill] += 1
+        victims: list[int] = []
+        for k in sorted(live, key=lambda k: (held[k], k)):
+            if short <= 0:
+                break
+            victims.append(k)
+            short -= len([s for s in self.placement.prefill[k] if s not in self.tainted])
+        if short > 0:
+            return None  # even killing every Prefill TE would not do
+        for k in victims:
+            emit("failover", "kill-p-to-preserve-d", prefill_te=k, decode_te=d)
+            self._kill_prefill(k, f"Prefill TE {k} killed to preserve Decode TE {d}")
+        return self._servers_for(self.placement.decode[d], need)
+
+    def _kill_prefill(self, k: int, reason: str) -> None:
+        """Take Prefill TE ``k`` down for good; its healthy servers become spares."""
+        rec = self._take_down("P", k, reason)
+        self._prefill_down.add(k)
+        rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
+        self._retire_prefill(k)
+        self._spares.extend(s for s in self.placement.prefill[k] if s not in self.tainted)
+        self.placement.prefill[k] = []
 
     # -- pieces ------------------------------------------------------------------------------------
     def _take_down(self, side: str, index: int, reason: str) -> TEFailover:
@@ -318,24 +396,19 @@ class Failover:
             servers.append(self._spares.pop(0))
         return sorted(servers)
 
-    def _fail_held(self, held: Callable[[Where], bool], reason: str, *, undo: bool = True) -> int:
-        """Fail every request in flight whose state ``held`` says the lost TE holds; with
-        ``undo``, give back what it holds on the surviving side."""
+    def _fail_held(self, held: Callable[[Where], bool], reason: str) -> int:
+        """Fail every request in flight whose state ``held`` says the lost TE holds; each
+        one's task is cancelled and gives back what it holds elsewhere (:meth:`_undo`)."""
         failed = 0
-        for rid in sorted(self._where):
-            w = self._where[rid]
+        for rid in sorted(set(self._inflight) | set(self._where)):
+            w = self._where.get(rid) or Where()
             if rid in self._ended_ids or not held(w):
                 continue
             scope = self._inflight.get(rid)
             if scope is not None:
                 scope.cancel()
-            rec = self.records[rid]
-            alive = w.prefill >= 0 and w.prefill not in self._prefill_down
-            if undo and alive and w.prefill_dp >= 0 and not w.transferred:
-                self.prefill[w.prefill].release(w.prefill_dp, rid)
-            if undo and w.decode >= 0 and w.decode not in self._decode_down and w.decode_dp >= 0:
-                self.decode[w.decode].abandon(w.decode_dp, rec)
-            self._fail(rec, reason)  # type: ignore[attr-defined]
+            self.failed_by_failover.add(rid)
+            self._fail(self.records[rid], reason)  # type: ignore[attr-defined]
             failed += 1
         return failed
 

@@ -366,7 +366,6 @@ class Replay(Failover):
 
     def _ended(self, record: RequestRecord) -> None:
         self._ended_ids.add(record.request_id)
-        self._where.pop(record.request_id, None)
         self.ended += 1
         if self.progress is not None:
             self.progress(record.finish_ns, self.ended, len(self.workload))
@@ -382,14 +381,15 @@ class Replay(Failover):
             self._ended(rec)
             return
         if len(self._prefill_down) == len(self.prefill):
-            self._fail(rec, "no Prefill TE in service (every one lost to node faults)")
+            self._fail(rec, "service unavailable: no Prefill TE in service (node faults)")
             return
         te = self.select_prefill(req)
-        where = self._where_of(req.request_id)
-        where.prefill = te.index
-        job = await te.prefill(
-            PrefillJob(req.request_id, req.input_tokens, req.prefix_hashes, req.arrival_ns)
-        )
+        rid = req.request_id
+        where = self._where_of(rid)
+        where.prefill, where.prefill_te = te.index, te
+        job = await te.prefill(PrefillJob(rid, req.input_tokens, req.prefix_hashes, req.arrival_ns))
+        if rid in self._ended_ids:  # failed by a failover while its cancel was in flight
+            return
         where.prefill_dp = job.dp
         rec.first_token_ns = job.first_token_ns
         rec.queue_ns = job.start_ns - req.arrival_ns
@@ -400,36 +400,40 @@ class Replay(Failover):
             else f"P{te.index}/DP{job.dp}" + (f"x{job.sp}" if job.sp > 1 else "")
         )
         if req.output_tokens == 1:  # prefill's token was the whole output
-            te.release(job.dp, req.request_id)
+            te.release(job.dp, rid)
             rec.finish_ns = job.first_token_ns
             self._ended(rec)
             return
-        await self._await_decode()  # every Decode TE restarting: the KV waits here
-        if self._decode_lost:
-            te.release(job.dp, req.request_id)
-            self._fail(rec, self._decode_lost)
+        lost = await self._await_decode()  # every Decode TE restarting: the KV waits here
+        if rid in self._ended_ids:
+            return
+        if lost:
+            te.release(job.dp, rid)
+            self._fail(rec, lost)
             return
         dte = self.select_decode(req, te.index)
         if dte is None:  # every pair from this Prefill TE has failed a transfer
-            te.release(job.dp, req.request_id)
+            te.release(job.dp, rid)
             rec.outcome = "failed"
             rec.reason = f"KV transfer impossible: every DistFlow pair from P{te.index} failed"
             rec.finish_ns = now_ns()
             self._ended(rec)
             return
         flow = self.distflow[(te.index, dte.index)]
-        blocks = sum(kv.held(req.request_id) for kv in te.kv)  # every group's share
-        transfer = flow.register(
-            req.request_id, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token
-        )
-        where.decode = dte.index
+        blocks = sum(kv.held(rid) for kv in te.kv)  # every group's share
+        transfer = flow.register(rid, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token)
+        where.decode, where.decode_te = dte.index, dte
         dp = await dte.route(rec)
         where.decode_dp = dp
+        if rid in self._ended_ids:
+            return
         await dte.reserve(dp, rec)
+        if rid in self._ended_ids:
+            return
         await flow.recv(transfer, dp)
         where.transferred = True
         rec.kv_transfer_ns = transfer.done_ns - transfer.recv_ns
-        await dte.done[req.request_id].wait()
+        await dte.done[rid].wait()
 
     async def _prefill_poller(self, flow: DistFlow, dp: int) -> None:
         te = self.prefill[flow.prefill_te]
@@ -441,7 +445,9 @@ class Replay(Failover):
         async with flow.decode_cq[dp][1] as cq:
             async for done in cq:
                 rec = self.records[done.request_id]
-                if done.state is TransferState.COMPLETED:
+                if done.request_id in self.failed_by_failover:  # failed while in transfer
+                    dte.abandon(dp, rec)
+                elif done.state is TransferState.COMPLETED:
                     dte.enqueue(dp, rec)
                 else:  # the pair's DistFlow failed: the request fails, its blocks return
                     pair = (flow.prefill_te, dte.index)
@@ -452,7 +458,7 @@ class Replay(Failover):
                     rec.reason = (
                         f"KV transfer {done.state.value} (DistFlow P{flow.prefill_te}-D{dte.index})"
                     )
-                    if not flow.link_up:
+                    if flow.declared_failed:
                         rec.reason += ": link down, found by link probing"
                     rec.finish_ns = now_ns()
                     dte.abandon(dp, rec)
@@ -493,9 +499,12 @@ class Replay(Failover):
 
     async def _fault(self, fault: DistFlowFault) -> None:
         await sleep_until_ns(fault.at_ns)
-        flow = self.distflow[(fault.prefill_te, fault.decode_te)]
+        flow = self.distflow.get((fault.prefill_te, fault.decode_te))
+        if flow is None:  # a restart-the-world left that Prefill TE out
+            emit("distflow", "fault-skipped", prefill_te=fault.prefill_te, reason="no such pair")
+            return
         if fault.kind == "transport":
-            flow.failed = True
+            flow.fail_transfers()
             emit(
                 "distflow",
                 "instance-failed",
@@ -511,7 +520,7 @@ class Replay(Failover):
     def _probed(self, flow: DistFlow, result: ProbeResult) -> None:
         """Link probing found the pair down: take it out of service; the Job Executor avoids
         it from now on, and the transfers stalled on it fail."""
-        if result.verdict is LinkVerdict.LINK_FAILURE and not flow.failed:
+        if result.verdict is LinkVerdict.LINK_FAILURE and not flow.declared_failed:
             self._failed_pairs.setdefault((flow.prefill_te, flow.decode_te), now_ns())
             emit(
                 "job-executor", "pair-avoided", prefill_te=flow.prefill_te, decode_te=flow.decode_te
@@ -614,12 +623,16 @@ class Replay(Failover):
             self.records[req.request_id] = rec
             self._fail(rec, f"service unavailable: {self.down}")
             return
+        rid = req.request_id
         with anyio.CancelScope() as scope:
-            self._inflight[req.request_id] = scope
+            self._inflight[rid] = scope
             try:
                 await self._serve(req)
             finally:
-                del self._inflight[req.request_id]
+                del self._inflight[rid]
+        if rid in self.failed_by_failover:
+            self._undo(rid)  # give back what it holds on TEs still in service
+        self._where.pop(rid, None)
 
     def _fail(self, rec: RequestRecord, reason: str) -> None:
         rec.outcome, rec.reason = "failed", reason
