@@ -165,3 +165,53 @@ def test_a_permanent_link_down_without_probing_is_refused():
     with pytest.raises(ConfigError) as err:
         DistFlowFault(at_ns=0, prefill_te=0, duration_ns=5)
     assert err.value.field == "duration_ns"
+
+
+def _probed_replay(
+    n: int, inputs: int, gap_ms: int, batch: int, probe: ProbeConfig, faults=(), outputs=20
+):
+    from xds.serve.decode import DecodeConfig
+    from xds.serve.jitter import JitterConfig
+    from xds.serve.prefill import PrefillConfig
+    from xds.serve.replay import PDConfig, replay
+    from xds.trace.workload import Request, Workload
+
+    cfg = PDConfig(
+        prefill=PrefillConfig(tes=2, long_pool_tes=0),
+        decode=DecodeConfig(
+            dies=32, batch_per_die=batch, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+        ),
+        probe=probe,
+    )
+    wl = Workload(tuple(Request(i, i * gap_ms * MS, inputs, outputs) for i in range(n)))
+    return replay(wl, cfg, faults=list(faults))
+
+
+def test_long_transfers_on_a_healthy_link_are_never_a_link_failure():
+    """32K-token prompts take about 6 ms to move; a 2 ms probe timeout finds the probe's
+    bytes queued behind them on the ports: busy, not broken."""
+    res = _probed_replay(40, 32_000, 20, 4, ProbeConfig(timeout_ns=2 * MS, period_ns=50 * MS))
+    assert res.summary.completed == 40
+    verdicts = {r.verdict for r in res.probes}
+    assert LinkVerdict.LINK_FAILURE not in verdicts and LinkVerdict.SATURATED in verdicts
+
+
+def test_a_downed_link_behind_a_saturated_decode_is_still_found():
+    """Transfers stalled on the dead link hold Decode's KV, so later RECVs are deferred and the
+    probe never reaches the head of the queue: the posted transfers held by the link give the
+    link away, the pair is taken out of service and the replay ends."""
+    from xds.serve.replay import DistFlowFault
+
+    res = _probed_replay(
+        100,
+        1500,
+        20,
+        1,
+        ProbeConfig(timeout_ns=100 * MS),
+        [DistFlowFault(at_ns=200 * MS, prefill_te=0, kind="link_down")],
+        outputs=200,  # long decodes: with batch 1 per die, Decode defers RECVs
+    )
+    p0 = [r for r in res.probes if r.pair == "P0-D0"]
+    assert [r.verdict for r in p0] == [LinkVerdict.HEALTHY, LinkVerdict.LINK_FAILURE]
+    assert p0[1].queued_ns == -1  # it never reached the head of the queue
+    assert res.summary.completed + res.summary.failed == 100 and res.summary.failed

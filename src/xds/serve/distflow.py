@@ -26,10 +26,11 @@ cancelled); :meth:`DistFlow.check` verifies it.
 
 Link probing (SPEC 11.1, P116): :meth:`DistFlow.probe` sends a dummy payload through the
 pair's FIFO. It needs no KV slots, but it leaves the queue only after every transfer registered
-before it has had its RECV posted, so a saturated Decode side (RECVs deferred) delays it; a
-link that is down (:meth:`DistFlow.link_down`, a silent stall rather than a transport error)
-holds it on the wire together with every transfer. :mod:`xds.serve.probe` classifies the
-outcome.
+before it has had its RECV posted, so a saturated Decode side (RECVs deferred) delays it, and
+its bytes queue on the ports behind the transfers' bytes; a link that is down
+(:meth:`DistFlow.link_down`, a silent stall rather than a transport error) does not take it, nor
+any transfer whose RECV is posted (transfers already on the wire when it went down complete).
+:mod:`xds.serve.probe` classifies the outcome.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class ProbeState(msgspec.Struct):
     sent_ns: int = -1
     on_wire_ns: int = -1
     """When every transfer ahead of it in the pair's FIFO had its RECV posted."""
+    expected_ns: int = -1
+    """When the link took it: its delivery time behind the bytes already on the ports."""
     delivered_ns: int = -1
 
 
@@ -145,6 +148,8 @@ class DistFlow:
         self._gate.set()
         self.declared_failed = False
         """Taken out of service by :meth:`declare_failed` (link probing)."""
+        self.stalled = 0
+        """Transfers whose RECV was posted, held by a downed link."""
         self._awaiting_recv: set[int] = set()
         """Registered transfers whose RECV has not been posted (the pair's FIFO)."""
         self._posted = anyio.Event()
@@ -181,7 +186,11 @@ class DistFlow:
         self._moved(transfer)
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp, pair=self.pair)
         if not self._gate.is_set():  # a downed link stalls the transfer silently
-            await self._gate.wait()
+            self.stalled += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self.stalled -= 1
             if self.failed:  # declared failed while stalled: nothing moved
                 self._finish(transfer, TransferState.FAILED)
                 return
@@ -257,7 +266,8 @@ class DistFlow:
             await self._gate.wait()
         if self.failed and not self.link_up:
             await anyio.sleep_forever()  # a failed link never delivers (the caller times out)
-        await sleep_until_ns(self._through_ports([0], decode_dp, nbytes))
+        state.expected_ns = self._through_ports([0], decode_dp, nbytes)
+        await sleep_until_ns(state.expected_ns)
         state.delivered_ns = now_ns()
 
     def _moved(self, transfer: Transfer) -> None:

@@ -2,22 +2,24 @@
 
 Heartbeats cannot see faults outside the DP masters' loops, such as a stalled KV transfer,
 which is more often Decode saturation than a broken link. A probe injects a dummy payload into
-a DistFlow pair's FIFO (:meth:`xds.serve.distflow.DistFlow.probe`) and classifies what happens
-within ``timeout_ns``:
+a DistFlow pair's FIFO (:meth:`xds.serve.distflow.DistFlow.probe`) and classifies what happened
+to it by ``timeout_ns``:
 
-========================  ===============================================  ==============
-condition                 probe outcome                                    verdict
-========================  ===============================================  ==============
-healthy                   delivered within ``healthy_ns``                  HEALTHY
-Decode saturated          delayed behind deferred RECVs, still queued or   SATURATED
-                          delivered late
-link down                 on the wire (nothing ahead of it) but not        LINK_FAILURE
-                          delivered, and no transfer completed either
-========================  ===============================================  ==============
+=====================================================  ==============
+probe outcome                                          verdict
+=====================================================  ==============
+delivered within ``healthy_ns``                        HEALTHY
+delivered later                                        SATURATED
+taken by the link, delivery due after the timeout      SATURATED (the ports are busy
+(queued behind the bytes of long transfers)            with transfers)
+still behind transfers whose RECV Decode defers,       SATURATED
+and no posted transfer held by the link
+still queued while posted transfers are held by the    LINK_FAILURE
+link, or at the head of the queue and not taken
+=====================================================  ==============
 
-A probe still queued at the timeout means the Decode side has not posted the RECVs ahead of it:
-saturation, whatever the link does. :class:`LinkMonitor` probes every pair of a replay
-periodically and keeps the verdicts.
+Decode saturation delays the dummy; a link failure blocks every transfer, the dummy included.
+:class:`LinkMonitor` probes every pair of a replay periodically and keeps the verdicts.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..config import check_fields
 from ..docfields import document_fields
 from ..runtime import emit, now_ns, sleep_ns
 from ..units import MS, US
-from .distflow import DistFlow, ProbeState, TransferState
+from .distflow import DistFlow, ProbeState
 
 
 class LinkVerdict(enum.Enum):
@@ -73,18 +75,17 @@ async def probe(
     """Probe one DistFlow pair and classify the outcome (table above)."""
     cfg = config or ProbeConfig()
     state = ProbeState()
-    completed = _completed(flow)
     with anyio.move_on_after(cfg.timeout_ns / 1e9):
         await flow.probe(state, decode_dp=decode_dp, nbytes=cfg.nbytes)
     if state.delivered_ns >= 0:
         latency = state.delivered_ns - state.sent_ns
         verdict = LinkVerdict.HEALTHY if latency <= cfg.healthy_ns else LinkVerdict.SATURATED
-    elif state.on_wire_ns < 0:
-        latency, verdict = -1, LinkVerdict.SATURATED  # still behind deferred RECVs
-    else:
-        moved = _completed(flow) > completed
-        latency = -1
-        verdict = LinkVerdict.SATURATED if moved else LinkVerdict.LINK_FAILURE
+    elif state.expected_ns >= 0:  # the link took it; busy ports put delivery past the timeout
+        latency, verdict = -1, LinkVerdict.SATURATED
+    elif state.on_wire_ns >= 0 or flow.stalled:  # refused by the link, or transfers held
+        latency, verdict = -1, LinkVerdict.LINK_FAILURE
+    else:  # behind RECVs Decode defers: saturation
+        latency, verdict = -1, LinkVerdict.SATURATED
     result = ProbeResult(
         pair=flow.pair,
         sent_ns=state.sent_ns,
@@ -94,10 +95,6 @@ async def probe(
     )
     emit("link-probe", verdict.value, pair=flow.pair, latency_ns=latency)
     return result
-
-
-def _completed(flow: DistFlow) -> int:
-    return sum(t.state is TransferState.COMPLETED for t in flow.transfers.values())
 
 
 class LinkMonitor:

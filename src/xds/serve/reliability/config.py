@@ -177,10 +177,17 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
     def __post_init__(self) -> None:
         check_fields(self)
+        iterations = self.output_tokens - 1  # the first token comes from prefill
         for i, f in enumerate(self.faults):
             where = f"faults[{i}].dp"
             if f.dp >= self.dps:
                 raise ConfigError(f"DP {f.dp} does not exist ({self.dps} DPs)", field=where)
+            if f.iteration >= iterations:
+                raise ConfigError(
+                    f"iteration {f.iteration} never runs: output_tokens = {self.output_tokens} "
+                    f"decodes in iterations 0..{iterations - 1} (prefill makes the first token)",
+                    field=f"faults[{i}].iteration",
+                )
             if isinstance(f, NetworkError) and f.layer >= self.layers:
                 raise ConfigError(
                     f"layer {f.layer} does not exist ({self.layers} layers)",
@@ -237,9 +244,13 @@ def parse_fault(spec: str) -> Fault:
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
         if not eq or not key:
             raise ConfigError(f"{spec!r}: expected KEY=VALUE, got {item!r}", field="fault")
-        fields[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        if key in fields:
+            raise ConfigError(f"{spec!r}: {key} is given twice", field="fault")
+        digits = value.lstrip("-")
+        fields[key] = int(value) if digits.isascii() and digits.isdecimal() else value
     try:
         return msgspec.convert(fields, _FAULT_KINDS[kind])
     except (msgspec.ValidationError, ConfigError) as exc:

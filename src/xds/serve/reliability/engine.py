@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ...runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
+from ...runtime import emit, now_ns, rng, sleep_until_ns
 from .config import (
     ExecutorCrash,
     ExecutorHang,
@@ -141,8 +141,9 @@ class ReliableDecode:
         self._faults: dict[tuple[int, int], list[Fault]] = {}
         for f in config.faults:
             self._faults.setdefault((f.dp, f.iteration), []).append(f)
-        faulty = {f.dp for f in config.faults if isinstance(f, ExecutorHang | ExecutorCrash)}
-        self.shell = TEShellHeartbeat(config.heartbeat, n, faulty.__contains__)
+        self._struck: dict[int, int] = {}
+        """DP -> when an injected hang or crash stopped its executor."""
+        self.shell = TEShellHeartbeat(config.heartbeat, n, lambda dp: dp in self._struck)
         self.coord = RollbackCoordinator(config.rollback, n, config.poll_ns, self._stop)
         self.stopped = ""
         self.commits = [0] * n
@@ -223,6 +224,7 @@ class ReliableDecode:
                 return
 
     def _result(self, elapsed: int) -> ReliabilityResult:
+        self._drain_outputs()
         for dp, seqs in enumerate(self.active):  # restart-the-world: the rest fail
             for s in seqs:
                 self._end(s, "failed", self.stopped or "engine stopped")
@@ -300,6 +302,7 @@ class ReliableDecode:
         self.placement = self.placement.without(set(culprits))
         self.expert_scale = self.placement.busiest_share() / self._share0
         self.live = survivors
+        self.coord.set_parties_removed(culprits)
         self.coord.set_parties(len(survivors))
         reason = "DP {} removed by decode scale-down after it stopped answering; its KV is lost"
         for dp in culprits:
@@ -350,7 +353,7 @@ class ReliableDecode:
                     kv.restore()  # discard the attempt: KV back to the end of it - 1
                     for s in self.active[dp]:
                         del s.rows[kv.tokens(s.request) :]
-                    await self.coord.epoch_barrier.wait()
+                    await self.coord.epoch_barrier.wait(dp)
                     attempt += 1
                 self._commit(dp, reply.tokens, out)
                 await self._gap(dp)
@@ -422,17 +425,23 @@ class ReliableDecode:
         extra = 0
         for f in faults:
             if isinstance(f, ExecutorHang):
+                self._struck[dp] = now_ns()
                 emit("executor", "hang", dp=dp, iteration=it)
                 await anyio.sleep_forever()
             if isinstance(f, ExecutorCrash):
+                self._struck[dp] = now_ns()
                 raise ExecutorCrashed
             if isinstance(f, SlowIteration):
                 extra += f.extra_ns
         if cfg.host_jitter_mean_ns:
             extra += int(self._jitter[dp].exponential(cfg.host_jitter_mean_ns))
         seqs = list(self.active[dp])
+
+        async def kernel(ns: int) -> None:
+            await coord.compute(dp, it, attempt, ns)
+
         for layer in range(cfg.layers):
-            await sleep_ns(t.attention_ns + (extra if layer == 0 else 0))
+            await kernel(t.attention_ns + (extra if layer == 0 else 0))
             if layer == 0:  # attention writes this position's KV, in place
                 for s in seqs:
                     s.rows.append(self.decoder.kv_row(s.tokens[-1], len(s.rows)))
@@ -441,16 +450,26 @@ class ReliableDecode:
                     coord.report(dp, it, attempt, f.code)
                     raise RolledBack
             await coord.barrier(it, attempt, f"dispatch-{layer}").wait(dp)
-            await sleep_ns(t.dispatch_ns + round(t.expert_ns * self.expert_scale))
+            await kernel(t.dispatch_ns + round(t.expert_ns * self.expert_scale))
             await coord.barrier(it, attempt, f"combine-{layer}").wait(dp)
-            await sleep_ns(t.combine_ns)
-        await sleep_ns(t.head_ns)
+            await kernel(t.combine_ns)
+        await kernel(t.head_ns)
         tokens = {s.request: self.decoder.next_token(s.rows) for s in seqs}
         await coord.barrier(it, attempt, "commit").wait(dp)
         return tokens
 
     # -- output processor ---------------------------------------------------------------------
     async def _output_processor(self, dp: int) -> None:
-        async with self._out_recv[dp] as stream:
-            async for request, token in stream:
+        async for request, token in self._out_recv[dp]:
+            self.streamed[request].append(token)
+
+    def _drain_outputs(self) -> None:
+        """Tokens committed at the instant the engine stopped: the output subprocess still
+        delivers them (they were released to it)."""
+        for stream in self._out_recv:
+            while True:
+                try:
+                    request, token = stream.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
                 self.streamed[request].append(token)

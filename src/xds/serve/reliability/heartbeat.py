@@ -36,8 +36,8 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     marked_ns: int
     seen_by_control_plane_ns: int = -1
     fault_injected: bool
-    """Whether a hang or crash was injected on this DP (False: a false positive, or a DP
-    stalled behind another's fault at a global barrier)."""
+    """Whether an injected hang or crash had stopped this DP's executor when it was marked
+    (False: a false positive, or a DP stalled behind another's fault at a global barrier)."""
 
 
 class TEShellHeartbeat:

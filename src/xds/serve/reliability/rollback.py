@@ -77,6 +77,7 @@ class RollbackCoordinator:
         self._open: list[PollBarrier] = []
         self.current = (0, 0)
         """The (iteration, attempt) the DP masters last started."""
+        self._flag_events: dict[tuple[int, int], anyio.Event] = {}
 
     def set_parties(self, dps: int) -> None:
         """The live DP count changed (scale-down): barriers wait for this many from now."""
@@ -84,8 +85,13 @@ class RollbackCoordinator:
         self.epoch_barrier.check()
 
     def is_polling(self, dp: int) -> bool:
-        """Whether DP ``dp``'s executor is inside a global barrier's busy-poll right now."""
-        return any(dp in b.waiting for b in self._open)
+        """Whether DP ``dp`` is waiting at a global barrier right now (a busy-poll, or the
+        epoch barrier of a rollback): stalled behind others, not stopped itself."""
+        return dp in self.epoch_barrier.waiting or any(dp in b.waiting for b in self._open)
+
+    def set_parties_removed(self, removed: list[int]) -> None:
+        """Removed DPs no longer count at the epoch barrier."""
+        self.epoch_barrier.waiting -= set(removed)
 
     def abort(self, dp: int, code: str) -> None:
         """Abort the current attempt on every DP (a rollback not caused by an error, e.g. a
@@ -128,9 +134,39 @@ class RollbackCoordinator:
         self.observed(dp)
         call_at_ns(now_ns() + self.config.broadcast_ns, self._broadcast, record)
 
+    def flag_event(self, iteration: int, attempt: int) -> anyio.Event:
+        """Set when this attempt's rollback flag is raised (computing executors watch it)."""
+        key = (iteration, attempt)
+        ev = self._flag_events.get(key)
+        if ev is None:
+            ev = self._flag_events[key] = anyio.Event()
+        return ev
+
+    async def compute(self, dp: int, iteration: int, attempt: int, ns: int) -> None:
+        """A kernel of ``ns`` on DP ``dp``'s die. The executor's poll loop checks the
+        rollback flag between polls even while a kernel runs, so a rollback raised meanwhile
+        is seen at the next poll tick (counted from the kernel's start): every DP observes
+        it within one poll interval, computing or not (SPEC 11.3 "Reach")."""
+        start = now_ns()
+        if self.flagged(iteration, attempt):
+            self.observed(dp)
+            raise RolledBack
+        flag = self.flag_event(iteration, attempt)
+        with anyio.move_on_after(ns / 1e9):
+            await flag.wait()
+        if not flag.is_set():
+            if now_ns() < start + ns:  # a float deadline may land a nanosecond early
+                await sleep_until_ns(start + ns)
+            return
+        polls = -(-(now_ns() - start) // self.poll_ns)
+        await sleep_until_ns(min(start + ns, start + polls * self.poll_ns))
+        self.observed(dp)
+        raise RolledBack
+
     def _broadcast(self, record: RollbackRecord) -> None:
         record.broadcast_ns = now_ns()
         self.flag = _Flag(record.iteration, record.attempt, record.broadcast_ns)
+        self.flag_event(record.iteration, record.attempt).set()
         for barrier in self._open:
             if barrier.iteration == record.iteration and barrier.attempt == record.attempt:
                 record.polling.extend(sorted(barrier.waiting))
@@ -175,20 +211,24 @@ class EpochBarrier:
 
     def __init__(self, coord: RollbackCoordinator):
         self.coord = coord
-        self.waiting = 0
+        self.waiting: set[int] = set()
         self._release = anyio.Event()
 
-    async def wait(self) -> None:
-        self.waiting += 1
+    async def wait(self, dp: int) -> None:
+        self.waiting.add(dp)
         release = self._release
-        if not self.check():
+        if self.check():
+            return
+        try:
             await release.wait()
+        finally:
+            self.waiting.discard(dp)
 
     def check(self) -> bool:
         """Release the waiters if all live DPs are here; True if it did."""
-        if not self.waiting or self.waiting < self.coord.dps:
+        if not self.waiting or len(self.waiting) < self.coord.dps:
             return False
-        self.waiting = 0
+        self.waiting = set()
         self._release.set()
         self._release = anyio.Event()
         self.coord.redo_started()
