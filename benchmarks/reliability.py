@@ -17,7 +17,7 @@ answers three questions:
 3. **Scale-down.** One executor crash with ``on_unhealthy = "scale_down"``: the requests lost,
    the DPs left, and the slowdown of later iterations from the surviving expert replicas.
 
-Every number comes out of the modelled mechanisms; no ``../shared`` needed; about 40 s.
+Every number comes out of the modelled mechanisms; no ``../shared`` needed; about 30 s.
 """
 
 from __future__ import annotations

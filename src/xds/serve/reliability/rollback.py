@@ -77,7 +77,8 @@ class RollbackCoordinator:
         self._open: list[PollBarrier] = []
         self.current = (0, 0)
         """The (iteration, attempt) the DP masters last started."""
-        self._flag_events: dict[tuple[int, int], anyio.Event] = {}
+        self._computing: dict[int, tuple[int, int, anyio.Event]] = {}
+        """DP -> (iteration, attempt, wake) of the kernel it is running."""
 
     def set_parties(self, dps: int) -> None:
         """The live DP count changed (scale-down): barriers wait for this many from now."""
@@ -134,14 +135,6 @@ class RollbackCoordinator:
         self.observed(dp)
         call_at_ns(now_ns() + self.config.broadcast_ns, self._broadcast, record)
 
-    def flag_event(self, iteration: int, attempt: int) -> anyio.Event:
-        """Set when this attempt's rollback flag is raised (computing executors watch it)."""
-        key = (iteration, attempt)
-        ev = self._flag_events.get(key)
-        if ev is None:
-            ev = self._flag_events[key] = anyio.Event()
-        return ev
-
     async def compute(self, dp: int, iteration: int, attempt: int, ns: int) -> None:
         """A kernel of ``ns`` on DP ``dp``'s die. The executor's poll loop checks the
         rollback flag between polls even while a kernel runs, so a rollback raised meanwhile
@@ -151,13 +144,17 @@ class RollbackCoordinator:
         if self.flagged(iteration, attempt):
             self.observed(dp)
             raise RolledBack
-        flag = self.flag_event(iteration, attempt)
-        with anyio.move_on_after(ns / 1e9):
-            await flag.wait()
-        if not flag.is_set():
-            if now_ns() < start + ns:  # a float deadline may land a nanosecond early
-                await sleep_until_ns(start + ns)
+        wake = anyio.Event()  # set by the kernel's end, or by a broadcast for this attempt
+        timer = call_at_ns(start + ns, wake.set)
+        self._computing[dp] = (iteration, attempt, wake)
+        try:
+            await wake.wait()
+        finally:
+            self._computing.pop(dp, None)
+        if not self.flagged(iteration, attempt) or now_ns() >= start + ns:
+            timer.cancel()
             return
+        timer.cancel()
         polls = -(-(now_ns() - start) // self.poll_ns)
         await sleep_until_ns(min(start + ns, start + polls * self.poll_ns))
         self.observed(dp)
@@ -166,7 +163,9 @@ class RollbackCoordinator:
     def _broadcast(self, record: RollbackRecord) -> None:
         record.broadcast_ns = now_ns()
         self.flag = _Flag(record.iteration, record.attempt, record.broadcast_ns)
-        self.flag_event(record.iteration, record.attempt).set()
+        for iteration, attempt, wake in list(self._computing.values()):
+            if (iteration, attempt) == (record.iteration, record.attempt):
+                wake.set()
         for barrier in self._open:
             if barrier.iteration == record.iteration and barrier.attempt == record.attempt:
                 record.polling.extend(sorted(barrier.waiting))
