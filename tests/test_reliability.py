@@ -476,3 +476,16 @@ def test_fault_specs_parse_strictly():
     with pytest.raises(ConfigError) as err:
         _faults(NetworkError(dp=0, iteration=9))  # output_tokens 10: iterations 0..8
     assert err.value.field == "faults[0].iteration"
+
+
+def test_an_unrecoverable_code_escalates_even_during_a_rollback():
+    """Two DPs fail in the same collective, one with a rollback code and one without: the run
+    escalates whichever reports first (a redo would not cure the second)."""
+    cfg = _faults(
+        NetworkError(dp=1, iteration=4, layer=1),
+        NetworkError(dp=2, iteration=4, layer=1, code="HBM_ECC"),
+    )
+    for backend in ("asyncio", "trio"):
+        res = _run(cfg, backend=backend)
+        assert res.stopped == "DP 2 failed with HBM_ECC in iteration 4"
+        _check_one_outcome_each(cfg, res)

@@ -295,6 +295,15 @@ class DistFlow:
             for rank in range(self.tp):
                 tg.start_soon(part, rank)
 
+    def withdraw(self, transfer: Transfer) -> None:
+        """The request behind a registered transfer failed elsewhere and its owner freed the
+        blocks itself: the transfer leaves the FIFO, cancelled, without a completion."""
+        if transfer.state is TransferState.REGISTERED:
+            self._moved(transfer)
+            transfer.state = TransferState.CANCELLED
+            transfer.done_ns = now_ns()
+            emit("distflow", "withdrawn", transfer=transfer.transfer_id, pair=self.pair)
+
     def cancel(self, transfer: Transfer) -> None:
         """Cancel a registered transfer whose RECV never came (e.g. the request failed)."""
         if transfer.state is TransferState.REGISTERED:

@@ -37,7 +37,7 @@ from .recovery import NodeFault, Placement, Restart, restart_placement
 if TYPE_CHECKING:
     from ..trace.metrics import RequestRecord
     from .decode_te import DecodeTE
-    from .distflow import DistFlow
+    from .distflow import DistFlow, Transfer
     from .prefill import PrefillTE
     from .replay import PDConfig
 
@@ -49,9 +49,11 @@ class Where:
         "decode",
         "decode_dp",
         "decode_te",
+        "flow",
         "prefill",
         "prefill_dp",
         "prefill_te",
+        "transfer",
         "transferred",
     )
 
@@ -64,6 +66,9 @@ class Where:
         self.decode_dp = -1
         self.transferred = False
         """The KV reached the Decode side (the Prefill side frees it on the completion)."""
+        self.flow: DistFlow | None = None
+        self.transfer: Transfer | None = None
+        """The registered KV transfer, until it completes."""
 
 
 class TEFailover(msgspec.Struct, kw_only=True):
@@ -172,6 +177,8 @@ class Failover:
             w.prefill_te.release(w.prefill_dp, request_id)  # type: ignore[union-attr]
         if self._live_decode(w.decode_te) and w.decode_dp >= 0:
             w.decode_te.abandon(w.decode_dp, self.records[request_id])  # type: ignore[union-attr]
+        if w.flow is not None and w.transfer is not None:
+            w.flow.withdraw(w.transfer)  # out of the pair's FIFO (probes queue behind it)
 
     # -- node faults ---------------------------------------------------------------------------
     async def _node_fault(self, fault: NodeFault) -> None:

@@ -422,6 +422,7 @@ class Replay(Failover):
         flow = self.distflow[(te.index, dte.index)]
         blocks = sum(kv.held(rid) for kv in te.kv)  # every group's share
         transfer = flow.register(rid, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token)
+        where.flow, where.transfer = flow, transfer
         where.decode, where.decode_te = dte.index, dte
         dp = await dte.route(rec)
         where.decode_dp = dp

@@ -113,14 +113,16 @@ class RollbackCoordinator:
 
     def report(self, dp: int, iteration: int, attempt: int, code: str) -> None:
         """An executor's collective failed with ``code``: roll back, or escalate. The
-        reporting executor has seen its own error: it counts as having observed the flag."""
-        if self._current(iteration, attempt) is not None:
-            self.observed(dp)
-            return  # this attempt is already being rolled back
+        reporting executor has seen its own error: it counts as having observed the flag. A
+        code outside the rollback list escalates even while the attempt is being rolled back
+        (a redo would not cure it), whichever DP reported first."""
         emit("rollback", "error", dp=dp, iteration=iteration, attempt=attempt, code=code)
         if not self.config.enabled or code not in self.config.codes:
             self._escalate(f"DP {dp} failed with {code} in iteration {iteration}")
             return
+        if self._current(iteration, attempt) is not None:
+            self.observed(dp)
+            return  # this attempt is already being rolled back
         tries = self._tries[iteration] = self._tries.get(iteration, 0) + 1
         if tries > self.config.max_retries:
             self._escalate(
