@@ -69,7 +69,7 @@ class ProbeResult(msgspec.Struct, frozen=True, kw_only=True):
     """Spent behind transfers still waiting for their RECV (-1: still queued at the timeout)."""
 
 
-async def probe(
+async def link_probe(
     flow: DistFlow, config: ProbeConfig | None = None, *, decode_dp: int = 0
 ) -> ProbeResult:
     """Probe one DistFlow pair and classify the outcome (table above)."""
@@ -124,10 +124,13 @@ class LinkMonitor:
             await sleep_ns(max(0, start + self.config.period_ns - now_ns()))
 
     async def _one(self, flow: DistFlow) -> None:
-        result = await probe(flow, self.config)
+        result = await link_probe(flow, self.config)
         self.results.append(result)
         if self._on_result is not None:
             self._on_result(flow, result)
 
+
+probe = link_probe
+"""Short name of :func:`link_probe`."""
 
 document_fields(ProbeConfig)
