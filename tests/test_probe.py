@@ -8,7 +8,7 @@ import pytest
 
 from xds.errors import ConfigError
 from xds.hw import PodConfig
-from xds.runtime import run, sleep_ns
+from xds.runtime import now_ns, run, sleep_ns
 from xds.serve.distflow import DistFlow, TransferState
 from xds.serve.probe import LinkMonitor, LinkVerdict, ProbeConfig, probe
 from xds.units import MS
@@ -215,3 +215,43 @@ def test_a_downed_link_behind_a_saturated_decode_is_still_found():
     assert [r.verdict for r in p0] == [LinkVerdict.HEALTHY, LinkVerdict.LINK_FAILURE]
     assert p0[1].queued_ns == -1  # it never reached the head of the queue
     assert res.summary.completed + res.summary.failed == 100 and res.summary.failed
+
+
+def test_a_transfer_on_the_wire_freezes_while_its_link_is_down(xds_backend):
+    """A link failure blocks every transfer: one already moving bytes stops with what is left
+    of it and finishes that much later once the link is back; declared failed, it fails."""
+
+    async def main():
+        flow = _flow()
+        t = flow.register(0, 0, 4, 1 << 30)  # about 5 ms on the wire
+
+        async def outage():
+            await sleep_ns(2 * MS)
+            flow.link_down()
+            await sleep_ns(10 * MS)
+            flow.link_restore()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outage)
+            tg.start_soon(flow.recv, t, 0)
+        clean = _flow()
+        c = clean.register(0, 0, 4, 1 << 30)
+        start = now_ns()
+        await clean.recv(c, 0)
+        duration = c.done_ns - start
+
+        dead = _flow()
+        d = dead.register(0, 0, 4, 1 << 30)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dead.recv, d, 0)
+            await sleep_ns(2 * MS)
+            dead.link_down()
+            res = await probe(dead, ProbeConfig(timeout_ns=5 * MS))
+            assert dead.stalled == 1
+            dead.declare_failed()
+        return t, duration, res, d
+
+    t, duration, res, d = run(main, backend=xds_backend)
+    assert t.state is TransferState.COMPLETED and t.done_ns == duration + 10 * MS
+    assert res.verdict is LinkVerdict.LINK_FAILURE
+    assert d.state is TransferState.FAILED

@@ -29,7 +29,8 @@ pair's FIFO. It needs no KV slots, but it leaves the queue only after every tran
 before it has had its RECV posted, so a saturated Decode side (RECVs deferred) delays it, and
 its bytes queue on the ports behind the transfers' bytes; a link that is down
 (:meth:`DistFlow.link_down`, a silent stall rather than a transport error) does not take it, nor
-any transfer whose RECV is posted (transfers already on the wire when it went down complete).
+any transfer whose RECV is posted; transfers on the wire freeze with what is left of them and
+resume when the link comes back (closed form).
 :mod:`xds.serve.probe` classifies the outcome.
 """
 
@@ -150,6 +151,8 @@ class DistFlow:
         """Taken out of service by :meth:`declare_failed` (link probing)."""
         self.stalled = 0
         """Transfers whose RECV was posted, held by a downed link."""
+        self._on_wire: dict[int, anyio.CancelScope] = {}
+        """Transfers moving bytes (closed form): a link going down interrupts them."""
         self._awaiting_recv: set[int] = set()
         """Registered transfers whose RECV has not been posted (the pair's FIFO)."""
         self._posted = anyio.Event()
@@ -200,7 +203,24 @@ class DistFlow:
             return
         part = transfer.kv_bytes / self.tp
         srcs = [transfer.prefill_dp * self.tp + rank for rank in range(self.tp)]
-        await sleep_until_ns(self._through_ports(srcs, decode_dp, part))
+        done = self._through_ports(srcs, decode_dp, part)
+        while True:  # on the wire; a link going down freezes what is left of it
+            with anyio.CancelScope() as wire:
+                self._on_wire[transfer.transfer_id] = wire
+                await sleep_until_ns(done)
+            del self._on_wire[transfer.transfer_id]
+            if not wire.cancelled_caught:
+                break
+            left = done - now_ns()
+            self.stalled += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self.stalled -= 1
+            if self.failed:  # declared failed while stalled: the rest never arrives
+                self._finish(transfer, TransferState.FAILED)
+                return
+            done = now_ns() + left
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
 
     def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
@@ -226,6 +246,8 @@ class DistFlow:
             self.link_up = False
             if not self.failed:
                 self._gate = anyio.Event()
+                for wire in self._on_wire.values():  # transfers on the wire freeze too
+                    wire.cancel()
             emit("distflow", "link-down", pair=self.pair)
 
     def link_restore(self) -> None:
