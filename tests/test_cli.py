@@ -199,7 +199,8 @@ def test_replay_injects_node_and_link_faults(capsys):
         ("node:at=1", "needs server"),
         ("node:at=1,server=99", "--fault: server 99 does not exist"),
         ("link_down:at=1,prefill_te=0", "--probe on the command line"),
-        ("bogus:at=1", "unknown kind 'bogus'"),
+        ("bogus:at=1", "unknown fault kind 'bogus'"),
+        ("node:at=1,at=2,server=1", "at is given twice"),
         ("node:at=-1,server=0", "at must be in 0..1e+06"),
     ):
         assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2

@@ -157,3 +157,24 @@ def _struct_fields(kind: type) -> dict[str, type]:
         for f in msgspec.inspect.type_info(kind).fields  # type: ignore[attr-defined]
         if isinstance(f.type, msgspec.inspect.StructType)
     }
+
+
+def split_spec(spec: str, kinds: Any) -> tuple[str, dict[str, str]]:
+    """A command-line spec ``KIND:KEY=VALUE,...`` (e.g. a ``--fault``) as its kind and its
+    fields (strings, stripped). Raises one ConfigError naming ``fault`` for an unknown kind, an
+    item without ``=`` or a key given twice; ``kinds`` lists the known kinds."""
+    kind, _, rest = spec.partition(":")
+    if kind not in kinds:
+        raise ConfigError(
+            f"{spec!r}: unknown fault kind {kind!r}; known: {', '.join(kinds)}", field="fault"
+        )
+    fields: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError(f"{spec!r}: expected KEY=VALUE, got {item!r}", field="fault")
+        if key in fields:
+            raise ConfigError(f"{spec!r}: {key} is given twice", field="fault")
+        fields[key] = value.strip()
+    return kind, fields

@@ -770,26 +770,21 @@ def replay(
 
 def _replay_fault(spec: str):
     """``--fault`` of ``xds replay``: KIND:KEY=VALUE,... with times in seconds."""
+    from xds.config import split_spec
     from xds.serve.recovery import NodeFault
     from xds.serve.replay import DistFlowFault
 
-    kind, _, rest = spec.partition(":")
     keys = {
         "node": {"at", "server", "repair"},
         "link_down": {"at", "prefill_te", "decode_te", "duration"},
         "transport": {"at", "prefill_te", "decode_te"},
     }
-    if kind not in keys:
-        raise click.UsageError(
-            f"--fault {spec}: unknown kind {kind!r}; choose node, link_down or transport"
-        )
+    kind, raw = split_spec(spec, keys)
     values: dict[str, float] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in keys[kind]:
+    for key, value in raw.items():
+        if key not in keys[kind]:
             raise click.UsageError(
-                f"--fault {spec}: expected KEY=VALUE with KEY in {', '.join(sorted(keys[kind]))}"
-                f", got {item!r}"
+                f"--fault {spec}: {key!r} is not one of {', '.join(sorted(keys[kind]))}"
             )
         try:
             values[key] = float(value)
@@ -1308,6 +1303,7 @@ def dataflow(
 
 
 _FLAG_OF_FIELD = {
+    "fault": "--fault",
     "component": "--slow",
     "server": "--fault",
     "faults": "--fault",

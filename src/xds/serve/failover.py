@@ -46,11 +46,9 @@ class Where:
     """Which TEs hold a request's state (-1 / None: none yet)."""
 
     __slots__ = (
-        "decode",
         "decode_dp",
         "decode_te",
         "flow",
-        "prefill",
         "prefill_dp",
         "prefill_te",
         "transfer",
@@ -58,10 +56,8 @@ class Where:
     )
 
     def __init__(self) -> None:
-        self.prefill = -1
         self.prefill_te: PrefillTE | None = None
         self.prefill_dp = -1
-        self.decode = -1
         self.decode_te: DecodeTE | None = None
         self.decode_dp = -1
         self.transferred = False
@@ -69,6 +65,14 @@ class Where:
         self.flow: DistFlow | None = None
         self.transfer: Transfer | None = None
         """The registered KV transfer, until it completes."""
+
+    @property
+    def prefill(self) -> int:
+        return -1 if self.prefill_te is None else self.prefill_te.index
+
+    @property
+    def decode(self) -> int:
+        return -1 if self.decode_te is None else self.decode_te.index
 
 
 class TEFailover(msgspec.Struct, kw_only=True):
@@ -102,8 +106,8 @@ class Failover:
         self._engine_scopes: list[anyio.CancelScope] = []
         self._te_scopes: dict[tuple[str, int], list[anyio.CancelScope]] = {}
         self.down = ""
-        """Why the whole engine is not serving ("" while it is; restart-the-world)."""
-        self._torn_down = False
+        """Why the whole engine is not serving ("" while it is; restart-the-world): while set,
+        the TEs in ``prefill``/``decode`` are the torn-down ones."""
         self.tainted: set[int] = set()
         self.restarts: list[Restart] = []
         self.failovers: list[TEFailover] = []
@@ -231,7 +235,6 @@ class Failover:
         cfg, rc = self.config, self.config.recovery
         started = now_ns()
         self.down = reason
-        self._torn_down = True
         emit("engine", "restart-the-world", reason=reason)
         failed = self._fail_held(lambda w: True, reason)
         for scope in self._engine_scopes:
@@ -276,25 +279,20 @@ class Failover:
         self._build_distflow(None)  # type: ignore[attr-defined]
         self._start_engine()  # type: ignore[attr-defined]
         self.down = ""
-        self._torn_down = False
 
     # -- stage 2 ---------------------------------------------------------------------------------
     async def _prefill_failover(self, k: int, reason: str) -> None:
         if k in self._prefill_down:
             return
-        rec = self._take_down("P", k, reason)
-        self._prefill_down.add(k)
-        rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
-        self._retire_prefill(k)
+        rec = self._prefill_down_now(k, reason)
         self._prefill_restarting += 1
         try:
             await sleep_ns(self.config.recovery.prefill_restart_ns)
         finally:
             self._prefill_restarting -= 1
         servers = self._servers_for(self.placement.prefill[k], self.config.prefill_servers_per_te)
-        if servers is None:  # its healthy servers idle as spares
-            self._spares.extend(s for s in self.placement.prefill[k] if s not in self.tainted)
-            self.placement.prefill[k] = []
+        if servers is None:
+            self._release_prefill_servers(k)
             self._free_servers()
             emit("failover", "stays-down", te=f"P{k}")
             return
@@ -372,10 +370,19 @@ class Failover:
 
     def _kill_prefill(self, k: int, reason: str) -> None:
         """Take Prefill TE ``k`` down for good; its healthy servers become spares."""
+        self._prefill_down_now(k, reason)
+        self._release_prefill_servers(k)
+
+    def _prefill_down_now(self, k: int, reason: str) -> TEFailover:
+        """Prefill TE ``k`` stops: its tasks end and the requests whose KV it holds fail."""
         rec = self._take_down("P", k, reason)
         self._prefill_down.add(k)
         rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
         self._retire_prefill(k)
+        return rec
+
+    def _release_prefill_servers(self, k: int) -> None:
+        """A Prefill TE that stays down: its healthy servers idle as spares."""
         self._spares.extend(s for s in self.placement.prefill[k] if s not in self.tainted)
         self.placement.prefill[k] = []
 

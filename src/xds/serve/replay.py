@@ -386,7 +386,7 @@ class Replay(Failover):
         te = self.select_prefill(req)
         rid = req.request_id
         where = self._where_of(rid)
-        where.prefill, where.prefill_te = te.index, te
+        where.prefill_te = te
         job = await te.prefill(PrefillJob(rid, req.input_tokens, req.prefix_hashes, req.arrival_ns))
         if rid in self._ended_ids:  # failed by a failover while its cancel was in flight
             return
@@ -423,7 +423,7 @@ class Replay(Failover):
         blocks = sum(kv.held(rid) for kv in te.kv)  # every group's share
         transfer = flow.register(rid, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token)
         where.flow, where.transfer = flow, transfer
-        where.decode, where.decode_te = dte.index, dte
+        where.decode_te = dte
         dp = await dte.route(rec)
         where.decode_dp = dp
         if rid in self._ended_ids:
@@ -582,7 +582,7 @@ class Replay(Failover):
                     await sleep_until_ns(req.arrival_ns)
                     requests.start_soon(self._request, req, name=f"request-{req.request_id}")
             system.cancel_scope.cancel()
-        if not self._torn_down:  # the TEs of an engine torn down by a restart are gone
+        if not self.down:  # the TEs of an engine torn down by a restart are gone
             for te in self.prefill:  # so are TEs a failover left down
                 if te.index not in self._prefill_down:
                     te.check()

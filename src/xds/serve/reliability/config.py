@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ...config import check_fields
+from ...config import check_fields, split_spec
 from ...docfields import document_fields
 from ...errors import ConfigError
 from ...units import MS, US
@@ -235,20 +235,9 @@ _FAULT_KINDS = {
 def parse_fault(spec: str) -> Fault:
     """A fault from its short form ``KIND:KEY=VALUE,...``, e.g.
     ``network_error:dp=2,iteration=4,layer=1`` (the command line's ``--fault``)."""
-    kind, _, rest = spec.partition(":")
-    if kind not in _FAULT_KINDS:
-        raise ConfigError(
-            f"{spec!r}: unknown fault kind {kind!r}; known: {', '.join(_FAULT_KINDS)}",
-            field="fault",
-        )
+    kind, raw = split_spec(spec, _FAULT_KINDS)
     fields: dict[str, object] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not eq or not key:
-            raise ConfigError(f"{spec!r}: expected KEY=VALUE, got {item!r}", field="fault")
-        if key in fields:
-            raise ConfigError(f"{spec!r}: {key} is given twice", field="fault")
+    for key, value in raw.items():
         digits = value.lstrip("-")
         fields[key] = int(value) if digits.isascii() and digits.isdecimal() else value
     try:

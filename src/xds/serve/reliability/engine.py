@@ -302,8 +302,7 @@ class ReliableDecode:
         self.placement = self.placement.without(set(culprits))
         self.expert_scale = self.placement.busiest_share() / self._share0
         self.live = survivors
-        self.coord.set_parties_removed(culprits)
-        self.coord.set_parties(len(survivors))
+        self.coord.remove(culprits)
         reason = "DP {} removed by decode scale-down after it stopped answering; its KV is lost"
         for dp in culprits:
             self._dp_scopes[dp].cancel()

@@ -15,7 +15,7 @@ The pieces, named as in P120:
   acknowledges the epoch at :attr:`RollbackCoordinator.epoch_barrier`; no DP starts the redo
   before all have (no mixed epochs).
 * A scale-down aborts the current attempt the same way (:meth:`RollbackCoordinator.abort`)
-  and lowers the number of parties every barrier waits for.
+  and lowers the number of parties every barrier waits for (:meth:`RollbackCoordinator.remove`).
 """
 
 from __future__ import annotations
@@ -80,19 +80,17 @@ class RollbackCoordinator:
         self._computing: dict[int, tuple[int, int, anyio.Event]] = {}
         """DP -> (iteration, attempt, wake) of the kernel it is running."""
 
-    def set_parties(self, dps: int) -> None:
-        """The live DP count changed (scale-down): barriers wait for this many from now."""
-        self.dps = dps
+    def remove(self, removed: list[int]) -> None:
+        """Scale-down: the ``removed`` DPs leave every barrier, which from now on waits for
+        the DPs left (and the epoch barrier releases if they are all already there)."""
+        self.dps -= len(removed)
+        self.epoch_barrier.waiting -= set(removed)
         self.epoch_barrier.check()
 
     def is_polling(self, dp: int) -> bool:
         """Whether DP ``dp`` is waiting at a global barrier right now (a busy-poll, or the
         epoch barrier of a rollback): stalled behind others, not stopped itself."""
         return dp in self.epoch_barrier.waiting or any(dp in b.waiting for b in self._open)
-
-    def set_parties_removed(self, removed: list[int]) -> None:
-        """Removed DPs no longer count at the epoch barrier."""
-        self.epoch_barrier.waiting -= set(removed)
 
     def abort(self, dp: int, code: str) -> None:
         """Abort the current attempt on every DP (a rollback not caused by an error, e.g. a
