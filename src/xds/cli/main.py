@@ -632,9 +632,10 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
 )
 @click.option(
     "--recovery",
-    type=click.Choice(["restart_world", "independent"]),
+    type=click.Choice(["restart_world", "independent", "scale_down"]),
     default=None,
-    help="How node faults are recovered (default: the deployment's, restart_world).",
+    help="How node faults are recovered (default: the deployment's, restart_world); "
+    "scale_down: independent failover where a Decode TE drops the failed server's dies.",
 )
 def replay(
     trace: str | None,
@@ -750,6 +751,17 @@ def replay(
             + (f" with {r.prefill_tes} TEs" if r.prefill_tes >= 0 else ""),
         )
     for fo in result.failovers:
+        if fo.kind == "scale_down":
+            back = (
+                f"serving again {fmt_ns(fo.back_ns)} on {fo.dies} dies"
+                if fo.back_ns >= 0
+                else "not serving again before the replay ended"
+            )
+            totals.add_row(
+                f"scale-down {fo.te}",
+                f"at {fmt_ns(fo.down_ns)} ({fo.failed} failed), {back}",
+            )
+            continue
         back = (
             f"back {fmt_ns(fo.back_ns)} on servers {fo.servers}"
             if fo.back_ns >= 0

@@ -559,14 +559,20 @@ def measure_comm(
     return run(main, seed=seed, event_log=False)
 
 
+def expert_slots_per_die(config: DecodeConfig) -> int:
+    """Routed-expert slots of one routed-expert die: ``ceil(routed experts / routed dies)``
+    plus the redundant slots (one, or the online EPLB's ``spare_slots``)."""
+    routed_dies = max(1, config.dies - config.shared_expert_dies)
+    spare = config.eplb.spare_slots if config.eplb is not None else 1
+    return -(-config.spec.routed_experts // routed_dies) + spare
+
+
 def decode_weight_bytes(config: DecodeConfig) -> int:
     """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
     routed experts + its redundant slots per MoE layer in INT8 (one, or the online EPLB's
     ``spare_slots``), embeddings and LM head in BF16."""
     m = config.spec
-    routed_dies = max(1, config.dies - config.shared_expert_dies)
-    slots = config.eplb.spare_slots if config.eplb is not None else 1
-    experts = (-(-m.routed_experts // routed_dies) + slots) * m.moe_layers * m.expert_params
+    experts = expert_slots_per_die(config) * m.moe_layers * m.expert_params
     return m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
 
 

@@ -15,6 +15,7 @@ time.
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable
 
 import anyio
@@ -54,6 +55,30 @@ def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
     return list(grid)
 
 
+def comm_grid_blocking(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
+    """:func:`comm_grid` from inside a running replay (a Decode scale-down needs the smaller
+    TE's costs): the measurements are virtual-time runs of their own, so they run in a helper
+    thread while this one waits for them, and the replay's virtual time does not move."""
+    key = (msgspec.json.encode(config), seed)
+    if key in _GRIDS:
+        return list(_GRIDS[key])
+    out: dict[str, list[CommCosts]] = {}
+    failed: list[BaseException] = []
+
+    def measure() -> None:
+        try:
+            out["grid"] = comm_grid(config, seed=seed)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=measure, name="xds-comm-grid")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return out["grid"]
+
+
 def interpolate(grid: list[CommCosts], tokens: float) -> CommCosts:
     """Linear interpolation of the grid at ``tokens`` per die (clamped at its ends)."""
     xs = [g.tokens_per_die for g in grid]
@@ -78,12 +103,14 @@ class _ReplayDecodeModel(DecodeModel):
 
     bucket = 32
 
-    def __init__(self, config: DecodeConfig, comm: CommCosts, index: int = 0):
+    def __init__(self, config: DecodeConfig, comm: CommCosts, index: int = 0, stream: str = ""):
         super().__init__(config, comm)
         self._draws: dict[int, tuple[list[int], list[int]]] = {}
         # each Decode TE draws from its own stream, so its draws do not depend on how the TEs'
         # iterations interleave (TE 0 keeps the historical name)
-        self._gen = rng("decode-te/routing" if index == 0 else f"decode-te/{index}/routing")
+        self._gen = rng(
+            stream or ("decode-te/routing" if index == 0 else f"decode-te/{index}/routing")
+        )
         self._last_key: tuple[object, ...] | None = None
         self._last: IterationOutcome | None = None
 
@@ -115,8 +142,17 @@ class _ReplayDecodeModel(DecodeModel):
         return hit
 
 
+DIES_PER_SERVER = 16
+"""A CloudMatrix384 server: 8 Ascend 910C chips of 2 dies (SPEC 1.1)."""
+
+
 class DecodeTE:
-    """One Decode TE: TE-shell routing, DP masters, and the iteration loop."""
+    """One Decode TE: TE-shell routing, DP masters, and the iteration loop.
+
+    Faults (:mod:`xds.serve.failover`): :meth:`hang` stops the iteration loop (a die of the
+    TE died, so the next dispatch never completes and the iteration in flight is lost) until
+    :meth:`resume`; :meth:`scale_down` drops the DP groups of one server for good (Decode
+    vertical scale-down, P119) and goes on with the rest on a smaller EP."""
 
     def __init__(
         self,
@@ -127,12 +163,27 @@ class DecodeTE:
         record_token_times: bool = True,
         on_finish: Callable[[RequestRecord], None] | None = None,
         routing: DecodeRouting = lowest_kv,
+        servers: list[int] | None = None,
     ):
         self.config = config
         self.index = index
         self.grid = grid
         self.model = _ReplayDecodeModel(config, grid[0], index)
         n, limit = config.dies, config.batch_per_die
+        servers = servers or list(range(-(-n // DIES_PER_SERVER)))
+        self.dp_server = [servers[dp % len(servers)] for dp in range(n)]
+        """The server each DP group (one die) runs on: striped, DP ``i`` on the ``i mod S``-th
+        of the TE's ``S`` servers, so every server holds the same mix of routed-expert and
+        shared-expert dies (the last ``shared_expert_dies`` DP groups) and one server's loss
+        leaves the others a replica of everything (as an operator would lay them out). The
+        fabric's die numbering is not affected: UB bandwidth is uniform (SPEC 1.3)."""
+        self.alive = np.ones(n, dtype=bool)
+        """DP groups in service (a scale-down clears those of the failed server)."""
+        self._alive_idx = np.arange(n)
+        self._holds = 0
+        self._resumed = anyio.Event()
+        self._epoch = 0
+        """Counts hangs: an iteration that sees it change while in flight is lost."""
         self.router = DecodeRouter(n, limit, block_tokens=config.block_tokens, routing=routing)
         cap = config.kv_blocks_per_die or decode_kv_capacity(config, self.model.pod)
         self.kv = [KVBlockManager(cap, block_tokens=config.block_tokens) for _ in range(n)]
@@ -189,6 +240,8 @@ class DecodeTE:
 
     def abandon(self, dp: int, record: RequestRecord) -> None:
         """Undo a route (and a reservation, if made) for a request that failed before decode."""
+        if not self.alive[dp]:  # a scale-down dropped the DP group with all it held
+            return
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
         self.router.finished(record.request_id)
@@ -202,29 +255,89 @@ class DecodeTE:
     def _signal_capacity(self) -> None:
         self._capacity.set()
 
+    # -- faults --
+    def hang(self) -> None:
+        """A die of this TE failed: the iteration in flight never completes and none starts
+        until :meth:`resume` (each hang needs its own resume)."""
+        self._holds += 1
+        self._epoch += 1
+        emit("decode-te", "hang", te=self.index)
+
+    def resume(self) -> None:
+        if self._holds <= 0:
+            raise AssertionError(f"decode TE {self.index} resumed without a hang")
+        self._holds -= 1
+        if not self._holds:
+            self._resumed.set()
+            self._resumed = anyio.Event()
+            emit("decode-te", "resume", te=self.index, dies=int(self.alive.sum()))
+
+    def dps_on(self, server: int) -> list[int]:
+        """The DP groups in service on ``server``."""
+        return [dp for dp, s in enumerate(self.dp_server) if s == server and self.alive[dp]]
+
+    def scale_down(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
+        """Drop the DP groups on ``server`` with everything they hold (their requests have
+        failed: the caller fails them first) and serve on with the others: ``config`` is the
+        smaller TE (its ``dies`` the DP groups left) and ``grid`` its dispatch/combine costs.
+        Returns the DP groups dropped."""
+        lost = self.dps_on(server)
+        if int(self.alive.sum()) - len(lost) != config.dies:
+            raise AssertionError(
+                f"scale-down to {config.dies} dies, but {int(self.alive.sum()) - len(lost)} remain"
+            )
+        cap = self.kv_capacity
+        for dp in lost:
+            for req in self.slot_req[dp][self.slot_req[dp] >= 0].tolist():
+                self.records.pop(req, None)
+            self.slot_req[dp] = -1
+            self.remaining[dp] = 0
+            self.context[dp] = 0
+            for req in self.router.remove(dp):
+                self.done.pop(req, None)  # type: ignore[call-overload]
+            self.kv[dp] = KVBlockManager(cap, block_tokens=self.config.block_tokens)
+            self.alive[dp] = False
+        self._alive_idx = np.nonzero(self.alive)[0]
+        self.config, self.grid = config, grid
+        self.model = _ReplayDecodeModel(
+            config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
+        )
+        self.router.snapshot_kv([k.used for k in self.kv])
+        emit("decode-te", "scaled-down", te=self.index, server=server, dies=config.dies)
+        self._signal_capacity()
+        return lost
+
     # -- the iteration loop --
     async def run(self) -> None:
-        cfg = self.config
-        k = cfg.mtp.k
+        k = self.config.mtp.k
         gen = rng(f"decode-te/{self.index}/iteration")
         mtp_gen = rng(f"decode-te/{self.index}/mtp")
-        zero_jitter = np.zeros(cfg.dies, dtype=np.int64)
         while True:
+            if self._holds:
+                await self._resumed.wait()
+                continue
+            cfg = self.config  # a scale-down changes it
             live = self.remaining > 0
-            seqs = live.sum(axis=1)
-            n_live = int(seqs.sum())
+            seqs_all = live.sum(axis=1)
+            n_live = int(seqs_all.sum())
             if not n_live:
                 self._work = anyio.Event()
                 await self._work.wait()
                 continue
-            ctx = np.einsum("ij,ij->i", self.context, live) // np.maximum(seqs, 1)
+            ctx = np.einsum("ij,ij->i", self.context, live) // np.maximum(seqs_all, 1)
             ctx = -(-ctx // 256) * 256  # context in 256-token steps (kernel cost cache)
+            idx = self._alive_idx
+            seqs = seqs_all if len(idx) == len(seqs_all) else seqs_all[idx]
+            ctx = ctx if len(idx) == len(ctx) else ctx[idx]
             widest = int(seqs.max())
             self.model.comm = interpolate(self.grid, widest * (1 + k))
             self.model.comm_mtp = interpolate(self.grid, widest)
-            out = self.model.iteration(seqs, ctx, zero_jitter, gen)
+            out = self.model.iteration(seqs, ctx, np.zeros(len(idx), dtype=np.int64), gen)
             step = out.time_ns + cfg.scheduler_gap_ns
+            epoch = self._epoch
             await sleep_ns(step)
+            if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
+                continue
             self.busy_ns += step
             self.iterations += 1
             committed = np.zeros_like(self.remaining)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.abc
@@ -33,6 +33,7 @@ import msgspec
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from .recovery import NodeFault, Placement, Restart, restart_placement
+from .scale_down import scaled_down_config
 
 if TYPE_CHECKING:
     from ..trace.metrics import RequestRecord
@@ -86,7 +87,11 @@ class TEFailover(msgspec.Struct, kw_only=True):
     """Requests it held that failed."""
     back_ns: int = -1
     servers: list[int] = []
-    """The servers it restarted on."""
+    """The servers it restarted on (a scale-down: the servers it serves on)."""
+    kind: Literal["restart", "scale_down"] = "restart"
+    """``scale_down``: a Decode TE dropped one server's DP groups and served on (P119)."""
+    dies: int = -1
+    """A scale-down's dies after it."""
 
 
 class Failover:
@@ -186,9 +191,25 @@ class Failover:
 
     # -- node faults ---------------------------------------------------------------------------
     async def _node_fault(self, fault: NodeFault) -> None:
-        rc = self.config.recovery
         await sleep_until_ns(fault.at_ns)
         emit("node", "npu-fault", server=fault.server)
+        # the TE on that server hangs at its next all-to-all until the fault is handled
+        decode = [d for d, servers in enumerate(self.placement.decode) if fault.server in servers]
+        prefill = [k for k, ss in enumerate(self.placement.prefill) if fault.server in ss]
+        hung = [self.decode[d] for d in decode if self._live_decode(self.decode[d])]
+        for te in hung:
+            te.hang()
+        for k in prefill:
+            if self._live_prefill(self.prefill[k]):
+                self.prefill[k].hang()
+        try:
+            await self._handle_node_fault(fault)
+        finally:
+            for te in hung:  # a TE taken down meanwhile was replaced: resuming it is harmless
+                te.resume()
+
+    async def _handle_node_fault(self, fault: NodeFault) -> None:
+        rc = self.config.recovery
         await sleep_ns(rc.detect_ns)
         self.tainted.add(fault.server)
         emit("k8s", "taint", server=fault.server)
@@ -209,7 +230,13 @@ class Failover:
                 return
         for d, servers in enumerate(self.placement.decode):
             if fault.server in servers:
-                await self._decode_failover(d, f"Decode TE {d} lost to an {why}")
+                refusal = ""
+                if rc.mode == "scale_down":
+                    refusal = await self._scale_down(d, fault.server, why)
+                    if not refusal:
+                        return
+                    refusal = f" (no scale-down: {refusal})"
+                await self._decode_failover(d, f"Decode TE {d} lost to an {why}{refusal}")
                 return
 
     async def _repair(self, fault: NodeFault) -> None:
@@ -340,6 +367,36 @@ class Failover:
         self._decode_back.set()
         self._decode_back = anyio.Event()
         emit("failover", "back", te=f"D{d}")
+
+    async def _scale_down(self, d: int, server: int, why: str) -> str:
+        """Decode vertical scale-down (P119): Decode TE ``d`` drops its DP groups and EP ranks
+        on ``server`` (their requests fail), pauses ``scale_down_ns`` to rebuild its EP domain
+        and load the lost dies' experts into redundant slots, and serves on with the rest.
+        Returns "" when done, else why not (the TE is down, or some expert would be left
+        without a replica): the caller restarts the TE instead."""
+        te = self.decode[d]
+        if not self._live_decode(te):
+            return "the TE is not in service"
+        lost = te.dps_on(server)
+        smaller, refusal = scaled_down_config(self.config.decode, te.alive, lost, te.kv_capacity)
+        if smaller is None:
+            emit("failover", "scale-down-refused", te=f"D{d}", reason=refusal)
+            return refusal
+        reason = (
+            f"Decode TE {d} scaled down after an {why}: its DP groups there were lost "
+            f"({int(te.alive.sum())} -> {smaller.dies} dies)"
+        )
+        rec = TEFailover(te=f"D{d}", reason=reason, down_ns=now_ns(), failed=0, kind="scale_down")
+        self.failovers.append(rec)
+        emit("failover", "scale-down", te=rec.te, server=server, dies=smaller.dies)
+        gone = set(lost)
+        rec.failed = self._fail_held(lambda w: w.decode == d and w.decode_dp in gone, reason)
+        te.scale_down(server, smaller, self._grid_of(smaller))  # type: ignore[attr-defined]
+        self.placement.decode[d] = [s for s in self.placement.decode[d] if s != server]
+        await sleep_ns(self.config.recovery.scale_down_ns)
+        rec.back_ns, rec.servers, rec.dies = now_ns(), self.placement.decode[d], smaller.dies
+        emit("failover", "scaled-down", te=rec.te, dies=smaller.dies)
+        return ""
 
     def _decode_servers(self, d: int, need: int) -> list[int] | None:
         """Decode TE ``d``'s healthy servers topped up from the spares, and if that is not

@@ -258,6 +258,8 @@ class PrefillTE:
         at every step and added to as jobs join."""
         self._wake = anyio.Event()
         self.steps = 0
+        self.hung = False
+        """A die failed (:meth:`hang`): no step completes any more."""
         self.busy_ns = 0
         self.sp_steps = 0
         self.sp_busy_ns = 0
@@ -510,9 +512,18 @@ class PrefillTE:
             g.append(job)
         return True
 
+    def hang(self) -> None:
+        """A die of this TE failed: the step in flight never completes, nor does any later one
+        (the TE is taken down when the fault is detected)."""
+        self.hung = True
+        emit("prefill", "hang", te=self.index)
+        self._wake.set()
+
     async def run(self) -> None:
         """The leader's loop: runs only while requests are pending (P058)."""
         while True:
+            if self.hung:
+                await anyio.sleep_forever()
             if self.pool:
                 await sleep_ns(self.config.all_gather_ns)  # the leader gathers DP state
             groups, placed = self._assign() if self.pool else ([], [])
@@ -526,6 +537,8 @@ class PrefillTE:
             step = self.cost.step_ns(self._pieces(groups))
             self.step_end_ns = start + step
             await sleep_ns(step)
+            if self.hung:
+                continue
             self.steps += 1
             self.busy_ns += step
             if placed[0][0].alone:

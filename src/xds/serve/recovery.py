@@ -32,16 +32,22 @@ from ..units import MS, S
 class RecoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a PD deployment recovers from a node fault."""
 
-    mode: Literal["restart_world", "independent"] = "restart_world"
+    mode: Literal["restart_world", "independent", "scale_down"] = "restart_world"
     """``restart_world``: stage 1 (P118), for small clusters such as 4P1D; ``independent``:
     stage 2 (P119), only the TE on the failed server goes down and restarts, with
-    kill-P-to-preserve-D when a Decode TE lacks servers (:mod:`xds.serve.failover`)."""
+    kill-P-to-preserve-D when a Decode TE lacks servers (:mod:`xds.serve.failover`);
+    ``scale_down``: as ``independent``, but a Decode TE drops the failed server's DP groups
+    and EP ranks and serves on with the rest (Decode vertical scale-down, P119), where every
+    expert keeps a replica; where not, it restarts as in ``independent``."""
     detect_ns: Annotated[int, Meta(ge=0)] = 2_500 * MS
     """From the fault to the taint: the default heartbeat's DP period plus timeout."""
     decode_restart_ns: Annotated[int, Meta(ge=0)] = 180 * S
     """Decode TEs back (weights loaded, graphs captured). [emulator choice]"""
     prefill_restart_ns: Annotated[int, Meta(ge=0)] = 120 * S
     """Prefill TEs back, after the Decode TEs. [emulator choice]"""
+    scale_down_ns: Annotated[int, Meta(ge=0)] = 20 * S
+    """A Decode scale-down's pause: the EP communication domain rebuilt on the surviving dies
+    and the failed dies' experts loaded into their redundant slots. [emulator choice]"""
     spare_servers: Annotated[int, Meta(ge=0)] = 0
     """Healthy idle servers in the cluster a restart may use."""
 

@@ -33,14 +33,14 @@ from ..errors import ConfigError
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
-from ..runtime import Runtime, emit, now_ns, sleep_ns, sleep_until_ns
+from ..runtime import Runtime, current_runtime, emit, now_ns, sleep_ns, sleep_until_ns
 from ..runtime.events import EventLog
 from ..runtime.loop import HORIZON_NS
 from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
-from .decode_te import DecodeTE, comm_grid
+from .decode_te import DecodeTE, comm_grid, comm_grid_blocking
 from .distflow import DistFlow, TransferState
 from .failover import Failover, TEFailover
 from .jitter import JitterConfig
@@ -237,6 +237,7 @@ class Replay(Failover):
         self.prefill: list[PrefillTE] = []
         self.decode: list[DecodeTE] = []
         self._prefill_cfg = cfg.prefill
+        self._init_failover()  # the TEs' servers first
         self._build_tes(cfg.prefill.tes)
         self._link, self._engines = link, pod.engines
         self.distflow: dict[tuple[int, int], DistFlow] = {}
@@ -259,7 +260,6 @@ class Replay(Failover):
         self._ended_ids: set[int] = set()
         self._ingress: list[dict[int, int]] = []
         self._egress: list[dict[int, int]] = []
-        self._init_failover()
 
     def _build_tes(self, prefill_tes: int) -> None:
         """Fresh Prefill and Decode TEs (at the start, and after a restart with
@@ -292,7 +292,12 @@ class Replay(Failover):
             record_token_times=self._record_tokens,
             on_finish=self._ended,
             routing=self._decode_routing,
+            servers=self.placement.decode[d],
         )
+
+    def _grid_of(self, config: DecodeConfig) -> list[CommCosts]:
+        """Dispatch/combine costs of a Decode TE of ``config`` (a scale-down's smaller TE)."""
+        return comm_grid_blocking(config, seed=current_runtime().seed)
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:

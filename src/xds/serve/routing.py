@@ -131,6 +131,18 @@ class DecodeRouter:
             dp.pending -= 1
         dp.kv_reserved_blocks -= reserve
 
+    def remove(self, dp_index: int) -> list[object]:
+        """Take DP group ``dp_index`` out of service for good (a Decode scale-down, P119): it
+        is never offered again; returns the requests routed there, whose reservations go."""
+        if not 0 <= dp_index < len(self.dps):
+            raise ConfigError(f"no DP group {dp_index}", field="dp_index")
+        gone = [r for r, (dp, _) in self._reservations.items() if dp == dp_index]
+        for r in gone:
+            del self._reservations[r]
+            self._admitted.discard(r)
+        self.dps[dp_index] = DPLoad(batch_limit=0)
+        return gone
+
     def snapshot_kv(self, used_blocks: list[int]) -> None:
         """The periodic KV metric collection (P059)."""
         if len(used_blocks) != len(self.dps):
