@@ -19,6 +19,17 @@ ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
     untainted servers plus spares; if that is not enough, **kill-P-to-preserve-D**: the Prefill
     TE holding the fewest requests is killed (its requests fail) and its servers go to the
     Decode TE.
+
+* ``scale_down`` (stage 2 with EPLB, P119): as ``independent``, except that a **Decode** TE
+  drops the failed server's DP groups and EP ranks and serves on with the rest
+  (:meth:`DecodeTE.scale_down <xds.serve.decode_te.DecodeTE.scale_down>`): only the requests
+  those DP groups held fail, and after ``scale_down_ns`` the smaller TE iterates at its own
+  cost. Refused when some expert would be left without a replica
+  (:func:`~xds.serve.scale_down.scaled_down_config`); the TE then restarts as in
+  ``independent``.
+
+From the fault until it is handled (``detect_ns``), the struck TE hangs: its next all-to-all
+includes the dead dies, so the iteration or prefill step in flight never completes.
 """
 
 from __future__ import annotations
