@@ -624,7 +624,8 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     multiple=True,
     metavar="KIND:KEY=VALUE,...",
     help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU fault, "
-    "recovered as --recovery says), link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] (a silent stall), "
+    "recovered as --recovery says), link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
+    "(a silent stall), "
     "transport:at=10,prefill_te=0[,decode_te=0] (transfers fail). Repeatable.",
 )
 @click.option(
