@@ -1,19 +1,22 @@
-"""SPEC 11.3 "Stage 2": Decode vertical scale-down in a PD replay (P119), and the hang a node
-fault causes until it is handled."""
+"""SPEC 11.3 in a PD replay: Decode vertical scale-down (stage 2, P119), the hang a node fault
+causes until it is handled, and on-chip memory faults masking KV blocks (stage 3, P120)."""
 
 from __future__ import annotations
 
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xds.errors import ConfigError
 from xds.serve.decode import DecodeConfig
 from xds.serve.decode_model import expert_slots_per_die
 from xds.serve.eplb.online import OnlineEPLBConfig
 from xds.serve.jitter import JitterConfig
+from xds.serve.kv import KVBlockManager
 from xds.serve.prefill import PrefillConfig
-from xds.serve.recovery import NodeFault, RecoveryConfig
+from xds.serve.recovery import MemoryFault, NodeFault, RecoveryConfig
 from xds.serve.replay import PDConfig, replay
 from xds.serve.scale_down import scaled_down_config
 from xds.trace.workload import Request, Workload
@@ -149,3 +152,91 @@ def test_scale_down_is_a_recovery_mode():
         RecoveryConfig(mode="shrink")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="scale_down_ns"):
         RecoveryConfig(scale_down_ns=-1)
+
+
+# -- on-chip memory faults (SPEC 11.2 stage 3, P120) ------------------------------------------
+
+
+def test_a_memory_fault_fails_only_the_requests_whose_kv_lay_there():
+    busy = Workload(tuple(Request(i, i * 20 * MS, 1500, 200) for i in range(200)))
+    fault = MemoryFault(at_ns=2 * S, dp=0, first_block=0, blocks=20)
+    res = replay(busy, CFG, faults=[fault], event_log=True)
+    (mask,) = res.kv_masks
+    assert (mask.te, mask.dp, mask.first_block, mask.blocks, mask.skipped) == ("D0", 0, 0, 20, "")
+    failed = [r for r in res.records if r.outcome == "failed"]
+    assert len(failed) == mask.failed >= 1
+    for r in failed:
+        assert (
+            r.reason
+            == "KV lost to an on-chip memory fault on Decode TE 0 DP 0 (blocks 0..19 masked)"
+        )
+        assert r.decode_placement in (None, "D0/DP0") and r.finish_ns == 2 * S
+    for r in res.records:  # every other request decodes every token, once
+        if r.outcome == "completed":
+            assert len(r.token_ns) == r.output_tokens - 1
+            assert all(b >= a for a, b in zip(r.token_ns, r.token_ns[1:], strict=False))
+    later = [r for r in res.records if r.decode_placement == "D0/DP0" and r.arrival_ns > 2 * S]
+    assert later and all(r.outcome == "completed" for r in later)  # the DP serves on
+    assert not res.failovers  # nothing restarted or scaled down
+
+
+def test_memory_faults_on_a_dp_out_of_service_are_skipped_with_a_reason():
+    res = replay(
+        WL,
+        CFG,
+        faults=[
+            NodeFault(at_ns=AT, server=5),  # DP 1 is on server 5: scaled down at 3.5 s
+            MemoryFault(at_ns=AT + 1 * S, dp=1),
+        ],
+    )
+    (mask,) = res.kv_masks
+    assert mask.failed == 0 and "was not in service" in mask.skipped
+
+
+def test_bad_memory_faults_name_the_field():
+    for fault, field in (
+        (MemoryFault(at_ns=0, dp=64), "dp"),
+        (MemoryFault(at_ns=0, dp=0, decode_te=1), "decode_te"),
+        (MemoryFault(at_ns=0, dp=0, first_block=10**9), "first_block"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            replay(WL, CFG, faults=[fault])
+        assert err.value.field == field
+    with pytest.raises(ConfigError, match="blocks"):
+        MemoryFault(at_ns=0, dp=0, blocks=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(1, 6)), max_size=80))
+def test_kv_blocks_by_address_with_masks_are_conserved_and_isolated(ops):
+    kv = KVBlockManager(64, block_tokens=4)
+    live: list[int] = []
+    for i, (op, a, b) in enumerate(ops):
+        if op == 0 and kv.can_admit(a):
+            kv.admit(i, a)
+            live.append(i)
+        elif op == 1 and live:
+            kv.extend(live[a % len(live)], b)
+        elif op == 2 and live:
+            kv.release(live.pop(a % len(live)))
+        elif op == 3:
+            first = min(a, 63)
+            count = min(b, 64 - first)
+            bad = set(range(first, first + count))
+            hit = kv.mask(first, count)
+            assert hit == [r for r in live if bad & _blocks(kv, r)]
+            for r in hit:
+                kv.release(r)
+                live.remove(r)
+        kv.check()
+        masked = {x for s, e in kv.masked for x in range(s, e)}
+        for r in live:  # nothing admitted or grown after a mask lands in it
+            assert not _blocks(kv, r) & masked  # hit requests failed; nothing lands there
+    for r in live:
+        kv.release(r)
+    kv.check()
+    assert kv.free + len({x for s, e in kv.masked for x in range(s, e)}) == 64
+
+
+def _blocks(kv: KVBlockManager, request: int) -> set[int]:
+    return {x for s, e in kv.blocks_of(request) for x in range(s, e)}

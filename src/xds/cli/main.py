@@ -625,8 +625,9 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     metavar="KIND:KEY=VALUE,...",
     help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU fault, "
     "recovered as --recovery says), link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
-    "(a silent stall), "
-    "transport:at=10,prefill_te=0[,decode_te=0] (transfers fail). Repeatable.",
+    "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
+    "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks masked). "
+    "Repeatable.",
 )
 @click.option(
     "--probe", is_flag=True, help="Probe every DistFlow pair's link (SPEC 11.1) during the replay."
@@ -771,6 +772,13 @@ def replay(
         totals.add_row(
             f"failover {fo.te}", f"down {fmt_ns(fo.down_ns)} ({fo.failed} failed), {back}"
         )
+    for m in result.kv_masks:
+        last = m.first_block + m.blocks - 1
+        what = m.skipped or f"{m.failed} failed"
+        totals.add_row(
+            f"memory fault {m.te}/DP{m.dp}",
+            f"at {fmt_ns(m.at_ns)}: blocks {m.first_block}..{last} masked ({what})",
+        )
     if result.probes:
         counts: dict[str, int] = {}
         for pr in result.probes:
@@ -784,13 +792,14 @@ def replay(
 def _replay_fault(spec: str):
     """``--fault`` of ``xds replay``: KIND:KEY=VALUE,... with times in seconds."""
     from xds.config import split_spec
-    from xds.serve.recovery import NodeFault
+    from xds.serve.recovery import MemoryFault, NodeFault
     from xds.serve.replay import DistFlowFault
 
     keys = {
         "node": {"at", "server", "repair"},
         "link_down": {"at", "prefill_te", "decode_te", "duration"},
         "transport": {"at", "prefill_te", "decode_te"},
+        "memory": {"at", "dp", "decode_te", "first_block", "blocks"},
     }
     kind, raw = split_spec(spec, keys)
     values: dict[str, float] = {}
@@ -810,7 +819,7 @@ def _replay_fault(spec: str):
             raise click.UsageError(f"--fault {spec}: {key} must be in 0..{limit:g}, got {value!r}")
         if key not in ("at", "repair", "duration") and not values[key].is_integer():
             raise click.UsageError(f"--fault {spec}: {key} must be a whole number, got {value!r}")
-    needed = {"at", "server"} if kind == "node" else {"at", "prefill_te"}
+    needed = {"node": {"at", "server"}, "memory": {"at", "dp"}}.get(kind, {"at", "prefill_te"})
     if missing := needed - values.keys():
         raise click.UsageError(f"--fault {spec}: needs {', '.join(sorted(missing))}")
 
@@ -819,6 +828,14 @@ def _replay_fault(spec: str):
 
     if kind == "node":
         return NodeFault(at_ns=ns("at"), server=int(values["server"]), repair_ns=ns("repair"))
+    if kind == "memory":
+        return MemoryFault(
+            at_ns=ns("at"),
+            dp=int(values["dp"]),
+            decode_te=int(values.get("decode_te", 0)),
+            first_block=int(values.get("first_block", 0)),
+            blocks=int(values.get("blocks", 1)),
+        )
     return DistFlowFault(
         at_ns=ns("at"),
         prefill_te=int(values["prefill_te"]),

@@ -240,8 +240,8 @@ class DecodeTE:
 
     def abandon(self, dp: int, record: RequestRecord) -> None:
         """Undo a route (and a reservation, if made) for a request that failed before decode."""
-        if not self.alive[dp]:  # a scale-down dropped the DP group with all it held
-            return
+        if not self.alive[dp] or record.request_id not in self.done:
+            return  # a scale-down dropped the DP group, or a memory fault the request
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
         self.router.finished(record.request_id)
@@ -271,6 +271,29 @@ class DecodeTE:
             self._resumed.set()
             self._resumed = anyio.Event()
             emit("decode-te", "resume", te=self.index, dies=int(self.alive.sum()))
+
+    def memory_fault(self, dp: int, first_block: int, blocks: int) -> list[int]:
+        """An on-chip memory fault in DP group ``dp``'s KV: the blocks are masked for good
+        (:meth:`KVBlockManager.mask <xds.serve.kv.KVBlockManager.mask>`). Returns the requests
+        whose KV lay there; those decoding leave the batch here (the caller fails them all;
+        the others' reservations are undone as for any failed request)."""
+        victims = [int(r) for r in self.kv[dp].mask(first_block, blocks)]  # type: ignore[call-overload]
+        for req in victims:
+            slot = np.nonzero(self.slot_req[dp] == req)[0]
+            if not slot.size:
+                continue  # reserved, its KV still arriving: undone by the failure path
+            s = int(slot[0])
+            self.slot_req[dp, s] = -1
+            self.remaining[dp, s] = 0
+            self.context[dp, s] = 0
+            self.records.pop(req)
+            self.kv[dp].release(req)
+            self.router.finished(req)
+            self.done.pop(req)
+        self.router.snapshot_kv([k.used for k in self.kv])
+        emit("decode-te", "kv-masked", te=self.index, dp=dp, first=first_block, blocks=blocks)
+        self._signal_capacity()
+        return victims
 
     def dps_on(self, server: int) -> list[int]:
         """The DP groups in service on ``server``."""
@@ -334,10 +357,11 @@ class DecodeTE:
             self.model.comm_mtp = interpolate(self.grid, widest)
             out = self.model.iteration(seqs, ctx, np.zeros(len(idx), dtype=np.int64), gen)
             step = out.time_ns + cfg.scheduler_gap_ns
-            epoch = self._epoch
+            epoch, owners = self._epoch, self.slot_req.copy()
             await sleep_ns(step)
             if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
                 continue
+            live &= self.slot_req == owners  # sequences dropped meanwhile (a memory fault)
             self.busy_ns += step
             self.iterations += 1
             committed = np.zeros_like(self.remaining)
@@ -377,5 +401,5 @@ class DecodeTE:
             k.check()
         if (self.slot_req >= 0).any():
             raise AssertionError("decode TE still holds sequences")
-        if any(k.used for k in self.kv):
+        if any(k.held_blocks for k in self.kv):
             raise AssertionError("decode KV blocks still held after the replay")

@@ -43,7 +43,7 @@ import anyio.abc
 import msgspec
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
-from .recovery import NodeFault, Placement, Restart, restart_placement
+from .recovery import KVMask, MemoryFault, NodeFault, Placement, Restart, restart_placement
 from .scale_down import scaled_down_config
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class Failover:
         self._retired_steps = 0
         self._retired_iterations = 0
         self._retired_busy: dict[int, int] = {}
+        self.kv_masks: list[KVMask] = []
 
     # -- hooks the replay calls --------------------------------------------------------------
     async def _engine_task(self, key: tuple[str, int], fn: Callable[[], Awaitable[None]]) -> None:
@@ -250,6 +251,35 @@ class Failover:
                 await self._decode_failover(d, f"Decode TE {d} lost to an {why}{refusal}")
                 return
 
+    async def _memory_fault(self, fault: MemoryFault) -> None:
+        """Stage 3 (P120): an on-chip memory fault masks KV blocks of one Decode DP group; the
+        requests whose KV lay there fail, nothing else is touched."""
+        await sleep_until_ns(fault.at_ns)
+        d, dp = fault.decode_te, fault.dp
+        rec = KVMask(
+            at_ns=now_ns(),
+            te=f"D{d}",
+            dp=dp,
+            first_block=fault.first_block,
+            blocks=fault.blocks,
+            failed=0,
+        )
+        self.kv_masks.append(rec)
+        te = self.decode[d]
+        if not self._live_decode(te) or not te.alive[dp]:
+            rec.skipped = f"Decode TE {d}" + ("" if self._live_decode(te) else f" DP {dp}")
+            rec.skipped += " was not in service (its memory is set up afresh at a restart)"
+            emit("node", "memory-fault-skipped", te=rec.te, dp=dp)
+            return
+        emit("node", "memory-fault", te=rec.te, dp=dp, first=fault.first_block)
+        last = fault.first_block + fault.blocks - 1
+        victims = set(te.memory_fault(dp, fault.first_block, fault.blocks))
+        reason = (
+            f"KV lost to an on-chip memory fault on Decode TE {d} DP {dp} (blocks "
+            f"{fault.first_block}..{last} masked)"
+        )
+        rec.failed = self._fail_held(lambda r, w: r in victims, reason)
+
     async def _repair(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns + fault.repair_ns)
         self.tainted.discard(fault.server)
@@ -274,7 +304,7 @@ class Failover:
         started = now_ns()
         self.down = reason
         emit("engine", "restart-the-world", reason=reason)
-        failed = self._fail_held(lambda w: True, reason)
+        failed = self._fail_held(lambda r, w: True, reason)
         for scope in self._engine_scopes:
             scope.cancel()
         self._engine_scopes, self._te_scopes = [], {}
@@ -350,7 +380,7 @@ class Failover:
         cfg = self.config
         rec = self._take_down("D", d, reason)
         self._decode_down.add(d)
-        rec.failed = self._fail_held(lambda w: w.decode == d, reason)
+        rec.failed = self._fail_held(lambda r, w: w.decode == d, reason)
         self._retired_iterations += self.decode[d].iterations
         need = cfg.decode_servers // cfg.decode_tes
         while True:
@@ -401,7 +431,7 @@ class Failover:
         self.failovers.append(rec)
         emit("failover", "scale-down", te=rec.te, server=server, dies=smaller.dies)
         gone = set(lost)
-        rec.failed = self._fail_held(lambda w: w.decode == d and w.decode_dp in gone, reason)
+        rec.failed = self._fail_held(lambda r, w: w.decode == d and w.decode_dp in gone, reason)
         te.scale_down(server, smaller, self._grid_of(smaller))  # type: ignore[attr-defined]
         self.placement.decode[d] = [s for s in self.placement.decode[d] if s != server]
         await sleep_ns(self.config.recovery.scale_down_ns)
@@ -445,7 +475,7 @@ class Failover:
         """Prefill TE ``k`` stops: its tasks end and the requests whose KV it holds fail."""
         rec = self._take_down("P", k, reason)
         self._prefill_down.add(k)
-        rec.failed = self._fail_held(lambda w: w.prefill == k and not w.transferred, reason)
+        rec.failed = self._fail_held(lambda r, w: w.prefill == k and not w.transferred, reason)
         self._retire_prefill(k)
         return rec
 
@@ -478,13 +508,14 @@ class Failover:
             servers.append(self._spares.pop(0))
         return sorted(servers)
 
-    def _fail_held(self, held: Callable[[Where], bool], reason: str) -> int:
-        """Fail every request in flight whose state ``held`` says the lost TE holds; each
-        one's task is cancelled and gives back what it holds elsewhere (:meth:`_undo`)."""
+    def _fail_held(self, held: Callable[[int, Where], bool], reason: str) -> int:
+        """Fail every request in flight that ``held(request id, where)`` says the lost part
+        holds; each one's task is cancelled and gives back what it holds elsewhere
+        (:meth:`_undo`)."""
         failed = 0
         for rid in sorted(set(self._inflight) | set(self._where)):
             w = self._where.get(rid) or Where()
-            if rid in self._ended_ids or not held(w):
+            if rid in self._ended_ids or not held(rid, w):
                 continue
             scope = self._inflight.get(rid)
             if scope is not None:

@@ -2,13 +2,19 @@
 
 Capacity is the HBM left after the model's weights and a reserved workspace, divided into
 blocks of ``block_tokens`` tokens. A request holds ``ceil(tokens / block_tokens)`` blocks; it
-grows one block at a time as it decodes and gives everything back when it ends. Blocks are
-conserved: free + held = capacity, always.
+grows one block at a time as it decodes and gives everything back when it ends. Blocks have
+addresses: a request holds extents (runs of block indices), taken lowest address first (paged:
+they need not be contiguous), so an on-chip memory fault can find whose KV lay in the bad range
+(:meth:`KVBlockManager.mask`, SPEC 11.2 stage 3). Blocks are conserved: free + held + masked
+(and not held) = capacity, always.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+
+import numpy as np
 
 from ..errors import ConfigError
 from ..hw import DieSpec
@@ -51,10 +57,52 @@ class KVBlockManager:
         self.free = capacity_blocks
         self._held: dict[object, int] = {}
         self._tokens: dict[object, int] = {}
+        self._free_runs: list[tuple[int, int]] = [(0, capacity_blocks)] if capacity_blocks else []
+        """Free block runs ``(start, end)``, sorted and disjoint (adjacent ones merged)."""
+        self._runs: dict[object, list[tuple[int, int]]] = {}
+        self.masked: list[tuple[int, int]] = []
+        """Block ranges an on-chip memory fault masked for good."""
+
+    def _take(self, request: object, need: int) -> None:
+        runs = self._runs.setdefault(request, [])
+        while need:
+            start, end = self._free_runs[0]
+            n = min(need, end - start)
+            if n == end - start:
+                self._free_runs.pop(0)
+            else:
+                self._free_runs[0] = (start + n, end)
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + n)
+            else:
+                runs.append((start, start + n))
+            need -= n
+
+    def _give(self, start: int, end: int) -> None:
+        """Return blocks ``start .. end - 1`` to the free runs, except masked ones."""
+        for m_start, m_end in self.masked:
+            if m_start < end and start < m_end:  # cut the masked part out
+                if start < m_start:
+                    self._give(start, m_start)
+                if m_end < end:
+                    self._give(m_end, end)
+                return
+        i = bisect.bisect_left(self._free_runs, (start, end))
+        if i and self._free_runs[i - 1][1] == start:
+            i -= 1
+            start = self._free_runs.pop(i)[0]
+        if i < len(self._free_runs) and self._free_runs[i][0] == end:
+            end = self._free_runs.pop(i)[1]
+        self._free_runs.insert(i, (start, end))
 
     @property
     def used(self) -> int:
         return self.capacity - self.free
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks requests hold (``used`` also counts masked ones)."""
+        return sum(self._held.values())
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
@@ -76,6 +124,7 @@ class KVBlockManager:
         self.free -= need
         self._held[request] = need
         self._tokens[request] = tokens
+        self._take(request, need)
 
     def extend(self, request: object, new_tokens: int) -> bool:
         """Append ``new_tokens`` tokens; False (nothing changed) if a needed block is not free."""
@@ -88,14 +137,40 @@ class KVBlockManager:
         self.free -= need
         self._held[request] += need
         self._tokens[request] = tokens
+        self._take(request, need)
         return True
 
     def release(self, request: object) -> int:
         """Free everything the request holds; returns the blocks freed."""
         blocks = self._held.pop(request)
         del self._tokens[request]
-        self.free += blocks
+        for start, end in self._runs.pop(request, []):
+            self._give(start, end)
+        self.free = sum(end - start for start, end in self._free_runs)
         return blocks
+
+    def blocks_of(self, request: object) -> list[tuple[int, int]]:
+        """The block runs ``(start, end)`` the request holds."""
+        return list(self._runs.get(request, []))
+
+    def mask(self, first: int, count: int) -> list[object]:
+        """An on-chip memory fault: blocks ``first .. first + count - 1`` are masked for good
+        (CANN remaps the virtual memory around them; no later allocation lands there). Returns
+        the requests whose KV lay there, in admission order: the caller fails them explicitly
+        (their other blocks come back when they are released)."""
+        end = first + count
+        if count < 1 or first < 0 or end > self.capacity:
+            raise ConfigError(
+                f"blocks {first}..{end - 1} lie outside this DP's 0..{self.capacity - 1}",
+                field="first_block",
+            )
+        hit = [r for r, runs in self._runs.items() if any(s < end and first < e for s, e in runs)]
+        self.masked.append((first, end))
+        runs, self._free_runs = self._free_runs, []
+        for s, e in runs:  # rebuild without the masked range
+            self._give(s, e)
+        self.free = sum(e - s for s, e in self._free_runs)
+        return hit
 
     def held(self, request: object) -> int:
         return self._held.get(request, 0)
@@ -105,9 +180,29 @@ class KVBlockManager:
         return request in self._held
 
     def check(self) -> None:
-        """Conservation: free + held == capacity."""
+        """Conservation: free + held + masked-and-not-held == capacity; every block is in
+        exactly one of them (no masked block is free)."""
         held = sum(self._held.values())
-        if self.free + held != self.capacity or self.free < 0:
+        owner = np.zeros(self.capacity + 1, dtype=np.int64)  # runs covering each block
+        masked = np.zeros(self.capacity + 1, dtype=np.int64)
+        for runs, counts in ((self._free_runs, owner), *((r, owner) for r in self._runs.values())):
+            for s, e in runs:
+                counts[s] += 1
+                counts[e] -= 1
+        for s, e in self.masked:
+            masked[s] += 1
+            masked[e] -= 1
+        owner, masked = np.cumsum(owner)[:-1], np.cumsum(masked)[:-1] > 0
+        free_masked = any(masked[s:e].any() for s, e in self._free_runs)
+        unheld_masked = int((masked & (owner == 0)).sum())
+        if (
+            self.free + held + unheld_masked != self.capacity
+            or self.free != sum(e - s for s, e in self._free_runs)
+            or bool((owner > 1).any())
+            or free_masked
+            or held != sum(e - s for runs in self._runs.values() for s, e in runs)
+        ):
             raise AssertionError(
-                f"KV blocks not conserved: free {self.free} + held {held} != {self.capacity}"
+                f"KV blocks not conserved: free {self.free} + held {held} + masked "
+                f"{unheld_masked} != {self.capacity} (or a block is in two places)"
             )

@@ -68,6 +68,38 @@ class NodeFault(msgspec.Struct, frozen=True, kw_only=True):
         check_fields(self)
 
 
+class MemoryFault(msgspec.Struct, frozen=True, kw_only=True):
+    """An on-chip memory fault in a Decode die's KV region at virtual time ``at_ns`` (SPEC
+    11.2 stage 3, P120): CANN remaps the virtual memory around the bad blocks, which are masked
+    for good; the requests whose KV lay there fail with the reason, everything else is
+    unaffected. Blocks are numbered per DP group from 0 (lowest addresses are allocated
+    first)."""
+
+    at_ns: Annotated[int, Meta(ge=0)]
+    dp: Annotated[int, Meta(ge=0)]
+    """The Decode DP group (die) of the fault."""
+    decode_te: Annotated[int, Meta(ge=0)] = 0
+    first_block: Annotated[int, Meta(ge=0)] = 0
+    blocks: Annotated[int, Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class KVMask(msgspec.Struct, kw_only=True):
+    """What one :class:`MemoryFault` did."""
+
+    at_ns: int
+    te: str
+    dp: int
+    first_block: int
+    blocks: int
+    failed: int
+    """Requests whose KV lay in the masked blocks."""
+    skipped: str = ""
+    """Why nothing was masked (the TE or DP group was not in service), else ""."""
+
+
 class Restart(msgspec.Struct, kw_only=True):
     """One restart-the-world; times are -1 until reached (the replay may end first)."""
 
@@ -129,4 +161,4 @@ def restart_placement(
     return Placement(decode, [left[i * n : (i + 1) * n] for i in range(k)])
 
 
-document_fields(RecoveryConfig, NodeFault, Restart, Placement)
+document_fields(RecoveryConfig, NodeFault, MemoryFault, KVMask, Restart, Placement)

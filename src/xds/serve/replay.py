@@ -58,7 +58,7 @@ from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
-from .recovery import NodeFault, RecoveryConfig, Restart
+from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
@@ -182,7 +182,10 @@ class ReplayResult(msgspec.Struct):
     restarts: list[Restart] = []
     """Every restart-the-world after a node fault."""
     failovers: list[TEFailover] = []
-    """Every TE an independent failover took down (``recovery.mode = "independent"``)."""
+    """Every TE an independent failover took down or scaled down (``recovery.mode``
+    ``"independent"`` or ``"scale_down"``)."""
+    kv_masks: list[KVMask] = []
+    """Every :class:`~xds.serve.recovery.MemoryFault` and what it did."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -244,6 +247,7 @@ class Replay(Failover):
         self.xccl: XCCL | None = None
         self._faults: list[DistFlowFault] = []
         self._node_faults: list[NodeFault] = []
+        self._memory_faults: list[MemoryFault] = []
         self.monitor: LinkMonitor | None = None
         self._picks = 0
         self.kv_bytes_per_token = model.kv_bytes_per_token(
@@ -582,6 +586,8 @@ class Replay(Failover):
             self._start_engine(first=True)
             for fault in self._node_faults:
                 system.start_soon(self._node_fault, fault, name=f"node-fault-{fault.server}")
+            for mfault in self._memory_faults:
+                system.start_soon(self._memory_fault, mfault, name=f"memory-fault-{mfault.dp}")
             async with anyio.create_task_group() as requests:
                 for req in self.workload.requests:
                     await sleep_until_ns(req.arrival_ns)
@@ -664,6 +670,32 @@ class Replay(Failover):
             )
         self._node_faults.append(fault)
 
+    def inject_memory_fault(self, fault: MemoryFault) -> None:
+        """Fault injection (SPEC 11.2 stage 3): an on-chip memory fault masks KV blocks of a
+        Decode DP group (:mod:`xds.serve.recovery`). Call before :meth:`run`."""
+        if not isinstance(fault, MemoryFault):
+            raise ConfigError(f"expected a MemoryFault, got {fault!r}", field="faults")
+        cfg = self.config
+        if fault.decode_te >= cfg.decode_tes:
+            raise ConfigError(
+                f"decode_te {fault.decode_te} does not exist (the deployment has "
+                f"{cfg.decode_tes} Decode TEs)",
+                field="decode_te",
+            )
+        if fault.dp >= cfg.decode.dies:
+            raise ConfigError(
+                f"dp {fault.dp} does not exist (a Decode TE has {cfg.decode.dies} DP groups)",
+                field="dp",
+            )
+        capacity = self.decode[0].kv_capacity
+        if fault.first_block + fault.blocks > capacity:
+            raise ConfigError(
+                f"blocks {fault.first_block}..{fault.first_block + fault.blocks - 1} lie "
+                f"outside a Decode DP group's KV blocks 0..{capacity - 1}",
+                field="first_block",
+            )
+        self._memory_faults.append(fault)
+
 
 DAY_NS = 86_400 * 10**9
 MAX_ARRIVAL_NS = HORIZON_NS // 2
@@ -735,7 +767,7 @@ def replay(
     decode_routing: DecodeRouting = lowest_kv,
     prefill_te_selection: PrefillTESelection = earliest_first_token,
     decode_te_selection: DecodeTESelection = fewest_sequences,
-    faults: Sequence[DistFlowFault | NodeFault] = (),
+    faults: Sequence[DistFlowFault | NodeFault | MemoryFault] = (),
     event_log: bool = False,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
@@ -743,21 +775,25 @@ def replay(
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
     configuration (:func:`~xds.serve.decode_te.comm_grid`); the policy keywords plug in your
     own (see :class:`Replay`). ``faults`` (:class:`DistFlowFault`,
-    :class:`~xds.serve.recovery.NodeFault`) are injected before the run starts; with
+    :class:`~xds.serve.recovery.NodeFault`, :class:`~xds.serve.recovery.MemoryFault`) are
+    injected before the run starts; with
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
     cfg = config or PDConfig()
     _check_workload(workload)
-    if isinstance(faults, DistFlowFault | NodeFault) or not isinstance(faults, Sequence):
+    kinds = DistFlowFault | NodeFault | MemoryFault
+    if isinstance(faults, kinds) or not isinstance(faults, Sequence):
         raise ConfigError(
-            f"faults is a list of DistFlowFault or NodeFault, got {type(faults).__name__}",
+            "faults is a list of DistFlowFault, NodeFault or MemoryFault, got "
+            f"{type(faults).__name__}",
             field="faults",
         )
     for fault in faults:
-        if isinstance(fault, NodeFault):
-            continue  # checked by Replay.inject_node_fault
+        if isinstance(fault, NodeFault | MemoryFault):
+            continue  # checked by Replay.inject_node_fault / inject_memory_fault
         if not isinstance(fault, DistFlowFault):
             raise ConfigError(
-                f"expected DistFlowFault or NodeFault entries, got {fault!r}", field="faults"
+                f"expected DistFlowFault, NodeFault or MemoryFault entries, got {fault!r}",
+                field="faults",
             )
         if fault.prefill_te >= cfg.prefill.tes or fault.decode_te >= cfg.decode_tes:
             raise ConfigError(
@@ -783,6 +819,9 @@ def replay(
         for fault in faults:
             if isinstance(fault, NodeFault):
                 r.inject_node_fault(fault)
+                continue
+            if isinstance(fault, MemoryFault):
+                r.inject_memory_fault(fault)
                 continue
             r.inject_distflow_failure(
                 fault.at_ns,
@@ -816,6 +855,7 @@ def replay(
         probes=r.monitor.results if r.monitor is not None else [],
         restarts=r.restarts,
         failovers=r.failovers,
+        kv_masks=r.kv_masks,
     )
 
 
