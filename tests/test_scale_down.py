@@ -240,3 +240,21 @@ def test_kv_blocks_by_address_with_masks_are_conserved_and_isolated(ops):
 
 def _blocks(kv: KVBlockManager, request: int) -> set[int]:
     return {x for s, e in kv.blocks_of(request) for x in range(s, e)}
+
+
+def test_a_repaired_server_rejoins_the_scaled_down_decode_te():
+    repair = 4 * S
+    res = replay(WL, CFG, faults=[NodeFault(at_ns=AT, server=5, repair_ns=repair)], event_log=True)
+    down, up = res.failovers
+    assert (down.kind, down.dies, up.kind, up.dies) == ("scale_down", 48, "scale_up", 64)
+    assert up.down_ns == AT + repair and up.back_ns == AT + repair + CFG.recovery.scale_down_ns
+    assert up.servers == [4, 5, 6, 7]
+    back = {dp for dp in range(64) if dp % 4 == 1}
+    rejoined = [
+        r
+        for r in res.records
+        if r.arrival_ns > up.back_ns and r.decode_placement and _dp(r.decode_placement) in back
+    ]
+    assert rejoined and all(r.outcome == "completed" for r in rejoined)
+    assert [e.fields["dies"] for e in res.events.select("decode-te", "scaled-up")] == [64]
+    assert res.summary.completed + res.summary.failed == len(WL)

@@ -330,6 +330,28 @@ class DecodeTE:
         self._signal_capacity()
         return lost
 
+    def scale_up(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
+        """Take the DP groups on ``server`` (dropped by :meth:`scale_down`) back into service,
+        empty; ``config`` and ``grid`` describe the TE with them. Returns the DP groups back."""
+        back = [dp for dp, s in enumerate(self.dp_server) if s == server and not self.alive[dp]]
+        if int(self.alive.sum()) + len(back) != config.dies:
+            raise AssertionError(
+                f"scale-up to {config.dies} dies, but {int(self.alive.sum()) + len(back)} "
+                "would serve"
+            )
+        for dp in back:
+            self.alive[dp] = True
+            self.router.restore(dp, self.config.batch_per_die)
+        self._alive_idx = np.nonzero(self.alive)[0]
+        self.config, self.grid = config, grid
+        self.model = _ReplayDecodeModel(
+            config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
+        )
+        self.router.snapshot_kv([k.used for k in self.kv])
+        emit("decode-te", "scaled-up", te=self.index, server=server, dies=config.dies)
+        self._signal_capacity()
+        return back
+
     # -- the iteration loop --
     async def run(self) -> None:
         k = self.config.mtp.k

@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 import anyio.abc
 import msgspec
+import numpy as np
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from .recovery import KVMask, MemoryFault, NodeFault, Placement, Restart, restart_placement
-from .scale_down import scaled_down_config
+from .scale_down import resized_config, scaled_down_config
 
 if TYPE_CHECKING:
     from ..trace.metrics import RequestRecord
@@ -99,10 +100,12 @@ class TEFailover(msgspec.Struct, kw_only=True):
     back_ns: int = -1
     servers: list[int] = []
     """The servers it restarted on (a scale-down: the servers it serves on)."""
-    kind: Literal["restart", "scale_down"] = "restart"
-    """``scale_down``: a Decode TE dropped one server's DP groups and served on (P119)."""
+    kind: Literal["restart", "scale_down", "scale_up"] = "restart"
+    """``scale_down``: a Decode TE dropped one server's DP groups and served on (P119);
+    ``scale_up``: it took them back once the server was repaired (``down_ns``: the repair,
+    ``back_ns``: serving on them again)."""
     dies: int = -1
-    """A scale-down's dies after it."""
+    """A scale-down's or scale-up's dies after it."""
 
 
 class Failover:
@@ -153,6 +156,8 @@ class Failover:
         self._retired_iterations = 0
         self._retired_busy: dict[int, int] = {}
         self.kv_masks: list[KVMask] = []
+        self._scaled_out: dict[int, tuple[int, DecodeTE]] = {}
+        """Servers a Decode TE scaled down without: server -> (TE index, that TE)."""
 
     # -- hooks the replay calls --------------------------------------------------------------
     async def _engine_task(self, key: tuple[str, int], fn: Callable[[], Awaitable[None]]) -> None:
@@ -285,6 +290,9 @@ class Failover:
         self.tainted.discard(fault.server)
         self._pending_repairs -= 1
         emit("k8s", "untaint", server=fault.server)
+        if fault.server in self._scaled_out:  # its Decode TE scaled down: scale back up
+            await self._scale_up(fault.server)
+            return
         used = {s for te in self.placement.prefill + self.placement.decode for s in te}
         if fault.server not in used and fault.server not in self._spares:
             self._spares.append(fault.server)  # back in the pool for the next restart
@@ -434,10 +442,42 @@ class Failover:
         rec.failed = self._fail_held(lambda r, w: w.decode == d and w.decode_dp in gone, reason)
         te.scale_down(server, smaller, self._grid_of(smaller))  # type: ignore[attr-defined]
         self.placement.decode[d] = [s for s in self.placement.decode[d] if s != server]
+        self._scaled_out[server] = (d, te)
         await sleep_ns(self.config.recovery.scale_down_ns)
         rec.back_ns, rec.servers, rec.dies = now_ns(), self.placement.decode[d], smaller.dies
         emit("failover", "scaled-down", te=rec.te, dies=smaller.dies)
         return ""
+
+    async def _scale_up(self, server: int) -> None:
+        """The repaired ``server`` rejoins the Decode TE that scaled down without it: its dies
+        load their weights (``scale_down_ns``), then the TE takes their DP groups back, empty,
+        at an iteration boundary. If the TE was restarted meanwhile the server is a spare."""
+        d, te = self._scaled_out.pop(server)
+        start = now_ns()
+        await sleep_ns(self.config.recovery.scale_down_ns)
+        if server in self.tainted:  # it failed again: its next repair brings it back
+            return
+        if not self._live_decode(te):  # the TE restarted meanwhile: a spare for the pool
+            self._spares.append(server)
+            self._free_servers()
+            return
+        keep = te.alive | np.isin(te.dp_server, [server])
+        bigger = resized_config(self.config.decode, keep, te.kv_capacity)
+        grid = self._grid if keep.all() else self._grid_of(bigger)  # type: ignore[attr-defined]
+        te.scale_up(server, bigger, grid)
+        self.placement.decode[d] = sorted([*self.placement.decode[d], server])
+        rec = TEFailover(
+            te=f"D{d}",
+            reason=f"Decode TE {d} scaled back up on the repaired server {server}",
+            down_ns=start,
+            failed=0,
+            kind="scale_up",
+            back_ns=now_ns(),
+            servers=self.placement.decode[d],
+            dies=bigger.dies,
+        )
+        self.failovers.append(rec)
+        emit("failover", "scaled-up", te=rec.te, server=server, dies=bigger.dies)
 
     def _decode_servers(self, d: int, need: int) -> list[int] | None:
         """Decode TE ``d``'s healthy servers topped up from the spares, and if that is not

@@ -143,6 +143,14 @@ class DecodeRouter:
         self.dps[dp_index] = DPLoad(batch_limit=0)
         return gone
 
+    def restore(self, dp_index: int, batch_limit: int) -> None:
+        """Put a removed DP group back in service, empty (a Decode TE scaling back up)."""
+        if not 0 <= dp_index < len(self.dps) or self.dps[dp_index].batch_limit:
+            raise ConfigError(f"DP group {dp_index} was not removed", field="dp_index")
+        if batch_limit < 1:
+            raise ConfigError("batch_limit must be positive", field="batch_limit")
+        self.dps[dp_index] = DPLoad(batch_limit)
+
     def snapshot_kv(self, used_blocks: list[int]) -> None:
         """The periodic KV metric collection (P059)."""
         if len(used_blocks) != len(self.dps):

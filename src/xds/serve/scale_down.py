@@ -11,7 +11,8 @@ The layout is :class:`~xds.serve.decode_model.DecodeModel`'s: the first
 plus the redundant slots (one, or the online EPLB's ``spare_slots``; the same count
 :func:`~xds.serve.decode_model.decode_weight_bytes` reserves HBM for); the others hold one
 shared-expert instance each. A die keeps its memory layout through a scale-down, so its KV
-capacity does not change; its expert slots bound how far the TE can shrink.
+capacity does not change; its expert slots bound how far the TE can shrink. When the failed
+server is repaired the TE scales back up (:func:`resized_config` of the dies in service).
 """
 
 from __future__ import annotations
@@ -52,12 +53,22 @@ def scaled_down_config(
             "every shared-expert die was on that server: the shared expert would have no replica",
         )
     try:
-        smaller = msgspec.structs.replace(
-            config,
-            dies=routed_left + shared_left,
-            shared_expert_dies=shared_left,
-            kv_blocks_per_die=kv_blocks_per_die,
-        )
+        return resized_config(config, keep, kv_blocks_per_die), ""
     except ConfigError as exc:  # e.g. the online EPLB's one routed expert per die
         return None, str(exc)
-    return smaller, ""
+
+
+def resized_config(config: DecodeConfig, keep: np.ndarray, kv_blocks_per_die: int) -> DecodeConfig:
+    """The Decode TE made of the dies ``keep`` (a mask over ``config``'s dies, the TE as first
+    deployed) with ``kv_blocks_per_die`` each: ``config`` itself when every die is kept."""
+    keep = np.asarray(keep, dtype=bool)
+    if keep.all():
+        return config
+    r0 = config.dies - config.shared_expert_dies
+    shared = int(keep[r0:].sum())
+    return msgspec.structs.replace(
+        config,
+        dies=int(keep.sum()),
+        shared_expert_dies=shared,
+        kv_blocks_per_die=kv_blocks_per_die,
+    )
