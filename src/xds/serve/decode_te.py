@@ -320,15 +320,19 @@ class DecodeTE:
                 self.done.pop(req, None)  # type: ignore[call-overload]
             self.kv[dp] = KVBlockManager(cap, block_tokens=self.config.block_tokens)
             self.alive[dp] = False
+        self._resized(config, grid, "scaled-down", server)
+        return lost
+
+    def _resized(self, config: DecodeConfig, grid: list[CommCosts], event: str, server: int):
+        """The DP groups in service changed: price iterations on ``config`` from now on."""
         self._alive_idx = np.nonzero(self.alive)[0]
         self.config, self.grid = config, grid
         self.model = _ReplayDecodeModel(
             config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
         )
         self.router.snapshot_kv([k.used for k in self.kv])
-        emit("decode-te", "scaled-down", te=self.index, server=server, dies=config.dies)
+        emit("decode-te", event, te=self.index, server=server, dies=config.dies)
         self._signal_capacity()
-        return lost
 
     def scale_up(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
         """Take the DP groups on ``server`` (dropped by :meth:`scale_down`) back into service,
@@ -342,14 +346,7 @@ class DecodeTE:
         for dp in back:
             self.alive[dp] = True
             self.router.restore(dp, self.config.batch_per_die)
-        self._alive_idx = np.nonzero(self.alive)[0]
-        self.config, self.grid = config, grid
-        self.model = _ReplayDecodeModel(
-            config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
-        )
-        self.router.snapshot_kv([k.used for k in self.kv])
-        emit("decode-te", "scaled-up", te=self.index, server=server, dies=config.dies)
-        self._signal_capacity()
+        self._resized(config, grid, "scaled-up", server)
         return back
 
     # -- the iteration loop --
