@@ -323,7 +323,9 @@ class DecodeTE:
         self._resized(config, grid, "scaled-down", server)
         return lost
 
-    def _resized(self, config: DecodeConfig, grid: list[CommCosts], event: str, server: int):
+    def _resized(
+        self, config: DecodeConfig, grid: list[CommCosts], event: str, server: int
+    ) -> None:
         """The DP groups in service changed: price iterations on ``config`` from now on."""
         self._alive_idx = np.nonzero(self.alive)[0]
         self.config, self.grid = config, grid
