@@ -17,7 +17,7 @@ from xds.serve.jitter import JitterConfig
 from xds.serve.kv import KVBlockManager
 from xds.serve.prefill import PrefillConfig
 from xds.serve.recovery import MemoryFault, NodeFault, RecoveryConfig
-from xds.serve.replay import PDConfig, replay
+from xds.serve.replay import DistFlowFault, PDConfig, replay
 from xds.serve.scale_down import scaled_down_config
 from xds.trace.workload import Request, Workload
 from xds.units import MS, S
@@ -258,3 +258,54 @@ def test_a_repaired_server_rejoins_the_scaled_down_decode_te():
     assert rejoined and all(r.outcome == "completed" for r in rejoined)
     assert [e.fields["dies"] for e in res.events.select("decode-te", "scaled-up")] == [64]
     assert res.summary.completed + res.summary.failed == len(WL)
+
+
+def test_a_kv_transfer_to_a_dropped_dp_group_ends_cancelled():
+    # the P0-D0 link is down while the fault is handled: transfers to the lost DP groups are
+    # stalled in flight when their requests fail
+    res = replay(
+        WL,
+        CFG,
+        faults=[
+            NodeFault(at_ns=AT, server=5),
+            DistFlowFault(
+                at_ns=AT + 200 * MS, prefill_te=0, decode_te=0, kind="link_down", duration_ns=S
+            ),
+        ],
+        event_log=True,
+    )
+    assert res.summary.completed + res.summary.failed == len(WL)  # and every check passed
+    assert res.events.select("distflow", "abandoned")
+
+
+def test_a_scale_down_record_stays_open_if_a_later_fault_restarts_the_te():
+    res = replay(
+        WL, CFG, faults=[NodeFault(at_ns=AT, server=5), NodeFault(at_ns=AT + 200 * MS, server=6)]
+    )
+    first, second = res.failovers[:2]
+    assert first.kind == "scale_down" and second.kind == "restart"
+    assert first.back_ns == -1 and first.dies == -1  # it never served again as such
+    assert second.back_ns > second.down_ns
+
+
+def test_a_te_restarted_onto_a_struck_server_loses_its_iteration_when_scaled_down():
+    decode = msgspec.structs.replace(DECODE, dies=96, shared_expert_dies=8)  # servers 4-9
+    cfg = msgspec.structs.replace(
+        CFG,
+        decode=decode,
+        recovery=msgspec.structs.replace(CFG.recovery, detect_ns=2 * S, spare_servers=2),
+    )
+    res = replay(
+        WL,
+        cfg,
+        faults=[
+            NodeFault(at_ns=AT, server=5),  # scaled down at 5 s
+            NodeFault(at_ns=AT + 100 * MS, server=6),  # refused: restart on 4, 7-11 until 9.1 s
+            NodeFault(at_ns=8500 * MS, server=10),  # the restarting TE's new server
+        ],
+    )
+    kinds = [(f.kind, f.back_ns >= 0) for f in res.failovers]
+    assert kinds == [("scale_down", False), ("restart", True), ("scale_down", True)]
+    for r in res.records:
+        if r.outcome == "completed":
+            assert len(r.token_ns) == r.output_tokens - 1

@@ -305,6 +305,7 @@ class DecodeTE:
         smaller TE (its ``dies`` the DP groups left) and ``grid`` its dispatch/combine costs.
         Returns the DP groups dropped."""
         lost = self.dps_on(server)
+        self._epoch += 1  # the iteration in flight ran on the dead dies: it is lost
         if int(self.alive.sum()) - len(lost) != config.dies:
             raise AssertionError(
                 f"scale-down to {config.dies} dies, but {int(self.alive.sum()) - len(lost)} remain"

@@ -188,6 +188,19 @@ class DistFlow:
         transfer.decode_dp = decode_dp
         self._moved(transfer)
         emit("distflow", "recv", transfer=transfer.transfer_id, decode_dp=decode_dp, pair=self.pair)
+        try:
+            await self._move(transfer, decode_dp)
+        finally:
+            if transfer.state is TransferState.IN_FLIGHT:  # the request failed meanwhile
+                self._on_wire.pop(transfer.transfer_id, None)
+                transfer.state = TransferState.CANCELLED
+                transfer.done_ns = now_ns()
+                emit("distflow", "abandoned", transfer=transfer.transfer_id, pair=self.pair)
+
+    async def _move(self, transfer: Transfer, decode_dp: int) -> None:
+        """Move the KV and post the completion (or stall, or fail). If the request's task is
+        cancelled meanwhile (it failed elsewhere), :meth:`recv` ends the transfer cancelled
+        without a completion: its owner frees the blocks itself."""
         if not self._gate.is_set():  # a downed link stalls the transfer silently
             self.stalled += 1
             try:

@@ -222,8 +222,9 @@ class Failover:
         try:
             await self._handle_node_fault(fault)
         finally:
-            for te in hung:  # a TE taken down meanwhile was replaced: resuming it is harmless
-                te.resume()
+            for te in hung:  # a TE taken down meanwhile is replaced: it stays hung
+                if self._live_decode(te):
+                    te.resume()
 
     async def _handle_node_fault(self, fault: NodeFault) -> None:
         rc = self.config.recovery
@@ -444,6 +445,8 @@ class Failover:
         self.placement.decode[d] = [s for s in self.placement.decode[d] if s != server]
         self._scaled_out[server] = (d, te)
         await sleep_ns(self.config.recovery.scale_down_ns)
+        if not self._live_decode(te):  # a later fault took the TE down meanwhile
+            return ""
         rec.back_ns, rec.servers, rec.dies = now_ns(), self.placement.decode[d], smaller.dies
         emit("failover", "scaled-down", te=rec.te, dies=smaller.dies)
         return ""

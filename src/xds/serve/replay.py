@@ -687,6 +687,12 @@ class Replay(Failover):
                 f"dp {fault.dp} does not exist (a Decode TE has {cfg.decode.dies} DP groups)",
                 field="dp",
             )
+        if cfg.kv_transfer == "xccl":
+            raise ConfigError(
+                "memory faults need kv_transfer = 'closed-form' (an XCCL transfer is not "
+                "cancelled halfway when its request fails)",
+                field="kv_transfer",
+            )
         capacity = self.decode[0].kv_capacity
         if fault.first_block + fault.blocks > capacity:
             raise ConfigError(
