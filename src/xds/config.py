@@ -28,7 +28,8 @@ _checking: ContextVar[type | None] = ContextVar("xds_config_checking", default=N
 
 def _read(path: Path) -> Any:
     if not path.is_file():
-        raise ConfigError("file not found", source=str(path))
+        why = "is a directory" if path.is_dir() else "is not a regular file"
+        raise ConfigError(why if path.exists() else "file not found", source=str(path))
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")  # a leading byte-order mark is fine
@@ -92,17 +93,43 @@ def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:
     try:
         return msgspec.convert(data, kind, strict=False)
     except msgspec.ValidationError as exc:
-        raise _config_error(exc, source) from None
+        raise _config_error(exc, source, kind) from None
     except ConfigError as exc:  # a __post_init__ check
         raise ConfigError(str(exc), source=source) from None
 
 
-def _config_error(exc: msgspec.ValidationError, source: str | None) -> ConfigError:
+def _choices(kind: Any, path: str) -> tuple[str, ...]:
+    """The allowed values of the literal field at dotted ``path`` in struct ``kind`` (empty if
+    it is not a literal, or the path does not resolve)."""
+    info: Any = msgspec.inspect.type_info(kind)
+    for name in path.split("."):
+        while isinstance(info, msgspec.inspect.UnionType):  # e.g. an optional struct
+            structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
+            if not structs:
+                return ()
+            info = structs[0]
+        if not isinstance(info, msgspec.inspect.StructType):
+            return ()
+        info = next((f.type for f in info.fields if f.name == name), None)
+        if info is None:
+            return ()
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return tuple(str(v) for v in info.values)
+    return ()
+
+
+def _config_error(
+    exc: msgspec.ValidationError, source: str | None, kind: Any = None
+) -> ConfigError:
     match = re.search(r"- at `\$\.?([^`]*)`", str(exc)) or re.search(
         r"unknown field `([^`]*)`", str(exc)
     )
     field = match.group(1) if match else None
     message = str(exc).split(" - at ")[0]
+    if kind is not None and field and message.startswith("Invalid enum value"):
+        choices = _choices(kind, field)
+        if choices:
+            message += f"; one of {', '.join(repr(c) for c in choices)}"
     inner = re.match(r"([A-Za-z_][\w.]*): (.*)", message, re.S)
     if field and inner:  # a nested struct's own check named its field: one dotted path
         outer, sub = field.split("."), inner.group(1).split(".")
@@ -137,7 +164,7 @@ def check_fields(struct: msgspec.Struct) -> None:
     except _FieldsChecked:
         pass
     except msgspec.ValidationError as exc:
-        raise _config_error(exc, None) from None
+        raise _config_error(exc, None, kind) from None
     finally:
         _checking.reset(token)
     for name, expected in _struct_fields(kind).items():

@@ -483,6 +483,10 @@ def _trace_options(f):
     return f
 
 
+MIN_SEARCH_REQUESTS = 20
+"""Requests a capacity search replays at least (its steady window is their middle half)."""
+
+
 def _given(name: str) -> bool:
     """Whether the user passed option ``name`` (rather than getting its default)."""
     source = click.get_current_context().get_parameter_source(name)
@@ -688,6 +692,15 @@ def replay(
             cfg, recovery=msgspec.structs.replace(cfg.recovery, mode=recovery)
         )
     faults = [_replay_fault(spec) for spec in fault_specs]
+    if recovery is not None and not any(spec.startswith("node:") for spec in fault_specs):
+        raise click.UsageError("--recovery applies to node faults: give a --fault node:...")
+    for spec, fault in zip(fault_specs, faults, strict=True):
+        if getattr(fault, "kind", "") == "link_down" and not fault.duration_ns and not cfg.probe:
+            raise click.UsageError(
+                f"--fault {spec}: a link down for good (no duration, or duration=0) stalls its "
+                "transfers forever unless link probing finds it: add --probe, or give "
+                "duration=SECONDS"
+            )
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
     if trace is None:
@@ -988,15 +1001,30 @@ def capacity(
         raise click.UsageError("--window applies to the built-in workload; a TRACE brings its own")
     if rate is not None and fmt != "lengths":
         raise click.UsageError("--rate applies to --format lengths (the search sets the rate)")
+    if trace is None and limit is not None:
+        raise click.UsageError(
+            "--limit applies to a TRACE; the built-in workload replays --window seconds of "
+            "arrivals at each rate"
+        )
+    if criterion != "goodput" and _given("goodput_target"):
+        raise click.UsageError("--goodput applies to --criterion goodput")
     configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
 
         def workload_at(x: float):
-            return _built_in(max(20, round(x * window_s)), x, seed, unique_prompts).limited(limit)
+            return _built_in(max(MIN_SEARCH_REQUESTS, round(x * window_s)), x, seed, unique_prompts)
     else:
         unit, knob = "x trace rate", "rate scale"
         base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed, sort, span).limited(limit)
+        if len(base) < MIN_SEARCH_REQUESTS or not base.duration_ns:
+            raise click.UsageError(
+                f"{trace}: {len(base)} request(s)"
+                + (" after --limit" if limit is not None else "")
+                + (" arriving at once" if len(base) > 1 and not base.duration_ns else "")
+                + f"; a capacity search judges the middle half of a trace's arrivals and needs "
+                f"at least {MIN_SEARCH_REQUESTS} spread over time"
+            )
 
         def workload_at(x: float):
             return base.scaled(x)

@@ -154,6 +154,13 @@ class Runtime:
         self._used = True
         if not callable(main):
             raise ConfigError(f"main must be an async callable, got {main!r}", field="main")
+        if _running_loop():
+            raise ConfigError(
+                "xds.run (and what calls it: replay, capacity searches, reproduce) is "
+                "synchronous and starts its own virtual-time loop; it cannot run inside a "
+                "running event loop (call it from plain code or a plain `def` test)",
+                field="main",
+            )
         ensure_logging_configured()
         token = _current.set(self)
         try:
@@ -288,6 +295,22 @@ class Runtime:
             raise self._failure or ModelLivelock(t_ns, iterations)
         self._failure = ModelLivelock(t_ns, iterations)
         self._root_scope.cancel()
+
+
+def _running_loop() -> bool:
+    """Whether this thread is inside a running asyncio or trio loop."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    try:
+        import trio
+
+        trio.lowlevel.current_trio_token()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -33,7 +33,13 @@ def configure_logging(level: str | None = None, *, json: bool = False) -> None:
     if not isinstance(numeric, int):
         from xds.errors import ConfigError
 
-        raise ConfigError(f"unknown log level {level!r}", field="log_level")
+        choices = "debug, info, warning, error, critical"
+        if level:
+            raise ConfigError(f"unknown log level {level!r}; one of {choices}", field="level")
+        raise ConfigError(
+            f"unknown log level {os.environ.get('XDS_LOG_LEVEL')!r}; one of {choices}",
+            field="XDS_LOG_LEVEL",
+        )
     renderer: Any = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )

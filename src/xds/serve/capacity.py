@@ -45,7 +45,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .prefill import PrefillPlacement, least_work
-from .replay import MAX_ARRIVAL_NS, PDConfig, replay
+from .replay import MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
 from .routing import DecodeRouting, lowest_kv
 from .speculative import Speculator
 
@@ -244,7 +244,7 @@ def search_capacity(
     ``jobs > 1`` replays the rates the search may try next in that many worker processes while
     it waits for the current one (:class:`~xds.serve.speculative.Speculator`); the points
     tried and the result are the same for any ``jobs``, only the wall time changes."""
-    cfg = config or PDConfig()
+    cfg = check_pd_config(config)
     cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
     cap = 256 * start if max_scale is None else max_scale
     floor = start / 256 if min_scale is None else min_scale

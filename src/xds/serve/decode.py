@@ -29,6 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..docfields import document_fields
 from ..errors import ConfigError
+from ..hw import CloudMatrix384
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns
 from ..runtime.sync import task_group_raising_single
 from .decode_model import (
@@ -75,6 +76,21 @@ class DecodeResult(msgspec.Struct):
     iteration_ns: list[int]
     rebalances: int = 0
     """Expert re-placements the online EPLB started during the run (0 without EPLB)."""
+
+
+def check_batch_fits(config: DecodeConfig, capacity: int | None = None) -> None:
+    """A fixed batch (``batch_per_die`` sequences of ``input_tokens + output_tokens``) fits a
+    die's KV blocks (``capacity``, default: what the die's HBM leaves); else ConfigError."""
+    if capacity is None:
+        capacity = config.kv_blocks_per_die or decode_kv_capacity(config, CloudMatrix384())
+    total = config.input_tokens + config.output_tokens
+    need = -(-total // config.block_tokens) * config.batch_per_die
+    if need > capacity:
+        raise ConfigError(
+            f"a DP's {config.batch_per_die} sequences of {total} tokens need {need} KV blocks; "
+            f"a die has {capacity}",
+            field="batch_per_die",
+        )
 
 
 class DecodeInstance:
@@ -129,13 +145,7 @@ class DecodeInstance:
         admit its share (all prefills done before decode starts, SPEC 12.2), then decode."""
         cfg = self.config
         n = cfg.dies
-        need = self.kv[0].blocks_for(cfg.input_tokens + cfg.output_tokens) * cfg.batch_per_die
-        if need > self.kv[0].capacity:
-            raise ConfigError(
-                f"a DP's {cfg.batch_per_die} sequences of {cfg.input_tokens + cfg.output_tokens}"
-                f" tokens need {need} KV blocks; a die has {self.kv[0].capacity}",
-                field="batch_per_die",
-            )
+        check_batch_fits(cfg, self.kv[0].capacity)
         if n_requests > n * cfg.batch_per_die:
             raise ConfigError(
                 f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "

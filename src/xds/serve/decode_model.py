@@ -29,6 +29,10 @@ from .jitter import JitterConfig
 from .kv import WORKSPACE_FRACTION, kv_capacity_blocks
 from .mtp import MTPConfig
 
+MAX_BATCH_PER_DIE = 2048
+"""Decode sequences one die may hold at once: far above what a die's HBM holds at useful
+context lengths (the KV checks then bind), and it bounds the dispatch/combine measurements."""
+
 
 class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A colocated decode deployment and its workload (defaults: SPEC 12.2's peak run)."""
@@ -58,7 +62,11 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         check_fields(self)
         checks = [
             ("dies", self.dies >= 1, "must be >= 1"),
-            ("batch_per_die", self.batch_per_die >= 1, "must be >= 1"),
+            (
+                "batch_per_die",
+                1 <= self.batch_per_die <= MAX_BATCH_PER_DIE,
+                f"must be in 1..{MAX_BATCH_PER_DIE}",
+            ),
             ("input_tokens", self.input_tokens >= 1, "must be >= 1"),
             ("output_tokens", self.output_tokens >= 1, "must be >= 1"),
             (

@@ -47,8 +47,24 @@ def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) 
 
 
 def decode_config(name_or_path: str) -> DecodeConfig:
-    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields."""
-    return _lookup(name_or_path, PRESETS, DecodeConfig, "deployment")
+    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields, checked
+    before anything runs: its fixed batch fits a die's KV, and its EPLB policy exists (both
+    errors name the file)."""
+    from .decode import check_batch_fits
+    from .eplb.policies import policy
+
+    config = _lookup(name_or_path, PRESETS, DecodeConfig, "deployment")
+    source = None if name_or_path in PRESETS else name_or_path
+    try:
+        check_batch_fits(config)
+        if config.eplb is not None:
+            try:
+                policy(config.eplb.policy)
+            except ConfigError as exc:
+                raise ConfigError(exc.message, field="eplb.policy") from None
+    except ConfigError as exc:
+        raise ConfigError(exc.message, field=exc.field, source=source) from None
+    return config
 
 
 def ma_config(name_or_path: str) -> MADecodeConfig:

@@ -65,6 +65,26 @@ Progress = Callable[[int, int, int], None]
 """Called with (virtual time ns, requests ended, requests in the workload)."""
 
 
+def check_pd_config(config: object) -> PDConfig:
+    """``config`` as a :class:`PDConfig` (None: the default), or a ConfigError saying what to
+    pass instead."""
+    if config is None:
+        return PDConfig()
+    if isinstance(config, PDConfig):
+        return config
+    hint = (
+        f"; for a preset or a file use xds.serve.presets.pd_config({config!r})"
+        if isinstance(config, str)
+        else ""
+    )
+    got = type(config).__name__
+    raise ConfigError(f"config must be a PDConfig, got {got}{hint}", field="config")
+
+
+MAX_DEPLOYMENT_DIES = 16 * 768
+"""The largest PD deployment a replay takes (its TEs are tasks and arrays of that size)."""
+
+
 class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A PD-disaggregated deployment (defaults: SPEC 12.4's 4P1D on 16 servers)."""
 
@@ -111,6 +131,12 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         p = self.prefill
         dies = p.tes * p.dies_per_te + self.decode_tes * self.decode.dies
+        if dies > MAX_DEPLOYMENT_DIES:
+            raise ConfigError(
+                f"prefill.tes x prefill.dies_per_te + decode_tes x decode.dies = {dies:,} dies; "
+                f"a replay models up to {MAX_DEPLOYMENT_DIES:,} (16 CloudMatrix384 pods)",
+                field="decode_tes" if self.decode_tes * self.decode.dies > dies // 2 else "prefill",
+            )
         if self.kv_transfer == "xccl" and dies > 768:
             raise ConfigError(
                 f"the xccl KV tier models one CloudMatrix384 (768 dies), but prefill.tes x "
@@ -784,7 +810,7 @@ def replay(
     :class:`~xds.serve.recovery.NodeFault`, :class:`~xds.serve.recovery.MemoryFault`) are
     injected before the run starts; with
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
-    cfg = config or PDConfig()
+    cfg = check_pd_config(config)
     _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
     if isinstance(faults, kinds) or not isinstance(faults, Sequence):

@@ -31,8 +31,17 @@ _BOM = b"\xef\xbb\xbf"
 def _open(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise TraceError("file not found", path=str(p))
+        raise TraceError(not_a_file(p), path=str(p))
     return p
+
+
+def not_a_file(p: Path) -> str:
+    """Why ``p`` cannot be read as a file: missing, a directory, or something else."""
+    if p.is_dir():
+        return "is a directory, not a file (a ServeGen dataset directory takes --format servegen)"
+    if p.exists():
+        return "is not a regular file"
+    return "file not found"
 
 
 MAX_ARRIVAL_NS = 2**63 - 1

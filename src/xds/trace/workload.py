@@ -63,7 +63,7 @@ class Workload(msgspec.Struct, frozen=True):
                 msgspec.structs.replace(r, arrival_ns=round(r.arrival_ns / rate_scale))
                 for r in self.requests
             ),
-            self.source,
+            self.source if rate_scale == 1 else f"{self.source} at {rate_scale:g}x its rate",
             self.dropped,
         )
 
@@ -72,7 +72,9 @@ class Workload(msgspec.Struct, frozen=True):
             return self
         if limit < 0:
             raise ConfigError("limit must be >= 0", field="limit")
-        return Workload(self.requests[:limit], self.source, self.dropped)
+        if limit >= len(self.requests):
+            return self
+        return Workload(self.requests[:limit], f"{self.source}, first {limit}", self.dropped)
 
 
 def _build(

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ...config import check_fields, split_spec
+from ...config import check_fields, convert, split_spec
 from ...docfields import document_fields
 from ...errors import ConfigError
 from ...units import MS, US
@@ -236,11 +236,19 @@ def parse_fault(spec: str) -> Fault:
     """A fault from its short form ``KIND:KEY=VALUE,...``, e.g.
     ``network_error:dp=2,iteration=4,layer=1`` (the command line's ``--fault``)."""
     kind, raw = split_spec(spec, _FAULT_KINDS)
+    cls = _FAULT_KINDS[kind]
+    known = msgspec.structs.fields(cls)
+    names = [f.name for f in known]
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"{spec!r}: {key!r} is not one of {', '.join(names)}", field="fault")
+    if missing := [f.name for f in known if f.required and f.name not in raw]:
+        raise ConfigError(f"{spec!r}: needs {', '.join(missing)}", field="fault")
     fields: dict[str, object] = {}
     for key, value in raw.items():
         digits = value.lstrip("-")
         fields[key] = int(value) if digits.isascii() and digits.isdecimal() else value
     try:
-        return msgspec.convert(fields, _FAULT_KINDS[kind])
-    except (msgspec.ValidationError, ConfigError) as exc:
+        return convert(fields, cls)
+    except ConfigError as exc:
         raise ConfigError(f"{spec!r}: {exc}", field="fault") from None

@@ -1,0 +1,114 @@
+"""Bad input a user journey turned up: each is one clear error, at once, naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+import xds
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.serve.decode import DecodeConfig
+from xds.serve.replay import replay
+from xds.trace.production import production_workload
+
+
+def _one_line(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xds: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_deployments_beyond_what_a_replay_models_are_refused_up_front(tmp_path, capsys):
+    for line in ("decode_tes = 9999999999999999999999", "decode_tes = 100"):
+        (tmp_path / "d.toml").write_text(line + "\n")
+        err = _one_line(
+            capsys, ["replay", "--synthetic", "3", "--deployment", str(tmp_path / "d.toml")]
+        )
+        assert "d.toml: decode_tes:" in err and "a replay models up to 12,288" in err
+    with pytest.raises(ConfigError, match=r"batch_per_die: must be in 1\.\.2048"):
+        DecodeConfig(batch_per_die=100_000)
+
+
+def test_a_decode_file_whose_batch_or_policy_cannot_run_names_the_file(tmp_path, capsys):
+    (tmp_path / "kv.toml").write_text("output_tokens = 100000000\n")
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "kv.toml")])
+    assert "kv.toml: batch_per_die: a DP's 60 sequences of 100002048 tokens need" in err
+    (tmp_path / "p.toml").write_text('[eplb]\npolicy = "water-fil"\n')
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "p.toml")])
+    assert "p.toml: eplb.policy: unknown EPLB policy 'water-fil'" in err
+
+
+def test_literal_fields_list_their_choices(tmp_path, capsys):
+    (tmp_path / "e.toml").write_text('[recovery]\nmode = "bogus"\n')
+    err = _one_line(capsys, ["replay", "--deployment", str(tmp_path / "e.toml")])
+    assert "recovery.mode: Invalid enum value 'bogus'; one of 'independent', 'restart_world'" in err
+
+
+def test_capacity_options_that_would_be_ignored_are_errors(capsys):
+    err = _one_line(capsys, ["capacity", "--goodput", "0.5"])
+    assert "--goodput applies to --criterion goodput" in err
+    err = _one_line(capsys, ["capacity", "--limit", "50"])
+    assert "--limit applies to a TRACE" in err
+
+
+def test_a_capacity_search_refuses_a_trace_too_short_to_judge(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{i:02d}.0,100,10\n" for i in range(5))
+    )
+    err = _one_line(capsys, ["capacity", str(trace), "--format", "azure"])
+    assert "5 request(s); a capacity search judges the middle half" in err
+
+
+def test_trace_paths_that_are_not_files_say_what_they_are(tmp_path, capsys):
+    err = _one_line(capsys, ["replay", str(tmp_path), "--format", "azure"])
+    assert "is a directory, not a file" in err
+    (tmp_path / "d.toml").mkdir()
+    err = _one_line(capsys, ["replay", "--deployment", str(tmp_path / "d.toml")])
+    assert "d.toml: is a directory" in err
+
+
+def test_replay_faults_and_recovery_speak_the_command_lines_language(capsys):
+    err = _one_line(capsys, ["replay", "--recovery", "independent"])
+    assert "--recovery applies to node faults" in err
+    err = _one_line(capsys, ["faults", "--fault", "network_error:dp=2,iteraton=4"])
+    assert "'iteraton' is not one of layer, code, attempts, dp, iteration" in err
+    err = _one_line(capsys, ["faults", "--fault", "memory_fault:dp=1,iteration=6"])
+    assert "needs first_block" in err
+    err = _one_line(capsys, ["faults", "--fault", "network_error:dp=-2,iteration=4,layer=1"])
+    assert "dp: Expected `int` >= 0" in err
+
+
+def test_a_bad_log_level_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("XDS_LOG_LEVEL", "bogus")
+    from xds.runtime import logs
+
+    monkeypatch.setattr(logs, "_configured", False, raising=False)
+    with pytest.raises(ConfigError, match="XDS_LOG_LEVEL: unknown log level 'bogus'; one of"):
+        logs.configure_logging()
+
+
+def test_replay_takes_a_config_not_a_preset_name():
+    with pytest.raises(ConfigError, match=r"pd_config\('production-4p1d'\)"):
+        replay(production_workload(3, rate_per_s=4.0), "production-4p1d")  # type: ignore[arg-type]
+
+
+def test_xds_run_inside_a_running_loop_says_it_is_synchronous():
+    async def inner():
+        return 1
+
+    async def outer():
+        return xds.run(inner)
+
+    import asyncio
+
+    with pytest.raises(ConfigError, match="is synchronous"):
+        asyncio.run(outer())
+
+
+def test_the_replay_header_names_the_workload_that_ran(capsys):
+    assert main(["replay", "--synthetic", "40", "--limit", "10", "--rate-scale", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "production(n=40, rate=2/s, conversations) at 4x its rate, first 10" in out
