@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..trace.metrics import SLA, RequestRecord, prefix_hit_ratio
 from ..trace.workload import Workload
 from .decode_te import comm_grid
+from .distflow import KVMover
 from .job_executor import (
     DecodeTESelection,
     PrefillTESelection,
@@ -229,6 +230,7 @@ def search_capacity(
     prefill_te_selection: PrefillTESelection = earliest_first_token,
     decode_te_selection: DecodeTESelection = fewest_sequences,
     jobs: int = 1,
+    kv_mover: KVMover | None = None,
 ) -> CapacityResult:
     """The highest ``x`` (within the search's resolution) at which replaying ``workload_at(x)``
     on ``config`` meets ``config.sla`` by ``criterion``.
@@ -239,7 +241,8 @@ def search_capacity(
     misses too, ``found`` is None). Then ``bisections`` midpoints between the last rate that
     met and the first that missed; a rate is never replayed twice. ``on_point`` sees every
     point as it is measured (a progress hook). The policy keywords plug your own policies into
-    every replay, as in :func:`~xds.serve.replay.replay`: the capacity of your router.
+    every replay, as in :func:`~xds.serve.replay.replay`: the capacity of your router (or,
+    with ``kv_mover``, of your KV-transfer protocol).
 
     ``jobs > 1`` replays the rates the search may try next in that many worker processes while
     it waits for the current one (:class:`~xds.serve.speculative.Speculator`); the points
@@ -278,6 +281,7 @@ def search_capacity(
             decode_routing=decode_routing,
             prefill_te_selection=prefill_te_selection,
             decode_te_selection=decode_te_selection,
+            kv_mover=kv_mover,
         )
         return measure_point(
             workload,

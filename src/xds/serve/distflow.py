@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -94,6 +94,74 @@ class Completion(msgspec.Struct, frozen=True):
     state: TransferState
 
 
+class KVMove:
+    """What a KV mover (:data:`KVMover`) gets: one transfer to move, its TP rank parts and
+    where they go, and the pair's tier."""
+
+    def __init__(self, flow: DistFlow, transfer: Transfer, decode_dp: int):
+        self.flow = flow
+        self.transfer = transfer
+        self.decode_dp = decode_dp
+        tp = flow.tp
+        self.sources = [flow._prefill_die(transfer.prefill_dp, rank) for rank in range(tp)]
+        """The prefill dies (fabric numbering) holding each TP rank's part."""
+        self.destination = flow._decode_die(decode_dp)
+        """The decode die (fabric numbering) receiving every part."""
+        sizes = [transfer.kv_bytes // tp] * tp
+        sizes[-1] += transfer.kv_bytes - sum(sizes)
+        self.part_bytes = sizes
+        """Bytes of each rank's part (they sum to ``transfer.kv_bytes``)."""
+        self.xccl = flow.xccl
+        """The XCCL of the ``xccl`` tier (None on the closed-form tier)."""
+        self.link = flow.link
+        self.engines = flow.engines
+
+    async def send(self, rank: int, nbytes: int, event: int) -> None:
+        """``xccl`` tier: one XCCL point-to-point message of ``nbytes`` from rank ``rank``'s
+        prefill die to the decode die (the 8-step protocol, size mode), with the pair's AIVs;
+        returns when it has landed. ``event`` (>= 1) tags it; messages between the same two
+        dies go one at a time, so each RECV matches its own SEND."""
+        if self.xccl is None:
+            raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
+        if not 0 <= rank < self.flow.tp or nbytes < 0:
+            raise ConfigError(
+                f"send() takes a rank in 0..{self.flow.tp - 1} and bytes >= 0", field="rank"
+            )
+        x, src, dst = self.xccl, self.sources[rank], self.destination
+        buf = AppBuffer(0, nbytes)
+        lock = self.flow._pair_locks.setdefault((src, dst), anyio.Lock())
+        aivs = self.flow.aivs
+        async with lock, anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=aivs))
+            tg.start_soon(functools.partial(x.receive, dst, src, buf, event, n_aiv=aivs))
+
+    def book(self, part_bytes: list[float] | float) -> int:
+        """Closed form: book each rank's ``part_bytes`` (a list, or one size for every rank)
+        through its prefill die's egress port and the decode die's ingress port (the ports
+        other transfers of this Decode TE share, FIFO); returns when the last part lands.
+        Sleep until then to have moved them."""
+        parts = part_bytes if isinstance(part_bytes, list) else [part_bytes] * self.flow.tp
+        if len(parts) != self.flow.tp or any(p < 0 for p in parts):
+            raise ConfigError(
+                f"book() takes one non-negative size per TP rank ({self.flow.tp})",
+                field="part_bytes",
+            )
+        srcs = [self.transfer.prefill_dp * self.flow.tp + rank for rank in range(self.flow.tp)]
+        return max(
+            self.flow._through_ports([src], self.decode_dp, part)
+            for src, part in zip(srcs, parts, strict=True)
+        )
+
+
+KVMover = Callable[[KVMove], Awaitable[None]]
+"""A KV-transfer protocol of your own: ``async def mover(move: KVMove) -> None`` moves one
+transfer's bytes (on the ``xccl`` tier with ``move.xccl``'s send/receive between
+``move.sources`` and ``move.destination``; on the closed-form tier by sleeping until
+:meth:`KVMove.book`'s time, or any cost you model) and returns when every part has landed.
+DistFlow keeps the rest: registration, the deferred RECV, the pair's FIFO, completion queues
+on both sides, failures and link stalls before the move starts."""
+
+
 class DistFlow:
     """One DistFlow instance per (Prefill TE, Decode TE) pair (fault isolation, P102)."""
 
@@ -118,8 +186,11 @@ class DistFlow:
         decode_die: Callable[[int], int] | None = None,
         aivs: int = 48,
         decode_te: int = 0,
+        mover: KVMover | None = None,
     ):
         self.prefill_te = prefill_te
+        self.mover = mover
+        """A KV-transfer protocol of your own (None: the tier's built-in one)."""
         self.decode_te = decode_te
         self.tp = tp
         self.link = link
@@ -210,8 +281,11 @@ class DistFlow:
             if self.failed:  # declared failed while stalled: nothing moved
                 self._finish(transfer, TransferState.FAILED)
                 return
-        if self.xccl is not None:
-            await self._xccl_parts(transfer, decode_dp)
+        if self.mover is not None or self.xccl is not None:
+            if self.mover is not None:
+                await self.mover(KVMove(self, transfer, decode_dp))
+            else:
+                await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
         part = transfer.kv_bytes / self.tp
@@ -312,23 +386,10 @@ class DistFlow:
 
     async def _xccl_parts(self, transfer: Transfer, decode_dp: int) -> None:
         """Every TP rank's part as an XCCL send/receive pair; returns when all have landed."""
-        assert self.xccl is not None
-        x, dst = self.xccl, self._decode_die(decode_dp)
-        sizes = [transfer.kv_bytes // self.tp] * self.tp
-        sizes[-1] += transfer.kv_bytes - sum(sizes)
-
-        async def part(rank: int) -> None:
-            src = self._prefill_die(transfer.prefill_dp, rank)
-            buf = AppBuffer(0, sizes[rank])
-            event = transfer.transfer_id + 1
-            lock = self._pair_locks.setdefault((src, dst), anyio.Lock())
-            async with lock, anyio.create_task_group() as tg:
-                tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=self.aivs))
-                tg.start_soon(functools.partial(x.receive, dst, src, buf, event, n_aiv=self.aivs))
-
+        move = KVMove(self, transfer, decode_dp)
         async with anyio.create_task_group() as tg:  # TP synchronisation
-            for rank in range(self.tp):
-                tg.start_soon(part, rank)
+            for rank, nbytes in enumerate(move.part_bytes):
+                tg.start_soon(move.send, rank, nbytes, transfer.transfer_id + 1)
 
     def withdraw(self, transfer: Transfer) -> None:
         """The request behind a registered transfer failed elsewhere and its owner freed the

@@ -41,7 +41,7 @@ from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summari
 from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, comm_grid, comm_grid_blocking
-from .distflow import DistFlow, TransferState
+from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover, TEFailover
 from .jitter import JitterConfig
 from .job_executor import (
@@ -234,11 +234,13 @@ class Replay(Failover):
         decode_routing: DecodeRouting = lowest_kv,
         prefill_te_selection: PrefillTESelection = earliest_first_token,
         decode_te_selection: DecodeTESelection = fewest_sequences,
+        kv_mover: KVMover | None = None,
     ):
         """The four keyword policies plug in your own: the Job Executor's choice of Prefill TE
         and of Decode TE (:mod:`xds.serve.job_executor`), the Prefill TE leader's choice of DP
         group for a job (:func:`~xds.serve.prefill.least_work` by default) and the TE-shell's
-        choice of decode DP (:func:`~xds.serve.routing.lowest_kv`)."""
+        choice of decode DP (:func:`~xds.serve.routing.lowest_kv`). ``kv_mover`` plugs in a
+        KV-transfer protocol of your own (:data:`~xds.serve.distflow.KVMover`)."""
         for name, policy in (
             ("prefill_placement", prefill_placement),
             ("decode_routing", decode_routing),
@@ -246,6 +248,9 @@ class Replay(Failover):
             ("decode_te_selection", decode_te_selection),
         ):
             require_callable(policy, name)
+        if kv_mover is not None:
+            require_callable(kv_mover, "kv_mover")
+        self._kv_mover = kv_mover
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
         _check_workload(workload)
@@ -592,6 +597,7 @@ class Replay(Failover):
             decode_die=lambda dp, d=d: decode_base + d * cfg.decode.dies + dp,
             aivs=cfg.kv_aivs,
             decode_te=d,
+            mover=self._kv_mover,
         )
 
     async def run(self) -> list[RequestRecord]:
@@ -801,12 +807,14 @@ def replay(
     decode_te_selection: DecodeTESelection = fewest_sequences,
     faults: Sequence[DistFlowFault | NodeFault | MemoryFault] = (),
     event_log: bool = False,
+    kv_mover: KVMover | None = None,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
     ``grid`` reuses the dispatch/combine measurements of an earlier replay of the same decode
     configuration (:func:`~xds.serve.decode_te.comm_grid`); the policy keywords plug in your
-    own (see :class:`Replay`). ``faults`` (:class:`DistFlowFault`,
+    own (see :class:`Replay`), ``kv_mover`` a KV-transfer protocol of your own
+    (:data:`~xds.serve.distflow.KVMover`). ``faults`` (:class:`DistFlowFault`,
     :class:`~xds.serve.recovery.NodeFault`, :class:`~xds.serve.recovery.MemoryFault`) are
     injected before the run starts; with
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
@@ -847,6 +855,7 @@ def replay(
             decode_routing=decode_routing,
             prefill_te_selection=prefill_te_selection,
             decode_te_selection=decode_te_selection,
+            kv_mover=kv_mover,
         )
         for fault in faults:
             if isinstance(fault, NodeFault):

@@ -1,0 +1,93 @@
+"""A KV-transfer protocol of your own in a PD replay (``replay(..., kv_mover=...)``)."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+import xds
+from xds.errors import ConfigError
+from xds.serve.decode import DecodeConfig
+from xds.serve.distflow import KVMove
+from xds.serve.jitter import JitterConfig
+from xds.serve.prefill import PrefillConfig
+from xds.serve.replay import PDConfig, replay
+from xds.trace import Request, Workload
+from xds.units import MS, US
+
+SMALL = PDConfig(
+    prefill=PrefillConfig(tes=2, long_pool_tes=0),
+    decode=DecodeConfig(
+        dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+    ),
+)
+WL = Workload(tuple(Request(i, i * 50 * MS, 2500 + 500 * (i % 3), 12) for i in range(6)))
+
+
+async def same_as_closed_form(move: KVMove) -> None:
+    await xds.sleep_until_ns(move.book(move.part_bytes))
+
+
+async def compress_then_send(move: KVMove) -> None:
+    """A made-up protocol: 30 us to compress the KV 2:1, then half the bytes on the link."""
+    await xds.sleep_ns(30 * US)
+    await xds.sleep_until_ns(move.book([b / 2 for b in move.part_bytes]))
+
+
+def test_a_mover_like_the_built_in_closed_form_gives_its_transfer_times():
+    base = replay(WL, SMALL).records
+    mine = replay(WL, SMALL, kv_mover=same_as_closed_form).records
+    for a, b in zip(base, mine, strict=True):
+        assert b.outcome == "completed" and b.decode_placement == a.decode_placement
+        assert abs(b.kv_transfer_ns - a.kv_transfer_ns) <= 2  # whole-byte rank parts
+
+
+def test_a_compressing_protocol_moves_half_the_bytes_and_pays_its_compute():
+    base = replay(WL, SMALL).records
+    mine = replay(WL, SMALL, kv_mover=compress_then_send).records
+    for a, b in zip(base, mine, strict=True):
+        assert b.outcome == "completed"
+        assert 30 * US < b.kv_transfer_ns < a.kv_transfer_ns  # faster than sending it all
+        assert b.kv_transfer_ns < 0.6 * a.kv_transfer_ns + 30 * US
+
+
+def test_a_chunked_protocol_on_the_xccl_tier_matches_one_message_per_rank():
+    xccl = msgspec.structs.replace(SMALL, kv_transfer="xccl")
+
+    async def two_chunks(move: KVMove) -> None:  # each rank's part as two messages in a row
+        async def rank(r: int) -> None:
+            half = move.part_bytes[r] // 2
+            await move.send(r, half, 2 * move.transfer.transfer_id + 1)
+            await move.send(r, move.part_bytes[r] - half, 2 * move.transfer.transfer_id + 2)
+
+        async with anyio.create_task_group() as tg:
+            for r in range(len(move.sources)):
+                tg.start_soon(rank, r)
+
+    base = replay(WL, xccl).records
+    mine = replay(WL, xccl, kv_mover=two_chunks).records
+    for a, b in zip(base, mine, strict=True):
+        assert b.outcome == "completed"
+        assert 1.0 <= b.kv_transfer_ns / a.kv_transfer_ns < 1.1  # a second message's set-up
+
+
+def test_a_mover_is_deterministic_and_checked():
+    a = replay(WL, SMALL, kv_mover=compress_then_send, event_log=True)
+    b = replay(WL, SMALL, kv_mover=compress_then_send, event_log=True)
+    assert msgspec.json.encode(a.records) == msgspec.json.encode(b.records)
+    assert a.events.digest() == b.events.digest()
+    with pytest.raises(ConfigError, match="kv_mover"):
+        replay(WL, SMALL, kv_mover="fast")  # type: ignore[arg-type]
+
+    async def bad_book(move: KVMove) -> None:
+        move.book([1.0])  # one size for a TP-4 transfer
+
+    with pytest.raises(ConfigError, match="one non-negative size per TP rank"):
+        replay(WL, SMALL, kv_mover=bad_book)
+
+    async def send_without_fabric(move: KVMove) -> None:
+        await move.send(0, 10, 1)
+
+    with pytest.raises(ConfigError, match="needs kv_transfer = 'xccl'"):
+        replay(WL, SMALL, kv_mover=send_without_fabric)
