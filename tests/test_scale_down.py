@@ -3,12 +3,14 @@ causes until it is handled, and on-chip memory faults masking KV blocks (stage 3
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import xds
 from xds.errors import ConfigError
 from xds.serve.decode import DecodeConfig
 from xds.serve.decode_model import expert_slots_per_die
@@ -309,3 +311,48 @@ def test_a_te_restarted_onto_a_struck_server_loses_its_iteration_when_scaled_dow
     for r in res.records:
         if r.outcome == "completed":
             assert len(r.token_ns) == r.output_tokens - 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "schedule_seed"), [("asyncio", 0)] + [("trio", s) for s in range(4)]
+)
+def test_requests_held_under_backpressure_are_routed_first_come_first_served(
+    backend, schedule_seed
+):
+    from xds.serve.decode_te import DecodeTE, comm_grid
+    from xds.trace.metrics import RequestRecord
+
+    config = DecodeConfig(
+        dies=4,
+        batch_per_die=1,
+        shared_expert_dies=0,
+        kv_blocks_per_die=1000,
+        jitter=JitterConfig(enabled=False),
+    )
+    grid = comm_grid(config)
+    order: list[int] = []
+
+    async def main() -> None:
+        te = DecodeTE(config, grid)
+        recs = [RequestRecord(i, 0, 100, 10) for i in range(10)]
+
+        async def one(rec: RequestRecord) -> None:
+            dp = await te.route(rec)
+            order.append(rec.request_id)
+            if rec.request_id >= 4:  # a held one: give its slot back a little later
+                await xds.sleep_ns(1_000)
+            else:
+                await xds.sleep_ns(10_000 * (rec.request_id + 1))
+            te.abandon(dp, rec)
+
+        async with anyio.create_task_group() as tg:
+            for rec in recs[:8]:
+                tg.start_soon(one, rec)
+                await xds.sleep_ns(10)  # arrival order 0, 1, ..., 7
+            await xds.sleep_ns(20_000 - 80)  # request 1 frees its slot at 20 us
+            for rec in recs[8:]:
+                tg.start_soon(one, rec)  # newcomers, one at that very instant: behind 5-7
+                await xds.sleep_ns(10)
+
+    xds.run(main, backend=backend, schedule_seed=schedule_seed)
+    assert order == list(range(10))

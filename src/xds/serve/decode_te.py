@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import anyio
@@ -196,6 +197,8 @@ class DecodeTE:
         self.on_finish = on_finish
         self._work = anyio.Event()
         self._capacity = anyio.Event()
+        self._held: deque[anyio.Event] = deque()
+        """Requests held under backpressure, in arrival order (each waits on its event)."""
         self.iterations = 0
         self.busy_ns = 0
 
@@ -205,14 +208,38 @@ class DecodeTE:
 
     # -- TE-shell and DP masters --
     async def route(self, record: RequestRecord) -> int:
-        """Route the request to a DP group, waiting (backpressure) while none qualifies."""
-        while True:
+        """Route the request to a DP group; while none qualifies it is held under backpressure,
+        in a FIFO queue: requests held are routed in the order they arrived, and a newcomer
+        never overtakes them (whether a DP qualifies does not depend on the request)."""
+        if not self._held:
             dp = self.router.route(record.request_id, record.output_tokens)
             if dp is not BACKPRESSURE:
                 assert isinstance(dp, int)
                 self.done[record.request_id] = anyio.Event()
                 return dp
-            await self._wait_capacity()
+        turn = anyio.Event()
+        self._held.append(turn)
+        try:
+            while True:
+                if self._held[0] is turn:
+                    dp = self.router.route(record.request_id, record.output_tokens)
+                    if dp is not BACKPRESSURE:
+                        assert isinstance(dp, int)
+                        self.done[record.request_id] = anyio.Event()
+                        return dp
+                await turn.wait()
+                turn = self._rearm(turn)
+        finally:
+            head = self._held[0] is turn
+            self._held.remove(turn)
+            if head and self._held:  # the next one in line may fit too
+                self._held[0].set()
+
+    def _rearm(self, turn: anyio.Event) -> anyio.Event:
+        """A fresh event in ``turn``'s place in the queue (anyio events fire once)."""
+        fresh = anyio.Event()
+        self._held[self._held.index(turn)] = fresh
+        return fresh
 
     async def reserve(self, dp: int, record: RequestRecord) -> None:
         """The DP master reserves the whole sequence's KV blocks; the RECV is deferred until
@@ -254,6 +281,8 @@ class DecodeTE:
 
     def _signal_capacity(self) -> None:
         self._capacity.set()
+        if self._held:  # the first request held under backpressure tries again
+            self._held[0].set()
 
     # -- faults --
     def hang(self) -> None:
