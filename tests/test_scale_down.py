@@ -356,3 +356,72 @@ def test_requests_held_under_backpressure_are_routed_first_come_first_served(
 
     xds.run(main, backend=backend, schedule_seed=schedule_seed)
     assert order == list(range(10))
+
+
+def test_a_dp_whose_masked_kv_cannot_hold_a_request_is_not_offered_it():
+    small = msgspec.structs.replace(DECODE, batch_per_die=1, kv_blocks_per_die=100)
+    cfg = msgspec.structs.replace(CFG, decode=small)
+    burst = Workload(tuple(Request(i, 1 * S + i * MS, 3000, 400) for i in range(100)))  # 27 blocks
+    res = replay(burst, cfg, faults=[MemoryFault(at_ns=0, dp=0, first_block=10, blocks=90)])
+    assert res.summary.completed == 100  # DP0 keeps 10 usable blocks: nobody waits on it
+    assert not [r for r in res.records if r.decode_placement == "D0/DP0"]
+
+
+def test_a_deferred_recv_that_can_no_longer_fit_fails_with_a_reason():
+    small = msgspec.structs.replace(DECODE, batch_per_die=4, kv_blocks_per_die=100)
+    cfg = msgspec.structs.replace(CFG, decode=small)
+    burst = Workload(tuple(Request(i, i * MS, 7000, 600) for i in range(128)))  # 60 blocks each
+    res = replay(burst, cfg, faults=[MemoryFault(at_ns=3 * S, dp=0, first_block=30, blocks=70)])
+    failed = [r for r in res.records if r.outcome == "failed"]
+    assert failed and res.summary.completed + len(failed) == len(burst)
+    reasons = {r.reason for r in failed}
+    assert (
+        "sequence of 7600 tokens no longer fits decode DP D0/DP0 (a memory fault masked part "
+        "of its KV)" in reasons
+    )
+
+
+def test_memory_faults_while_the_engine_restarts_are_skipped():
+    rw = msgspec.structs.replace(
+        CFG, recovery=msgspec.structs.replace(CFG.recovery, mode="restart_world")
+    )
+    res = replay(WL, rw, faults=[NodeFault(at_ns=AT, server=5), MemoryFault(at_ns=5 * S, dp=0)])
+    (mask,) = res.kv_masks
+    assert mask.skipped.startswith("Decode TE 0 was not in service") and mask.failed == 0
+
+
+def test_a_server_failing_again_rejoins_only_after_its_last_repair():
+    twice = [
+        NodeFault(at_ns=AT, server=5, repair_ns=4 * S),  # repaired at 7 s
+        NodeFault(at_ns=5 * S, server=5, repair_ns=10 * S),  # while scaled out: until 15 s
+    ]
+    long = Workload(tuple(Request(i, i * 100 * MS, 1500, 60) for i in range(180)))  # 18 s
+    res = replay(long, CFG, faults=twice, event_log=True)
+    up = [f for f in res.failovers if f.kind == "scale_up"]
+    assert len(up) == 1 and up[0].down_ns == 15 * S
+    back = {dp for dp in range(64) if dp % 4 == 1}
+    early = [
+        r
+        for r in res.records
+        if r.decode_placement
+        and _dp(r.decode_placement) in back
+        and DETECTED < r.first_token_ns < 15 * S
+    ]
+    assert not early
+    again = [
+        NodeFault(at_ns=AT, server=5, repair_ns=2 * S),
+        NodeFault(at_ns=5100 * MS, server=5, repair_ns=3 * S),
+    ]
+    res = replay(long, CFG, faults=again)  # fails again while rejoining: its next repair
+    assert [(f.kind, f.dies) for f in res.failovers] == [("scale_down", 48), ("scale_up", 64)]
+
+
+def test_the_command_line_reports_scale_down_and_scale_up(capsys):
+    from xds.cli.main import main
+
+    argv = ["replay", "--synthetic", "60", "--rate", "2", "--recovery", "scale_down"]
+    assert main([*argv, "--fault", "node:at=10,server=12,repair=10"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "scale-down D0" in out and "on 112 dies" in out
+    assert "scale-up D0" in out and "serving on 128 dies again" in out
+    assert "failover D0" not in out

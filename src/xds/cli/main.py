@@ -766,6 +766,13 @@ def replay(
             + (f" with {r.prefill_tes} TEs" if r.prefill_tes >= 0 else ""),
         )
     for fo in result.failovers:
+        if fo.kind == "scale_up":
+            totals.add_row(
+                f"scale-up {fo.te}",
+                f"server repaired {fmt_ns(fo.down_ns)}, serving on {fo.dies} dies again "
+                f"{fmt_ns(fo.back_ns)}",
+            )
+            continue
         if fo.kind == "scale_down":
             back = (
                 f"serving again {fmt_ns(fo.back_ns)} on {fo.dies} dies"

@@ -143,6 +143,11 @@ class _ReplayDecodeModel(DecodeModel):
         return hit
 
 
+class KVNoFit(Exception):
+    """A request's sequence can no longer fit where it must go (memory faults masked KV): the
+    request fails with this reason."""
+
+
 DIES_PER_SERVER = 16
 """A CloudMatrix384 server: 8 Ascend 910C chips of 2 dies (SPEC 1.1)."""
 
@@ -197,6 +202,8 @@ class DecodeTE:
         self.on_finish = on_finish
         self._work = anyio.Event()
         self._capacity = anyio.Event()
+        self._masked_dps: set[int] = set()
+        """DP groups a memory fault masked KV blocks of."""
         self._held: deque[anyio.Event] = deque()
         """Requests held under backpressure, in arrival order (each waits on its event)."""
         self.iterations = 0
@@ -210,22 +217,20 @@ class DecodeTE:
     async def route(self, record: RequestRecord) -> int:
         """Route the request to a DP group; while none qualifies it is held under backpressure,
         in a FIFO queue: requests held are routed in the order they arrived, and a newcomer
-        never overtakes them (whether a DP qualifies does not depend on the request)."""
+        never overtakes them. DP groups whose KV (after memory faults masked part of it) can
+        never hold the sequence are not offered; if no DP group in service can,
+        :class:`KVNoFit` (the request fails)."""
         if not self._held:
-            dp = self.router.route(record.request_id, record.output_tokens)
-            if dp is not BACKPRESSURE:
-                assert isinstance(dp, int)
-                self.done[record.request_id] = anyio.Event()
+            dp = self._try_route(record)
+            if dp is not None:
                 return dp
         turn = anyio.Event()
         self._held.append(turn)
         try:
             while True:
                 if self._held[0] is turn:
-                    dp = self.router.route(record.request_id, record.output_tokens)
-                    if dp is not BACKPRESSURE:
-                        assert isinstance(dp, int)
-                        self.done[record.request_id] = anyio.Event()
+                    dp = self._try_route(record)
+                    if dp is not None:
                         return dp
                 await turn.wait()
                 turn = self._rearm(turn)
@@ -234,6 +239,25 @@ class DecodeTE:
             self._held.remove(turn)
             if head and self._held:  # the next one in line may fit too
                 self._held[0].set()
+
+    def _try_route(self, record: RequestRecord) -> int | None:
+        tokens = record.input_tokens + record.output_tokens
+        too_small = [
+            dp
+            for dp in self._masked_dps
+            if self.alive[dp] and not self.kv[dp].could_ever_admit(tokens)
+        ]
+        if too_small and len(too_small) == int(self.alive.sum()):
+            raise KVNoFit(
+                f"sequence of {tokens} tokens exceeds the usable KV of every decode DP of D"
+                f"{self.index} (memory faults masked part of it)"
+            )
+        dp = self.router.route(record.request_id, record.output_tokens, exclude=too_small)
+        if dp is BACKPRESSURE:
+            return None
+        assert isinstance(dp, int)
+        self.done[record.request_id] = anyio.Event()
+        return dp
 
     def _rearm(self, turn: anyio.Event) -> anyio.Event:
         """A fresh event in ``turn``'s place in the queue (anyio events fire once)."""
@@ -246,6 +270,11 @@ class DecodeTE:
         they fit (P101)."""
         tokens = record.input_tokens + record.output_tokens
         while not self.kv[dp].can_admit(tokens):
+            if not self.kv[dp].could_ever_admit(tokens):  # a memory fault masked too much
+                raise KVNoFit(
+                    f"sequence of {tokens} tokens no longer fits decode DP D{self.index}/DP{dp}"
+                    " (a memory fault masked part of its KV)"
+                )
             emit("decode-te", "recv-deferred", request=record.request_id, dp=dp)
             await self._wait_capacity()
         self.kv[dp].admit(record.request_id, tokens)
@@ -307,6 +336,7 @@ class DecodeTE:
         whose KV lay there; those decoding leave the batch here (the caller fails them all;
         the others' reservations are undone as for any failed request)."""
         victims = [int(r) for r in self.kv[dp].mask(first_block, blocks)]  # type: ignore[call-overload]
+        self._masked_dps.add(dp)
         for req in victims:
             slot = np.nonzero(self.slot_req[dp] == req)[0]
             if not slot.size:
@@ -349,6 +379,7 @@ class DecodeTE:
             for req in self.router.remove(dp):
                 self.done.pop(req, None)  # type: ignore[call-overload]
             self.kv[dp] = KVBlockManager(cap, block_tokens=self.config.block_tokens)
+            self._masked_dps.discard(dp)
             self.alive[dp] = False
         self._resized(config, grid, "scaled-down", server)
         return lost

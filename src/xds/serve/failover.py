@@ -128,6 +128,8 @@ class Failover:
         """Why the whole engine is not serving ("" while it is; restart-the-world): while set,
         the TEs in ``prefill``/``decode`` are the torn-down ones."""
         self.tainted: set[int] = set()
+        self._taints: dict[int, int] = {}
+        """Unrepaired faults per server: a repair untaints it only when none is left."""
         self.restarts: list[Restart] = []
         self.failovers: list[TEFailover] = []
         self._where: dict[int, Where] = {}
@@ -230,6 +232,7 @@ class Failover:
         rc = self.config.recovery
         await sleep_ns(rc.detect_ns)
         self.tainted.add(fault.server)
+        self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
         emit("k8s", "taint", server=fault.server)
         if fault.repair_ns:
             assert self._system is not None
@@ -272,9 +275,10 @@ class Failover:
         )
         self.kv_masks.append(rec)
         te = self.decode[d]
-        if not self._live_decode(te) or not te.alive[dp]:
-            rec.skipped = f"Decode TE {d}" + ("" if self._live_decode(te) else f" DP {dp}")
-            rec.skipped += " was not in service (its memory is set up afresh at a restart)"
+        live = self._live_decode(te) and not self.down
+        if not live or not te.alive[dp]:
+            what = f"Decode TE {d}" if not live else f"Decode TE {d} DP {dp} (scaled down)"
+            rec.skipped = f"{what} was not in service (its memory is set up afresh on return)"
             emit("node", "memory-fault-skipped", te=rec.te, dp=dp)
             return
         emit("node", "memory-fault", te=rec.te, dp=dp, first=fault.first_block)
@@ -288,8 +292,12 @@ class Failover:
 
     async def _repair(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns + fault.repair_ns)
-        self.tainted.discard(fault.server)
         self._pending_repairs -= 1
+        self._taints[fault.server] -= 1
+        if self._taints[fault.server]:  # another fault of it is still unrepaired
+            self._free_servers()  # (a TE waiting for servers re-checks its options)
+            return
+        self.tainted.discard(fault.server)
         emit("k8s", "untaint", server=fault.server)
         if fault.server in self._scaled_out:  # its Decode TE scaled down: scale back up
             await self._scale_up(fault.server)
@@ -459,6 +467,7 @@ class Failover:
         start = now_ns()
         await sleep_ns(self.config.recovery.scale_down_ns)
         if server in self.tainted:  # it failed again: its next repair brings it back
+            self._scaled_out[server] = (d, te)
             return
         if not self._live_decode(te):  # the TE restarted meanwhile: a spare for the pool
             self._spares.append(server)

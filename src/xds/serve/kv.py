@@ -104,6 +104,19 @@ class KVBlockManager:
         """Blocks requests hold (``used`` also counts masked ones)."""
         return sum(self._held.values())
 
+    @property
+    def usable(self) -> int:
+        """Blocks not masked by a memory fault (free or held)."""
+        covered, end = 0, 0
+        for s, e in sorted(self.masked):  # faults may overlap: count each block once
+            covered += max(0, e - max(s, end))
+            end = max(end, e)
+        return self.capacity - covered
+
+    def could_ever_admit(self, tokens: int) -> bool:
+        """Whether a request of ``tokens`` tokens fits once everything else is released."""
+        return self.blocks_for(tokens) <= self.usable
+
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
 

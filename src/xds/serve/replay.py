@@ -40,7 +40,7 @@ from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
-from .decode_te import DecodeTE, comm_grid, comm_grid_blocking
+from .decode_te import DecodeTE, KVNoFit, comm_grid, comm_grid_blocking
 from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover, TEFailover
 from .jitter import JitterConfig
@@ -464,11 +464,24 @@ class Replay(Failover):
         transfer = flow.register(rid, job.dp, blocks, req.input_tokens * self.kv_bytes_per_token)
         where.flow, where.transfer = flow, transfer
         where.decode_te = dte
-        dp = await dte.route(rec)
+        try:
+            dp = await dte.route(rec)
+        except KVNoFit as exc:
+            flow.withdraw(transfer)
+            te.release(job.dp, rid)
+            self._fail(rec, str(exc))
+            return
         where.decode_dp = dp
         if rid in self._ended_ids:
             return
-        await dte.reserve(dp, rec)
+        try:
+            await dte.reserve(dp, rec)
+        except KVNoFit as exc:
+            flow.withdraw(transfer)
+            te.release(job.dp, rid)
+            dte.abandon(dp, rec)
+            self._fail(rec, str(exc))
+            return
         if rid in self._ended_ids:
             return
         await flow.recv(transfer, dp)

@@ -17,7 +17,7 @@ outside them is a :class:`~xds.errors.ProtocolError`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Final
 
 import msgspec
@@ -84,13 +84,20 @@ class DecodeRouter:
         """ESTIMATE_OUTPUT_KV: blocks for the request's longest output (A25)."""
         return math.ceil(max(0, max_output_tokens) / self.block_tokens)
 
-    def route(self, request: object, max_output_tokens: int) -> int | _Backpressure:
-        """The DP for ``request`` (now pending there), or BACKPRESSURE."""
+    def route(
+        self, request: object, max_output_tokens: int, *, exclude: Container[int] = ()
+    ) -> int | _Backpressure:
+        """The DP for ``request`` (now pending there), or BACKPRESSURE. DPs in ``exclude``
+        (e.g. too little KV left for this request) are never offered."""
         if request in self._reservations:
             raise ConfigError(f"request {request!r} was already routed", field="request")
         reserve = self.reservation_blocks(max_output_tokens)
         # a DP at its batch limit is never offered
-        eligible = [i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit]
+        eligible = [
+            i
+            for i, dp in enumerate(self.dps)
+            if dp.active + dp.pending < dp.batch_limit and i not in exclude
+        ]
         if not eligible:
             return BACKPRESSURE
         # a custom policy sees copies: it cannot change the router's bookkeeping
