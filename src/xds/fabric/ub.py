@@ -328,10 +328,15 @@ class UBFabric:
 
     def _check_range(self, offset: int, nbytes: int, what: str) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.config.app_bytes:
+            field = (
+                "nbytes"
+                if nbytes < 0 or (offset >= 0 and nbytes > self.config.app_bytes)
+                else "offset"
+            )
             raise ConfigError(
                 f"{what} of {nbytes} bytes at offset {offset} falls outside the application "
                 f"region ({self.config.app_bytes} bytes)",
-                field="offset",
+                field=field,
             )
 
     def _check_aivs(self, die: int, aivs: int) -> None:

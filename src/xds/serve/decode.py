@@ -146,6 +146,8 @@ class DecodeInstance:
         cfg = self.config
         n = cfg.dies
         check_batch_fits(cfg, self.kv[0].capacity)
+        if isinstance(n_requests, bool) or not isinstance(n_requests, int) or n_requests < 1:
+            raise ConfigError(f"must be a positive integer, got {n_requests!r}", field="n_requests")
         if n_requests > n * cfg.batch_per_die:
             raise ConfigError(
                 f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "

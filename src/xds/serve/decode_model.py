@@ -12,9 +12,12 @@ lockstep: per MoE layer, dispatch, the slowest expert, combine, then the next la
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import anyio
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from ..config import check_fields
 from ..docfields import document_fields
@@ -128,9 +131,12 @@ class CommCosts(msgspec.Struct, frozen=True):
     """Dispatch/combine latency of one MoE layer at a given tokens-per-die (collective tier,
     measured once from a common start: the barrier-free cost of the exchange)."""
 
-    tokens_per_die: int
-    dispatch_ns: int
-    combine_ns: int
+    tokens_per_die: Annotated[int, Meta(ge=1)]
+    dispatch_ns: Annotated[int, Meta(ge=0)]
+    combine_ns: Annotated[int, Meta(ge=0)]
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 class Breakdown(msgspec.Struct):

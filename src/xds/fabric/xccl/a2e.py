@@ -20,17 +20,18 @@ SPMD use: attention dies call :meth:`AEGroup.a2e` then :meth:`AEGroup.e2a`; expe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from ...config import check_fields
 from ...docfields import document_fields
 from ...errors import ConfigError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..ub import UBFabric
-from . import wire
+from . import args, wire
 from .moe import ExpertMap, WireDtype, payload_bytes, route
 from .push import Block, PushExchange
 
@@ -39,9 +40,9 @@ _NAMES = ("hop1", "hop2", "back2", "back1", "direct", "direct_back")
 
 
 class AEConfig(msgspec.Struct, frozen=True, kw_only=True):
-    hidden: int
-    top_k: int
-    n_shared: int = 0
+    hidden: Annotated[int, Meta(ge=1)]
+    top_k: Annotated[int, Meta(ge=1)]
+    n_shared: Annotated[int, Meta(ge=0)] = 0
     """Shared-expert instances (each token also goes to one of them, weight 1)."""
     a2e_dtype: WireDtype = "int8"
     e2a_dtype: WireDtype = "int8"
@@ -113,6 +114,16 @@ class AEGroup:
         if set(attention) & set(experts):
             raise ConfigError(
                 "a die cannot be both an attention and an expert die", field="experts"
+            )
+        for name, dies in (("attention", attention), ("experts", experts)):
+            if len(set(dies)) != len(dies):
+                raise ConfigError("a die is listed twice", field=name)
+        if config.n_shared > expert_map.n_experts - config.top_k:
+            raise ConfigError(
+                f"{config.n_shared} shared-expert instances leave too few of the expert map's "
+                f"{expert_map.n_experts} experts for top-{config.top_k} routing (the last "
+                "n_shared experts of the map are the shared instances)",
+                field="n_shared",
             )
         for die in (*attention, *experts):
             fabric.pod.check_die(die)
@@ -189,12 +200,12 @@ class AEGroup:
         """Send this attention die's tokens toward their experts."""
         cfg = self.config
         start = now_ns()
-        n_tokens = x if isinstance(x, int) else int(np.asarray(x).shape[0])
-        cols = self.columns(att, topk_idx)
-        if cols.shape != (n_tokens, self.width):
-            raise ConfigError(
-                f"topk_idx must have shape ({n_tokens}, {cfg.top_k})", field="topk_idx"
-            )
+        att = args.index(att, self.N, "att")
+        event_id = args.event_id(event_id)
+        bytes_mode = self.fabric.mode == "bytes"
+        n_tokens, data = args.tokens(x, bytes_mode=bytes_mode, hidden=cfg.hidden)
+        x = data if bytes_mode else n_tokens
+        cols = self.columns(att, args.expert_ids(topk_idx, (n_tokens, cfg.top_k)))
         routed = route(cols, self.expert_map)
         dest, local = routed.dest_rank, routed.local_slot
         # one row per (token, expert die), grouped by expert die
@@ -238,6 +249,12 @@ class AEGroup:
     ) -> np.ndarray | None:
         """Collect this die's expert outputs and accumulate them with the gate weights."""
         cfg = self.config
+        if not isinstance(handle, A2EHandle):
+            raise ConfigError(
+                f"handle must be what this die's a2e returned, got {type(handle).__name__}",
+                field="handle",
+            )
+        event_id = args.event_id(event_id)
         me = self.attention[handle.att]
         if cfg.mode == "trampoline":
             got = await self.push.collect("back1", me, event_id, [self.experts[handle.att]])
@@ -291,6 +308,8 @@ class AEGroup:
         """Everything sent to expert die ``j`` (relaying first if it is a trampoline)."""
         cfg = self.config
         start = now_ns()
+        j = args.index(j, self.M, "j")
+        event_id = args.event_id(event_id)
         me = self.experts[j]
         blocks: list[Block] = []
         if cfg.mode == "direct":
@@ -347,6 +366,13 @@ class AEGroup:
         """Send expert die ``j``'s outputs back (``outputs``: [n, k', H] per row and column,
         used where ``inp.slots >= 0``); trampolines then relay to their attention die."""
         cfg = self.config
+        j = args.index(j, self.M, "j")
+        event_id = args.event_id(event_id)
+        if not isinstance(inp, ExpertInput):
+            raise ConfigError(
+                f"inp must be what expert_receive returned, got {type(inp).__name__}",
+                field="inp",
+            )
         me = self.experts[j]
         rows_i, cols = np.nonzero(inp.slots >= 0)
         side = np.zeros(len(rows_i), dtype=_back_side_dtype())
@@ -355,7 +381,8 @@ class AEGroup:
         if self.fabric.mode == "bytes":
             if outputs is None:
                 raise ConfigError("bytes payload mode needs expert outputs", field="outputs")
-            vals = np.asarray(outputs, np.float32)[rows_i, cols]
+            shape = (inp.n, self.width, cfg.hidden)
+            vals = args.outputs(outputs, shape, "outputs")[rows_i, cols]
         # the E2A kernel, like A2E's on the attention side: launch, load the outputs and write
         # them (quantised) into the managed area grouped by destination
         await sleep_ns(self.fabric.engines.kernel_launch_ns)

@@ -28,11 +28,12 @@ ports, replaying the pulls in issue order without tasks (:mod:`xds.fabric.xccl.c
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from ...config import check_fields
 from ...docfields import document_fields
@@ -41,7 +42,7 @@ from ...hw import collective_efficiency
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..memory import Direction
 from ..ub import UBFabric
-from . import wire
+from . import args, wire
 from .collective_cost import exchange_completion
 from .moe import (
     ExpertMap,
@@ -58,12 +59,13 @@ from .moe import (
 
 Tier = Literal["protocol", "collective"]
 _DISPATCH, _COMBINE = 0, 1
+_PHASE_NAMES = ("dispatch", "combine")
 
 
 class EPConfig(msgspec.Struct, frozen=True, kw_only=True):
-    hidden: int
-    top_k: int
-    max_tokens_per_rank: int
+    hidden: Annotated[int, Meta(ge=1)]
+    top_k: Annotated[int, Meta(ge=1)]
+    max_tokens_per_rank: Annotated[int, Meta(ge=1)]
     """Capacity of one (source, destination) block in rows (SPEC 4.2: sized by max batch)."""
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
@@ -173,6 +175,8 @@ class EPGroup:
         self._arrivals: dict[tuple[int, int], dict[int, _Arrival]] = {}
         self._results: dict[tuple[int, int], anyio.Event] = {}
         self._completion: dict[tuple[int, int], _Completion] = {}
+        self._seen: dict[tuple[int, int, int], int] = {}
+        """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
 
     # -- public API ------------------------------------------------------------------------------
     async def dispatch(
@@ -187,20 +191,11 @@ class EPGroup:
         """Dispatch this rank's tokens ``x`` ([B, H] float32, or B in size mode)."""
         cfg = self.config
         self._check_rank(rank)
-        topk_idx = np.asarray(topk_idx, dtype=np.int64)
-        n_tokens = x if isinstance(x, int) else int(np.asarray(x).shape[0])
-        if topk_idx.shape != (n_tokens, cfg.top_k):
-            raise ConfigError(
-                f"topk_idx must have shape ({n_tokens}, {cfg.top_k}), got {topk_idx.shape}",
-                field="topk_idx",
-            )
+        event_id = args.event_id(event_id)
         bytes_mode = self.fabric.mode == "bytes"
-        if bytes_mode and isinstance(x, int):
-            raise ConfigError("bytes payload mode needs token data, got a count", field="x")
-        if bytes_mode:
-            x = np.asarray(x, dtype=np.float32)
-            if x.shape[1] != cfg.hidden:
-                raise ConfigError(f"x must have hidden size {cfg.hidden}", field="x")
+        n_tokens, data = args.tokens(x, bytes_mode=bytes_mode, hidden=cfg.hidden)
+        x = data if bytes_mode else n_tokens
+        topk_idx = args.expert_ids(topk_idx, (n_tokens, cfg.top_k))
         routed = route(topk_idx, self.expert_map, positions)
         lay = layout(routed, self.R)
         row_bytes = dispatch_row_bytes(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
@@ -270,8 +265,17 @@ class EPGroup:
         """
         cfg = self.config
         self._check_rank(rank)
+        event_id = args.event_id(event_id)
+        if not isinstance(handle, DispatchOutput):
+            raise ConfigError(
+                f"handle must be what this rank's dispatch returned, got {type(handle).__name__}",
+                field="handle",
+            )
         bytes_mode = self.fabric.mode == "bytes"
         valid = handle.recv_local_slots >= 0
+        if bytes_mode and expert_out is not None:
+            shape = (handle.n_recv, cfg.top_k, cfg.hidden)
+            expert_out = args.outputs(expert_out, shape, "expert_out")
         dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
         side_dt = wire.combine_side_dtype()
         blocks: list[_Block] = []
@@ -432,8 +436,15 @@ class EPGroup:
         incoming = np.zeros(self.R, dtype=np.int64)
         for src in range(self.R):
             field = mem.meta(self.ranks[src], slot, Direction.COLL)
+            last = self._seen.get((rank, slot, src), 0)  # what this field held before
             while field.event_id != event_id:
+                if field.event_id != last:  # a new write, for another event
+                    raise ProtocolError(
+                        f"{_PHASE_NAMES[phase]}: rank {src} wrote eventID {field.event_id} "
+                        f"where rank {rank} expects {event_id} (the ranks disagree)"
+                    )
                 await field.changed()
+            self._seen[(rank, slot, src)] = event_id
             incoming[src] = field.chunk_id
         barrier = now_ns()
         # Steps 6-7: pull every peer's block for this rank, spread over the AIVs.
@@ -499,6 +510,14 @@ class EPGroup:
         """One event per collective: the last rank to arrive computes everyone's completion
         from all arrival times (closed form, same costs); each rank then sleeps until its own."""
         key = (event_id, phase)
+        for (other, other_phase), joined in self._arrivals.items():
+            # two events of one parity are never in flight at once (double buffering)
+            same_buffer = other_phase == phase and (other - event_id) % 2 == 0
+            if same_buffer and other != event_id and rank not in joined:
+                raise ProtocolError(
+                    f"{_PHASE_NAMES[phase]}: rank {rank} joined with eventID {event_id} while "
+                    f"ranks {sorted(joined)} wait in eventID {other} (the ranks disagree)"
+                )
         arrivals = self._arrivals.setdefault(key, {})
         if rank in arrivals:
             raise ProtocolError(f"rank {rank} joined exchange {key} twice")

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Literal
 
@@ -85,10 +86,12 @@ class ExpertMap:
         replicas: Sequence[Sequence[int]] | None = None,
         slots_rank: Sequence[int] | None = None,
     ):
-        if n_experts < 1 or n_ranks < 1:
-            raise ConfigError(
-                "an expert map needs at least one expert and one rank", field="n_experts"
-            )
+        for name, value in (("n_experts", n_experts), ("n_ranks", n_ranks)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(
+                    f"an expert map needs a positive integer here, got {value!r}", field=name
+                )
+        n_experts, n_ranks = int(n_experts), int(n_ranks)
         self.n_experts = n_experts
         self.n_ranks = n_ranks
         if replicas is None:

@@ -42,6 +42,7 @@ from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ...runtime.sync import task_group_raising_single
 from ..memory import DieMemory, Direction
 from ..ub import ENGINES, Engine, Transfer, UBFabric
+from . import args
 from .aiv import AivPool
 from .monitor import P2PMonitor
 
@@ -54,6 +55,15 @@ class AppBuffer(msgspec.Struct, frozen=True):
 
     offset: int
     nbytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("offset", "nbytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(
+                    f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
+                    field=f"buffer.{name}",
+                )
 
 
 class Message(msgspec.Struct):
@@ -162,10 +172,7 @@ class P2P:
                     field=f"buffer.{name}",
                 )
         self.fabric._check_range(buf.offset, buf.nbytes, "buffer")
-        if not isinstance(event_id, int) or not 0 < event_id < 2**64:
-            raise ConfigError(
-                f"eventID must be an integer in 1..2**64-1, got {event_id!r}", field="event_id"
-            )
+        args.event_id(event_id)
         self.fabric._check_aivs(die, n_aiv)
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}", field="engine")

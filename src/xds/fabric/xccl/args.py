@@ -1,0 +1,79 @@
+"""Argument checks shared by XCCL's operations: one ConfigError naming the argument, the same
+on the protocol and the collective tier."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ...errors import ConfigError
+
+MAX_EVENT_ID = 2**64 - 1
+
+
+def event_id(value: object) -> int:
+    """An eventID: an integer in 1..2**64-1 (numpy integers too; not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(
+            f"eventID must be an integer in 1..2**64-1, got {value!r}", field="event_id"
+        )
+    value = int(value)
+    if not 0 < value <= MAX_EVENT_ID:
+        raise ConfigError(
+            f"eventID must be an integer in 1..2**64-1, got {value}", field="event_id"
+        )
+    return value
+
+
+def index(value: object, n: int, field: str) -> int:
+    """An index into ``n`` things (0..n-1; negative ones do not wrap)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < n:
+        raise ConfigError(f"must be an integer in 0..{n - 1}, got {value!r}", field=field)
+    return int(value)
+
+
+def tokens(x: object, *, bytes_mode: bool, hidden: int) -> tuple[int, np.ndarray | None]:
+    """The token count and (bytes mode) the float32 ``[B, hidden]`` data of ``x``: an array in
+    bytes mode; an array or a non-negative count in size mode."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        if bytes_mode:
+            raise ConfigError("bytes payload mode needs token data, got a count", field="x")
+        if x < 0:
+            raise ConfigError(f"a token count must be >= 0, got {x}", field="x")
+        return int(x), None
+    try:
+        arr = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"x must be a [tokens, {hidden}] float array (or a count in size mode), got "
+            f"{type(x).__name__}",
+            field="x",
+        ) from None
+    if arr.ndim != 2 or arr.shape[1] != hidden:
+        raise ConfigError(f"x must have shape (tokens, {hidden}), got {arr.shape}", field="x")
+    return int(arr.shape[0]), (arr if bytes_mode else None)
+
+
+def expert_ids(topk_idx: object, shape: tuple[int, int], field: str = "topk_idx") -> np.ndarray:
+    """``topk_idx`` as an int64 array of ``shape`` (integers only: no silent truncation)."""
+    arr = np.asarray(topk_idx)
+    if arr.shape != shape:
+        raise ConfigError(f"must have shape {shape}, got {arr.shape}", field=field)
+    integral = np.issubdtype(arr.dtype, np.integer) or (
+        np.issubdtype(arr.dtype, np.floating) and bool(np.all(arr == np.round(arr)))
+    )
+    if arr.size and not integral:
+        raise ConfigError(f"expert ids must be integers, got {arr.dtype} values", field=field)
+    return arr.astype(np.int64)
+
+
+def outputs(values: object, shape: tuple[int, ...], field: str) -> np.ndarray:
+    """Expert outputs as a float32 array of exactly ``shape``."""
+    try:
+        arr = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ConfigError(f"must be a float array of shape {shape}", field=field) from None
+    if arr.shape != shape:
+        raise ConfigError(f"must have shape {shape}, got {arr.shape}", field=field)
+    return arr

@@ -1,0 +1,159 @@
+"""Misuse of the XCCL collectives is one clear error naming the argument, on both tiers."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import xds
+from xds.errors import ConfigError, ProtocolError
+from xds.fabric import UBFabric
+from xds.fabric.xccl.a2e import AEConfig, AEGroup
+from xds.fabric.xccl.ep import EPConfig, EPGroup
+from xds.fabric.xccl.moe import ExpertMap
+from xds.fabric.xccl.p2p import AppBuffer
+from xds.hw import CloudMatrix384
+
+POD = CloudMatrix384(servers=1)
+H, K = 16, 2
+
+
+def _group(tier: str) -> EPGroup:
+    return EPGroup(
+        UBFabric(POD),
+        [0, 1, 2, 3],
+        ExpertMap(8, 4),
+        EPConfig(
+            hidden=H, top_k=K, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+        ),
+        tier=tier,
+    )
+
+
+def _x(rank: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal((3, H)).astype(np.float32)
+
+
+def _idx(rank: int) -> np.ndarray:
+    return np.array([[rank * 2, (rank * 2 + 1) % 8]] * 3)
+
+
+def _fails(call, tier: str = "protocol") -> BaseException:
+    """Run ``call(group)`` on rank 0 of a fresh group; the error it raises."""
+
+    async def main():
+        await call(_group(tier))
+
+    with pytest.raises((ConfigError, ProtocolError)) as err:
+        xds.run(main)
+    return err.value
+
+
+def _single(main) -> BaseException:
+    """The (first) error a run of ``main`` (ranks in a task group) ends with."""
+    try:
+        xds.run(main)
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        return leaf
+    except BaseException as exc:
+        return exc
+    raise AssertionError("the run did not fail")
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_dispatch_checks_its_arguments(tier):
+    for bad in (0, -1, "a", True, 2**64):
+        err = _fails(lambda g, bad=bad: g.dispatch(0, _x(0), _idx(0), event_id=bad), tier)
+        assert isinstance(err, ConfigError) and err.field == "event_id"
+    for x in (_x(0)[:, :4], _x(0)[0], "abc", -3):
+        err = _fails(lambda g, x=x: g.dispatch(0, x, _idx(0), event_id=1), tier)
+        assert err.field == "x", err
+    err = _fails(lambda g: g.dispatch(0, _x(0), _idx(0) + 0.5, event_id=1), tier)
+    assert err.field == "topk_idx" and "integers" in str(err)
+    err = _fails(lambda g: g.dispatch(0, _x(0), _idx(0)[:2], event_id=1), tier)
+    assert err.field == "topk_idx" and "(3, 2)" in str(err)
+    err = _fails(lambda g: g.combine(0, None, None, None, event_id=2), tier)
+    assert err.field == "handle"
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_combine_checks_the_expert_outputs_shape(tier):
+    async def main():
+        g = _group(tier)
+
+        async def rank(r: int) -> None:
+            h = await g.dispatch(r, _x(r), _idx(r), event_id=np.int64(5))  # numpy ints are fine
+            out = np.zeros((h.n_recv, K, H), np.float32)
+            await g.combine(r, h, out[..., :3] if r == 0 else out, np.ones((3, K)), event_id=6)
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+
+    err = _single(main)
+    assert isinstance(err, ConfigError) and err.field == "expert_out"
+    assert f", {K}, {H})" in str(err)
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_ranks_that_disagree_on_the_event_id_are_a_protocol_error(tier):
+    async def main():
+        g = _group(tier)
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(lambda r=r: g.dispatch(r, _x(r), _idx(r), event_id=3 if r else 1))
+
+    err = _single(main)
+    assert isinstance(err, ProtocolError) and "disagree" in str(err)
+
+
+def test_a2e_checks_dies_indices_and_event_ids():
+    fabric = UBFabric(POD)
+    emap = ExpertMap(8, 4)
+    with pytest.raises(ConfigError, match="listed twice"):
+        AEGroup(fabric, [0, 0, 1], [4, 5, 6, 7], emap, AEConfig(hidden=H, top_k=K))
+    with pytest.raises(ConfigError) as err:
+        AEGroup(fabric, [0, 1], [4, 5, 6, 7], emap, AEConfig(hidden=H, top_k=K, n_shared=7))
+    assert err.value.field == "n_shared"
+    with pytest.raises(ConfigError, match="hidden"):
+        AEConfig(hidden=0, top_k=K)
+
+    def fails(call) -> ConfigError:
+        async def main():
+            await call(
+                AEGroup(UBFabric(POD), [0, 1], [4, 5, 6, 7], emap, AEConfig(hidden=H, top_k=K))
+            )
+
+        with pytest.raises(ConfigError) as err:
+            xds.run(main)
+        return err.value
+
+    assert fails(lambda g: g.a2e(7, _x(0), _idx(0), event_id=1)).field == "att"
+    assert fails(lambda g: g.a2e(-1, _x(0), _idx(0), event_id=1)).field == "att"
+    assert fails(lambda g: g.a2e(0, _x(0), _idx(0), event_id=0)).field == "event_id"
+    assert fails(lambda g: g.a2e(0, _x(0)[:, :4], _idx(0), event_id=1)).field == "x"
+    assert fails(lambda g: g.expert_receive(9, event_id=1)).field == "j"
+    assert fails(lambda g: g.e2a(None, None, event_id=2)).field == "handle"
+
+
+def test_buffers_and_expert_maps_check_their_fields():
+    for offset, nbytes, field in (
+        (-1, 10, "buffer.offset"),
+        (0.5, 10, "buffer.offset"),
+        (0, -2, "buffer.nbytes"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            AppBuffer(offset, nbytes)  # type: ignore[arg-type]
+        assert err.value.field == field
+    for n in ("16", 16.0, 0, True):
+        with pytest.raises(ConfigError) as err:
+            ExpertMap(n, 4)  # type: ignore[arg-type]
+        assert err.value.field == "n_experts"
+    fabric = UBFabric(POD)
+    with pytest.raises(ConfigError) as err:
+        fabric._check_range(0, 2**62, "buffer")
+    assert err.value.field == "nbytes"
