@@ -11,6 +11,8 @@ from xds.serve.decode import DecodeConfig
 from xds.serve.replay import replay
 from xds.trace.production import production_workload
 
+pytest_plugins = ["pytester"]
+
 
 def _one_line(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
@@ -112,3 +114,90 @@ def test_the_replay_header_names_the_workload_that_ran(capsys):
     assert main(["replay", "--synthetic", "40", "--limit", "10", "--rate-scale", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "production(n=40, rate=2/s, conversations) at 4x its rate, first 10" in out
+
+
+# -- the embedded API (a second user journey) ---------------------------------------------------
+
+
+def test_eplb_inputs_are_checked():
+    import numpy as np
+
+    from xds.serve.eplb import Layout, policy
+
+    layout = Layout(np.arange(8), 8, 1)
+    counts = np.ones((8, 3))
+    for bad in (-counts, counts * np.nan):
+        for name in ("xds-greedy", "deepseek-eplb", "none"):
+            with pytest.raises(ConfigError, match="finite and >= 0"):
+                policy(name).plan(bad, layout, 2)
+    with pytest.raises(ConfigError, match="budget must be an integer"):
+        policy("xds-greedy").plan(counts, layout, 2.5)  # type: ignore[arg-type]
+    for args, field in (
+        ((np.arange(4), 4.5, 1), "n_dies"),
+        ((np.array([0.5, 1, 2, 3]), 4, 1), "primary_die"),
+        ((np.arange(4), 4, 1, np.ones(7)), "base_load"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            Layout(*args)
+        assert err.value.field == field
+
+
+def test_comm_costs_and_decode_requests_are_checked():
+    from xds.serve.decode_model import CommCosts
+
+    for kwargs, field in (
+        ({"tokens_per_die": 0, "dispatch_ns": 1, "combine_ns": 1}, "tokens_per_die"),
+        ({"tokens_per_die": 8, "dispatch_ns": -10, "combine_ns": 1}, "dispatch_ns"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            CommCosts(**kwargs)
+        assert err.value.field == field
+
+
+def test_reliable_decode_configs_and_a_crash_of_every_dp():
+    from xds.serve.reliability import ExecutorCrash, ReliabilityConfig, ReliableDecode
+
+    with pytest.raises(ConfigError, match="output_tokens"):
+        ReliabilityConfig(output_tokens=1)
+    with pytest.raises(ConfigError, match=r"faults\[0\]"):
+        ReliabilityConfig(faults=({"kind": "executor_crash", "dp": 0, "iteration": 1},))  # type: ignore[arg-type]
+    cfg = ReliabilityConfig(
+        dps=2, faults=(ExecutorCrash(dp=0, iteration=1), ExecutorCrash(dp=1, iteration=1))
+    )
+    res = xds.run(lambda: ReliableDecode(cfg).run())
+    assert res.stopped.startswith("restart-the-world: DPs 0, 1 missed a heartbeat")
+    assert {v.dp for v in res.verdicts} == {0, 1}
+    assert all(o.reason == res.stopped for o in res.outcomes)
+
+
+def test_dataflow_delays_name_a_component_that_exists():
+    from xds.serve.dataflow import ComponentDelay, DataflowConfig
+
+    for component in ("attention:01", "attention:\u0663"):
+        with pytest.raises(ConfigError, match="plain decimal"):
+            ComponentDelay(component=component, extra_ns=1)
+    with pytest.raises(ConfigError, match="until_ns"):
+        ComponentDelay(component="attention:1", extra_ns=1, from_ns=5, until_ns=2)
+    with pytest.raises(ConfigError, match=r"delays\[0\]"):
+        DataflowConfig(delays=({"component": "attention:1", "extra_ns": 5},))  # type: ignore[arg-type]
+
+
+def test_marked_tests_stop_a_hang_kept_alive_by_a_periodic_task(pytester):
+    pytester.makepyfile(
+        """
+        import anyio, pytest, xds
+
+        @pytest.mark.xds
+        async def test_hangs():
+            async def heartbeat():
+                while True:
+                    await xds.sleep_ns(10**9)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(heartbeat)
+                await anyio.Event().wait()
+        """
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert "ModelTimeLimit" in result.stdout.str()

@@ -25,7 +25,7 @@ def test_mooncake_jsonl(tmp_path):
     p = write(
         tmp_path,
         "m.jsonl",
-        '{"timestamp": 5, "input_length": 100, "output_length": 7, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 5, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]}\n'
         '{"timestamp": 9, "input_length": 30, "output_length": 3}\n',
     )
     w = t.load(p)
@@ -45,6 +45,14 @@ def test_mooncake_jsonl(tmp_path):
             "line 2 field 'timestamp'",
         ),
         ("not json\n", "line 1: invalid JSON"),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [1, 2]}\n',
+            "line 1 field 'hash_ids': 2 block hashes for 10 input tokens",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [-1]}\n',
+            "field 'hash_ids': block hashes must be >= 0",
+        ),
     ],
 )
 def test_malformed_mooncake_names_file_line_and_field(tmp_path, text, where):

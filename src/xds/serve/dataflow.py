@@ -56,10 +56,17 @@ class ComponentDelay(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def __post_init__(self) -> None:
         check_fields(self)
         kind, _, index = self.component.partition(":")
-        if kind not in ("attention", "expert") or not index.isdigit():
+        canonical = index.isascii() and index.isdigit() and str(int(index)) == index
+        if kind not in ("attention", "expert") or not canonical:
             raise ConfigError(
-                f"component must be 'attention:<i>' or 'expert:<j>', got {self.component!r}",
+                f"component must be 'attention:<i>' or 'expert:<j>' (i, j plain decimal "
+                f"numbers), got {self.component!r}",
                 field="component",
+            )
+        if self.until_ns <= self.from_ns:
+            raise ConfigError(
+                f"until_ns ({self.until_ns}) must be after from_ns ({self.from_ns})",
+                field="until_ns",
             )
 
 
@@ -96,6 +103,10 @@ class DataflowConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"top_k {self.top_k} exceeds the {self.experts} experts", field="top_k"
             )
         for i, d in enumerate(self.delays):
+            if not isinstance(d, ComponentDelay):
+                raise ConfigError(
+                    f"expected a ComponentDelay, got {type(d).__name__}", field=f"delays[{i}]"
+                )
             kind, _, index = d.component.partition(":")
             count = self.attention_workers if kind == "attention" else self.expert_workers
             if int(index) >= count:

@@ -32,6 +32,11 @@ import pytest
 from xds.errors import ConfigError
 from xds.runtime import BACKENDS, Runtime
 
+TEST_TIME_LIMIT_NS = 86_400 * 10**9
+"""A marked test's default ``time_limit_ns``: one virtual day, so a hang kept alive by a
+periodic task ends as ``ModelTimeLimit`` in seconds; ``time_limit_ns=None`` in the marker lifts
+it."""
+
 MARKER = "xds"
 FIXTURE = "xds_backend"
 #: The marker's keywords: those of :class:`xds.Runtime`.
@@ -46,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "xds(seed=0, backend='asyncio', event_log=True, schedule_seed=None, "
-        "livelock_limit=1000000, time_limit_ns=None): run this async def test in xds virtual "
+        "livelock_limit=1000000, time_limit_ns=86400e9): run this async def test in xds virtual "
         "time "
         "(keywords only; the xds_backend fixture parametrises over the backends)",
     )
@@ -92,6 +97,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     backend = funcargs.get(FIXTURE) or options.pop("backend", None) or "asyncio"
     options.pop("backend", None)  # the fixture's value, itself parametrised from the marker
+    options.setdefault("time_limit_ns", TEST_TIME_LIMIT_NS)  # a periodic task cannot hang it
     result = Runtime(backend=backend, **options).run(functools.partial(pyfuncitem.obj, **kwargs))
     if result is not None:
         warnings.warn(

@@ -140,6 +140,10 @@ def _finish(
     )
 
 
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` entry in Mooncake traces (its README: one hash per 512-token block)."""
+
+
 def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
     p = _open(path)
@@ -163,6 +167,18 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
         ):
             raise TraceError(
                 "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
+            )
+        if any(h < 0 for h in hashes):
+            raise TraceError(
+                "block hashes must be >= 0", path=str(p), line=line_no, field="hash_ids"
+            )
+        if len(hashes) > -(-x // MOONCAKE_BLOCK_TOKENS):
+            raise TraceError(
+                f"{len(hashes)} block hashes for {x} input tokens: a {MOONCAKE_BLOCK_TOKENS}-token "
+                f"block each allows at most {-(-x // MOONCAKE_BLOCK_TOKENS)}",
+                path=str(p),
+                line=line_no,
+                field="hash_ids",
             )
         rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
     return _finish(rows, str(p), sort)

@@ -16,7 +16,15 @@ import numpy as np
 from ...errors import ConfigError
 from ...fabric.xccl.moe import ExpertMap
 from ..decode import DecodeConfig, DecodeModel, measure_comm
-from .policies import Layout, Plan, PlanFunction, Policy, balancedness, plan_layer
+from .policies import (
+    Layout,
+    Plan,
+    PlanFunction,
+    Policy,
+    balancedness,
+    load_counts,
+    plan_layer,
+)
 from .policies import policy as resolve_policy
 
 
@@ -30,7 +38,7 @@ class PolicyScore(msgspec.Struct):
 
 
 def _counts(name: str, counts: np.ndarray, n_experts: int) -> np.ndarray:
-    counts = np.asarray(counts)
+    counts = load_counts(counts, name)
     if counts.ndim != 3 or counts.shape[2] != n_experts:
         raise ConfigError(
             f"must be [time_slice, layer, expert] counts with {n_experts} experts, got shape "

@@ -29,6 +29,7 @@ a :class:`~xds.errors.ProtocolError` naming the policy, the layer and the expert
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Protocol
@@ -65,6 +66,10 @@ class Layout(msgspec.Struct, frozen=True):
     """Load a die carries besides routed experts (e.g. a shared-expert instance), [n_dies]."""
 
     def __post_init__(self) -> None:
+        for name in ("n_dies", "spare_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"must be an integer, got {value!r}", field=name)
         if self.n_dies < 1:
             raise ConfigError(f"n_dies must be >= 1, got {self.n_dies}", field="n_dies")
         if self.spare_slots < 0:
@@ -73,13 +78,22 @@ class Layout(msgspec.Struct, frozen=True):
                 field="spare_slots",
             )
         primary = np.asarray(self.primary_die)
-        if primary.ndim != 1 or (
-            primary.size and not 0 <= primary.min() <= primary.max() < self.n_dies
+        if (
+            primary.ndim != 1
+            or (primary.size and not np.issubdtype(primary.dtype, np.integer))
+            or (primary.size and not 0 <= primary.min() <= primary.max() < self.n_dies)
         ):
             raise ConfigError(
-                f"primary_die must list one die in 0..{self.n_dies - 1} per expert",
+                f"primary_die must list one integer die in 0..{self.n_dies - 1} per expert",
                 field="primary_die",
             )
+        if self.base_load is not None:
+            base = load_counts(self.base_load, "base_load")
+            if base.shape != (self.n_dies,):
+                raise ConfigError(
+                    f"base_load must hold one load per die ({self.n_dies}), got shape {base.shape}",
+                    field="base_load",
+                )
 
     @classmethod
     def one_expert_per_die(cls, n_experts: int, n_dies: int, spare_slots: int = 1) -> Layout:
@@ -160,18 +174,35 @@ def _make_room(
     return False
 
 
+def load_counts(counts: object, field: str = "counts") -> np.ndarray:
+    """Token counts as a float64 array: numeric, finite and non-negative."""
+    try:
+        arr = np.asarray(counts, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError("counts must be numbers", field=field) from None
+    if arr.size and (not np.isfinite(arr).all() or arr.min() < 0):
+        raise ConfigError("counts must be finite and >= 0", field=field)
+    return arr
+
+
+def replica_budget(budget: object) -> int:
+    """A redundant-replica budget: a non-negative integer."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ConfigError(f"budget must be an integer >= 0, got {budget!r}", field="budget")
+    return int(budget)
+
+
 def _check(counts: np.ndarray, layout: Layout, budget: int) -> int:
     if counts.ndim != 2 or counts.shape[0] != len(layout.primary_die):
         raise ConfigError(f"counts must be [experts, slices], got {counts.shape}", field="counts")
-    if budget < 0:
-        raise ConfigError("budget must be >= 0", field="budget")
-    return min(budget, layout.n_dies * layout.spare_slots)
+    return min(replica_budget(budget), layout.n_dies * layout.spare_slots)
 
 
 class NoBalancing:
     name = "none"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
+        counts = load_counts(counts)
         _check(counts, layout, budget)
         e = counts.shape[0]
         return Plan(np.ones(e, np.int64), [[int(layout.primary_die[i])] for i in range(e)])
@@ -183,6 +214,7 @@ class XdsGreedy:
     name = "xds-greedy"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
+        counts = load_counts(counts)
         budget = _check(counts, layout, budget)
         counts = counts.astype(np.float64)
         n_e = counts.shape[0]
@@ -218,6 +250,7 @@ class DeepSeekEPLB:
     name = "deepseek-eplb"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
+        counts = load_counts(counts)
         budget = _check(counts, layout, budget)
         w = counts.sum(axis=1).astype(np.float64)
         copies = np.ones(len(w))
@@ -364,6 +397,11 @@ def checked_plan(
     copies = np.asarray(plan.copies)
     if copies.shape != (n_e,):
         raise bad(f"copies must have one entry per expert ({n_e}), got shape {copies.shape}")
+    if n_e and not (
+        np.issubdtype(copies.dtype, np.integer)
+        or (np.issubdtype(copies.dtype, np.floating) and np.all(copies == np.round(copies)))
+    ):
+        raise bad(f"copies must be whole numbers, got {copies.dtype} values")
     dies_of: list[list[int]] = []
     for e, dies in enumerate(raw):
         if not isinstance(dies, list | tuple | np.ndarray):
@@ -426,6 +464,8 @@ def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, 
     """``pol``'s plan for one layer, checked (:func:`checked_plan`): the one way plans enter
     scoring and online EPLB."""
     name = getattr(pol, "name", type(pol).__name__)
+    counts = load_counts(counts)
+    budget = replica_budget(budget)
     # the policy gets copies: whatever it writes into them cannot reach the caller's arrays
     # or the layout its plan is checked against
     mine = msgspec.structs.replace(

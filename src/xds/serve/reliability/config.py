@@ -149,7 +149,9 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     layers: Annotated[int, Meta(ge=1)] = 4
     """MoE layers per iteration (each a dispatch and a combine barrier)."""
     prompt_tokens: Annotated[int, Meta(ge=1)] = 8
-    output_tokens: Annotated[int, Meta(ge=1)] = 16
+    output_tokens: Annotated[int, Meta(ge=2)] = 16
+    """Tokens per request, the prefill's first one included (>= 2: at least one decode
+    iteration)."""
     times: LayerTimes = LayerTimes()
     poll_ns: Annotated[int, Meta(gt=0)] = 5 * US
     """Busy-poll interval of every barrier (dispatch, combine, commit)."""
@@ -180,6 +182,12 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         iterations = self.output_tokens - 1  # the first token comes from prefill
         for i, f in enumerate(self.faults):
             where = f"faults[{i}].dp"
+            if not isinstance(f, Fault):
+                raise ConfigError(
+                    f"expected a fault (ExecutorHang, ExecutorCrash, SlowIteration, NetworkError "
+                    f"or MemoryFault), got {type(f).__name__}",
+                    field=f"faults[{i}]",
+                )
             if f.dp >= self.dps:
                 raise ConfigError(f"DP {f.dp} does not exist ({self.dps} DPs)", field=where)
             if f.iteration >= iterations:

@@ -146,6 +146,8 @@ class ReliableDecode:
         self.shell = TEShellHeartbeat(config.heartbeat, n, lambda dp: dp in self._struck)
         self.coord = RollbackCoordinator(config.rollback, n, config.poll_ns, self._stop)
         self.stopped = ""
+        self._lost: set[int] = set()
+        """DP groups whose executor died (their master answers nothing any more)."""
         self.commits = [0] * n
         self._scope: anyio.CancelScope | None = None
         self._dp_scopes = [anyio.CancelScope() for _ in range(n)]
@@ -192,6 +194,8 @@ class ReliableDecode:
                 for dp in range(cfg.dps):
                     tg.start_soon(self._dp_group, dp, name=f"dp-group-{dp}")
                     tg.start_soon(self._output_processor, dp, name=f"output-processor-{dp}")
+            if self._lost & set(self.live):  # every DP group ended, some on a dead executor
+                await anyio.sleep_forever()  # the heartbeat (or the watchdog) stops the engine
             outer.cancel_scope.cancel()  # the engine finished: stop the heartbeats
         return self._result(now_ns() - start)
 
@@ -346,6 +350,7 @@ class ReliableDecode:
                         reply = await self._reply_recv[dp].receive()  # blocks the loop
                     except anyio.EndOfStream:
                         emit("dp-master", "executor-lost", dp=dp, iteration=it)
+                        self._lost.add(dp)
                         return  # fail-stop: this master answers nothing any more
                     if not reply.rolled_back:
                         break
