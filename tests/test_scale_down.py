@@ -416,12 +416,21 @@ def test_a_server_failing_again_rejoins_only_after_its_last_repair():
     assert [(f.kind, f.dies) for f in res.failovers] == [("scale_down", 48), ("scale_up", 64)]
 
 
-def test_the_command_line_reports_scale_down_and_scale_up(capsys):
+def test_the_command_line_reports_scale_down_and_scale_up(capsys, tmp_path):
+    import json
+
     from xds.cli.main import main
 
     argv = ["replay", "--synthetic", "60", "--rate", "2", "--recovery", "scale_down"]
-    assert main([*argv, "--fault", "node:at=10,server=12,repair=10"]) == 0
+    fault = ["--fault", "node:at=10,server=12,repair=10", "--out", str(tmp_path)]
+    assert main([*argv, *fault]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "scale-down D0" in out and "on 112 dies" in out
     assert "scale-up D0" in out and "serving on 128 dies again" in out
     assert "failover D0" not in out
+    written = json.loads((tmp_path / "faults.json").read_text())
+    assert [(f["kind"], f["dies"]) for f in written["failovers"]] == [
+        ("scale_down", 112),
+        ("scale_up", 128),
+    ]
+    assert written["restarts"] == [] and written["kv_masks"] == []

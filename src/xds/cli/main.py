@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -724,6 +725,16 @@ def replay(
         result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults)
     if out_dir is not None:
         write(out_dir, result.records, result.summary, csv=as_csv)
+        if faults or result.probes:  # what the faults did, for scripts
+            outcome = {
+                "restarts": result.restarts,
+                "failovers": result.failovers,
+                "kv_masks": result.kv_masks,
+                "probes": result.probes,
+            }
+            (Path(out_dir) / "faults.json").write_bytes(
+                msgspec.json.format(msgspec.json.encode(outcome))
+            )
     s = result.summary
     if as_json:
         print(msgspec.json.encode(s).decode())
