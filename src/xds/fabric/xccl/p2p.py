@@ -162,15 +162,8 @@ class P2P:
         pod.check_die(peer, what="peer")
         if die == peer:
             raise ProtocolError(f"die {die} cannot send to itself over XCCL point-to-point")
-        if not isinstance(buf, AppBuffer):
+        if not isinstance(buf, AppBuffer):  # (an AppBuffer checked its fields when built)
             raise ConfigError(f"buffer must be an AppBuffer, got {buf!r}", field="buffer")
-        for name in ("offset", "nbytes"):
-            value = getattr(buf, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(
-                    f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
-                    field=f"buffer.{name}",
-                )
         self.fabric._check_range(buf.offset, buf.nbytes, "buffer")
         args.event_id(event_id)
         self.fabric._check_aivs(die, n_aiv)
