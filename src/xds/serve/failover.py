@@ -21,10 +21,9 @@ ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
     Decode TE.
 
 * ``scale_down`` (stage 2 with EPLB, P119): as ``independent``, except that a **Decode** TE
-  drops the failed server's DP groups and EP ranks and serves on with the rest
-  (:meth:`DecodeTE.scale_down <xds.serve.decode_te.DecodeTE.scale_down>`): only the requests
-  those DP groups held fail, and after ``scale_down_ns`` the smaller TE iterates at its own
-  cost. Refused when some expert would be left without a replica
+  drops the failed server's DP groups and EP ranks and serves on with the rest, and takes
+  them back once the server is repaired (:mod:`xds.serve.elastic`, which also handles
+  on-chip memory faults). Refused when some expert would be left without a replica
   (:func:`~xds.serve.scale_down.scaled_down_config`); the TE then restarts as in
   ``independent``.
 
@@ -36,16 +35,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import msgspec
-import numpy as np
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
-from .recovery import KVMask, MemoryFault, NodeFault, Placement, Restart, restart_placement
-from .scale_down import resized_config, scaled_down_config
+from .elastic import Elastic
+from .recovery import KVMask, NodeFault, Placement, Restart, TEFailover, restart_placement
 
 if TYPE_CHECKING:
     from ..trace.metrics import RequestRecord
@@ -88,27 +85,7 @@ class Where:
         return -1 if self.decode_te is None else self.decode_te.index
 
 
-class TEFailover(msgspec.Struct, kw_only=True):
-    """One TE taken down by an independent failover; times are -1 until reached."""
-
-    te: str
-    """``P<k>`` or ``D<d>``."""
-    reason: str
-    down_ns: int
-    failed: int
-    """Requests it held that failed."""
-    back_ns: int = -1
-    servers: list[int] = []
-    """The servers it restarted on (a scale-down: the servers it serves on)."""
-    kind: Literal["restart", "scale_down", "scale_up"] = "restart"
-    """``scale_down``: a Decode TE dropped one server's DP groups and served on (P119);
-    ``scale_up``: it took them back once the server was repaired (``down_ns``: the repair,
-    ``back_ns``: serving on them again)."""
-    dies: int = -1
-    """A scale-down's or scale-up's dies after it."""
-
-
-class Failover:
+class Failover(Elastic):
     """Mixed into :class:`~xds.serve.replay.Replay` (which provides the TEs and requests)."""
 
     config: PDConfig
@@ -260,36 +237,6 @@ class Failover:
                 await self._decode_failover(d, f"Decode TE {d} lost to an {why}{refusal}")
                 return
 
-    async def _memory_fault(self, fault: MemoryFault) -> None:
-        """Stage 3 (P120): an on-chip memory fault masks KV blocks of one Decode DP group; the
-        requests whose KV lay there fail, nothing else is touched."""
-        await sleep_until_ns(fault.at_ns)
-        d, dp = fault.decode_te, fault.dp
-        rec = KVMask(
-            at_ns=now_ns(),
-            te=f"D{d}",
-            dp=dp,
-            first_block=fault.first_block,
-            blocks=fault.blocks,
-            failed=0,
-        )
-        self.kv_masks.append(rec)
-        te = self.decode[d]
-        live = self._live_decode(te) and not self.down
-        if not live or not te.alive[dp]:
-            what = f"Decode TE {d}" if not live else f"Decode TE {d} DP {dp} (scaled down)"
-            rec.skipped = f"{what} was not in service (its memory is set up afresh on return)"
-            emit("node", "memory-fault-skipped", te=rec.te, dp=dp)
-            return
-        emit("node", "memory-fault", te=rec.te, dp=dp, first=fault.first_block)
-        last = fault.first_block + fault.blocks - 1
-        victims = set(te.memory_fault(dp, fault.first_block, fault.blocks))
-        reason = (
-            f"KV lost to an on-chip memory fault on Decode TE {d} DP {dp} (blocks "
-            f"{fault.first_block}..{last} masked)"
-        )
-        rec.failed = self._fail_held(lambda r, w: r in victims, reason)
-
     async def _repair(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns + fault.repair_ns)
         self._pending_repairs -= 1
@@ -425,71 +372,6 @@ class Failover:
         self._decode_back.set()
         self._decode_back = anyio.Event()
         emit("failover", "back", te=f"D{d}")
-
-    async def _scale_down(self, d: int, server: int, why: str) -> str:
-        """Decode vertical scale-down (P119): Decode TE ``d`` drops its DP groups and EP ranks
-        on ``server`` (their requests fail), pauses ``scale_down_ns`` to rebuild its EP domain
-        and load the lost dies' experts into redundant slots, and serves on with the rest.
-        Returns "" when done, else why not (the TE is down, or some expert would be left
-        without a replica): the caller restarts the TE instead."""
-        te = self.decode[d]
-        if not self._live_decode(te):
-            return "the TE is not in service"
-        lost = te.dps_on(server)
-        smaller, refusal = scaled_down_config(self.config.decode, te.alive, lost, te.kv_capacity)
-        if smaller is None:
-            emit("failover", "scale-down-refused", te=f"D{d}", reason=refusal)
-            return refusal
-        reason = (
-            f"Decode TE {d} scaled down after an {why}: its DP groups there were lost "
-            f"({int(te.alive.sum())} -> {smaller.dies} dies)"
-        )
-        rec = TEFailover(te=f"D{d}", reason=reason, down_ns=now_ns(), failed=0, kind="scale_down")
-        self.failovers.append(rec)
-        emit("failover", "scale-down", te=rec.te, server=server, dies=smaller.dies)
-        gone = set(lost)
-        rec.failed = self._fail_held(lambda r, w: w.decode == d and w.decode_dp in gone, reason)
-        te.scale_down(server, smaller, self._grid_of(smaller))  # type: ignore[attr-defined]
-        self.placement.decode[d] = [s for s in self.placement.decode[d] if s != server]
-        self._scaled_out[server] = (d, te)
-        await sleep_ns(self.config.recovery.scale_down_ns)
-        if not self._live_decode(te):  # a later fault took the TE down meanwhile
-            return ""
-        rec.back_ns, rec.servers, rec.dies = now_ns(), self.placement.decode[d], smaller.dies
-        emit("failover", "scaled-down", te=rec.te, dies=smaller.dies)
-        return ""
-
-    async def _scale_up(self, server: int) -> None:
-        """The repaired ``server`` rejoins the Decode TE that scaled down without it: its dies
-        load their weights (``scale_down_ns``), then the TE takes their DP groups back, empty,
-        at an iteration boundary. If the TE was restarted meanwhile the server is a spare."""
-        d, te = self._scaled_out.pop(server)
-        start = now_ns()
-        await sleep_ns(self.config.recovery.scale_down_ns)
-        if server in self.tainted:  # it failed again: its next repair brings it back
-            self._scaled_out[server] = (d, te)
-            return
-        if not self._live_decode(te):  # the TE restarted meanwhile: a spare for the pool
-            self._spares.append(server)
-            self._free_servers()
-            return
-        keep = te.alive | np.isin(te.dp_server, [server])
-        bigger = resized_config(self.config.decode, keep, te.kv_capacity)
-        grid = self._grid if keep.all() else self._grid_of(bigger)  # type: ignore[attr-defined]
-        te.scale_up(server, bigger, grid)
-        self.placement.decode[d] = sorted([*self.placement.decode[d], server])
-        rec = TEFailover(
-            te=f"D{d}",
-            reason=f"Decode TE {d} scaled back up on the repaired server {server}",
-            down_ns=start,
-            failed=0,
-            kind="scale_up",
-            back_ns=now_ns(),
-            servers=self.placement.decode[d],
-            dies=bigger.dies,
-        )
-        self.failovers.append(rec)
-        emit("failover", "scaled-up", te=rec.te, server=server, dies=bigger.dies)
 
     def _decode_servers(self, d: int, need: int) -> list[int] | None:
         """Decode TE ``d``'s healthy servers topped up from the spares, and if that is not

@@ -100,6 +100,27 @@ class KVMask(msgspec.Struct, kw_only=True):
     """Why nothing was masked (the TE or DP group was not in service), else ""."""
 
 
+class TEFailover(msgspec.Struct, kw_only=True):
+    """One TE taken down by an independent failover, or scaled down or up; times are -1 until
+    reached."""
+
+    te: str
+    """``P<k>`` or ``D<d>``."""
+    reason: str
+    down_ns: int
+    failed: int
+    """Requests it held that failed."""
+    back_ns: int = -1
+    servers: list[int] = []
+    """The servers it restarted on (a scale-down: the servers it serves on)."""
+    kind: Literal["restart", "scale_down", "scale_up"] = "restart"
+    """``scale_down``: a Decode TE dropped one server's DP groups and served on (P119);
+    ``scale_up``: it took them back once the server was repaired (``down_ns``: the repair,
+    ``back_ns``: serving on them again)."""
+    dies: int = -1
+    """A scale-down's or scale-up's dies after it."""
+
+
 class Restart(msgspec.Struct, kw_only=True):
     """One restart-the-world; times are -1 until reached (the replay may end first)."""
 
@@ -161,4 +182,4 @@ def restart_placement(
     return Placement(decode, [left[i * n : (i + 1) * n] for i in range(k)])
 
 
-document_fields(RecoveryConfig, NodeFault, MemoryFault, KVMask, Restart, Placement)
+document_fields(RecoveryConfig, NodeFault, MemoryFault, KVMask, TEFailover, Restart, Placement)

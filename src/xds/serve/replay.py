@@ -42,7 +42,7 @@ from ..trace.workload import Request, Workload
 from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, KVNoFit, comm_grid, comm_grid_blocking
 from .distflow import DistFlow, KVMover, TransferState
-from .failover import Failover, TEFailover
+from .failover import Failover
 from .jitter import JitterConfig
 from .job_executor import (
     DecodeTESelection,
@@ -58,7 +58,7 @@ from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
-from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart
+from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart, TEFailover
 from .routing import DecodeRouting, lowest_kv
 
 Progress = Callable[[int, int, int], None]
