@@ -201,3 +201,22 @@ def test_marked_tests_stop_a_hang_kept_alive_by_a_periodic_task(pytester):
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert "ModelTimeLimit" in result.stdout.str()
+
+
+def test_reproduce_and_ma_decode_options_that_would_mislead_are_errors(tmp_path, capsys):
+    assert "--quick applies to peak-decode, production" in _one_line(
+        capsys, ["reproduce", "p2p", "--quick"]
+    )
+    assert "--strict judges the paper's configurations" in _one_line(
+        capsys, ["reproduce", "all", "--quick", "--strict"]
+    )
+    small = tmp_path / "ma.toml"
+    small.write_text(
+        "domains = 2\nattention_dies_per_domain = 8\nexpert_dies = 32\nshared_expert_dies = 0\n"
+        "batch_per_die = 8\noutput_tokens = 16\n"
+    )
+    assert "--iterations sets a window" in _one_line(
+        capsys, ["ma-decode", "--deployment", str(small), "--full", "--iterations", "3"]
+    )
+    err = _one_line(capsys, ["ma-decode", "--deployment", str(small), "--iterations", "100"])
+    assert "100 iterations from token 8 may run past the end of decode" in err

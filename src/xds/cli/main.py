@@ -231,18 +231,33 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
 @app.command()
 @click.argument("target")
 @click.option("--json", "as_json", is_flag=True, help="Print each result as one JSON object.")
-@click.option("--quick", is_flag=True, help="Short runs where a target allows it (for CI).")
-@click.option("--strict", is_flag=True, help="Exit with code 1 if any row misses.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Shorter runs of peak-decode and production (smoke tests: smaller configurations "
+    "than the paper's, so their rows are not expected to match).",
+)
+@click.option(
+    "--strict", is_flag=True, help="Exit with code 1 if any row misses (not with --quick)."
+)
 def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     """Reproduce results of the paper: TARGET is p2p, dispatch-combine, a2e-e2a,
-    peak-decode, eplb, production, or all.
+    peak-decode, ma-decode, eplb, production, or all.
 
     Prints the paper's number beside xds's for each row.
     """
     import json
 
-    from xds.reproduce import run_target, target_names
+    from xds.reproduce import QUICK, run_target, target_names
 
+    if quick and strict:
+        raise click.UsageError(
+            "--strict judges the paper's configurations; --quick runs smaller ones"
+        )
+    if quick and target not in (*QUICK, "all"):
+        raise click.UsageError(
+            f"--quick applies to {', '.join(sorted(QUICK))} (and all); {target} has no shorter run"
+        )
     names = target_names() if target == "all" else [target]
     ok = True
     for name in names:
@@ -372,11 +387,20 @@ def ma_decode(
     cfg = ma_config(deployment)
     if full and from_token is not None:
         raise click.UsageError("--from-token sets a window; --full runs the whole decode")
+    if full and _given("iterations"):
+        raise click.UsageError("--iterations sets a window; --full runs the whole decode")
     start = 0 if full else cfg.output_tokens // 2 if from_token is None else from_token
     if start >= cfg.output_tokens:
         raise ConfigError(
             f"must be below the deployment's output_tokens ({cfg.output_tokens}), got {start}",
             field="from_token",
+        )
+    most = (1 + cfg.mtp.k) * iterations  # tokens the window may take, every draft accepted
+    if not full and start + most > cfg.output_tokens:
+        raise click.UsageError(
+            f"{iterations} iterations from token {start} may run past the end of decode "
+            f"(output_tokens {cfg.output_tokens}, up to {1 + cfg.mtp.k} tokens per iteration): "
+            "lower --from-token or --iterations, or use --full"
         )
     curve = ae_curve(cfg, seed=seed)
 
@@ -395,7 +419,11 @@ def ma_decode(
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
-    window = "every token" if full else f"{iterations} iterations from token {start}"
+    window = (
+        f"every token ({res.iterations} iterations)"
+        if full
+        else f"{res.iterations} iterations from token {start}"
+    )
     table.add_row("window", window)
     table.add_row("mean iteration", f"{res.mean_iteration_ns / 1e6:.2f} ms")
     table.add_row("tokens per step", f"{res.mean_tokens_per_step:.3f}")
@@ -1128,8 +1156,9 @@ def capacity(
                 f"note: at {scales} {unit} the judged requests arrived less than a request's "
                 f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.0f} s < "
                 f"{p.mean_decode_s:,.0f} s): decode had not filled up, so TPOT there is "
-                "optimistic; give the search more arrivals (a longer trace or --span, or "
-                "--window)"
+                "optimistic; give the search more arrivals ("
+                + ("--window" if trace is None else "a longer trace, or --span")
+                + ")"
             )
     if as_json or len(found) < 2:
         return
