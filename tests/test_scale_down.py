@@ -434,3 +434,17 @@ def test_the_command_line_reports_scale_down_and_scale_up(capsys, tmp_path):
         ("scale_up", 128),
     ]
     assert written["restarts"] == [] and written["kv_masks"] == []
+
+
+def test_a_scaled_down_te_restarted_by_a_second_fault_ends_every_request():
+    faults = [
+        NodeFault(at_ns=1 * S, server=0),  # Prefill TE 0 gone for good
+        NodeFault(at_ns=1 * S, server=2),  # Prefill TE 1 too: no kill-P can help Decode
+        NodeFault(at_ns=AT, server=5, repair_ns=4 * S),  # D0 scales down; repaired at 7 s
+        NodeFault(at_ns=AT + 200 * MS, server=6, repair_ns=4300 * MS),  # refused; back 7.5 s
+    ]
+    res = replay(WL, CFG, faults=faults)
+    d0 = [f for f in res.failovers if f.te == "D0"]
+    assert [f.kind for f in d0] == ["scale_down", "restart"]
+    assert d0[1].back_ns >= 0 and 5 not in d0[1].servers  # restarted before 5 was repaired
+    assert res.summary.completed + res.summary.failed == len(WL)

@@ -157,3 +157,11 @@ def test_buffers_and_expert_maps_check_their_fields():
     with pytest.raises(ConfigError) as err:
         fabric._check_range(0, 2**62, "buffer")
     assert err.value.field == "nbytes"
+
+
+def test_a_second_group_on_the_same_fabric_reads_past_the_first_ones_metadata():
+    from xds.reproduce import dispatch_combine
+
+    # a fresh EPGroup per batch on one fabric: the fields still hold the last group's eventIDs
+    out = dispatch_combine.measure([1, 2], ep=16, tier="protocol")
+    assert set(out) == {1, 2} and all(d > 0 and c > 0 for d, c in out.values())

@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from ..hw.topology import PodConfig
 from ..runtime import emit, now_ns, rng, sleep_ns
 from ..trace.metrics import RequestRecord
 from .decode import (
@@ -60,9 +61,6 @@ def comm_grid_blocking(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts
     """:func:`comm_grid` from inside a running replay (a Decode scale-down needs the smaller
     TE's costs): the measurements are virtual-time runs of their own, so they run in a helper
     thread while this one waits for them, and the replay's virtual time does not move."""
-    key = (msgspec.json.encode(config), seed)
-    if key in _GRIDS:
-        return list(_GRIDS[key])
     out: dict[str, list[CommCosts]] = {}
     failed: list[BaseException] = []
 
@@ -148,7 +146,7 @@ class KVNoFit(Exception):
     request fails with this reason."""
 
 
-DIES_PER_SERVER = 16
+DIES_PER_SERVER = PodConfig().chips_per_server * PodConfig().dies_per_chip
 """A CloudMatrix384 server: 8 Ascend 910C chips of 2 dies (SPEC 1.1)."""
 
 
@@ -354,9 +352,14 @@ class DecodeTE:
         self._signal_capacity()
         return victims
 
-    def dps_on(self, server: int) -> list[int]:
-        """The DP groups in service on ``server``."""
-        return [dp for dp, s in enumerate(self.dp_server) if s == server and self.alive[dp]]
+    def dps_on(self, server: int, *, alive: bool = True) -> list[int]:
+        """The DP groups on ``server`` that are in service (``alive``), or that a scale-down
+        dropped (not ``alive``)."""
+        return [
+            dp
+            for dp, s in enumerate(self.dp_server)
+            if s == server and bool(self.alive[dp]) == alive
+        ]
 
     def scale_down(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
         """Drop the DP groups on ``server`` with everything they hold (their requests have
@@ -400,7 +403,7 @@ class DecodeTE:
     def scale_up(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
         """Take the DP groups on ``server`` (dropped by :meth:`scale_down`) back into service,
         empty; ``config`` and ``grid`` describe the TE with them. Returns the DP groups back."""
-        back = [dp for dp, s in enumerate(self.dp_server) if s == server and not self.alive[dp]]
+        back = self.dps_on(server, alive=False)
         if int(self.alive.sum()) + len(back) != config.dies:
             raise AssertionError(
                 f"scale-up to {config.dies} dies, but {int(self.alive.sum()) + len(back)} "

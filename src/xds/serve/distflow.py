@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import msgspec
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ConfigError
@@ -123,10 +124,10 @@ class KVMove:
         dies go one at a time, so each RECV matches its own SEND."""
         if self.xccl is None:
             raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
-        if not 0 <= rank < self.flow.tp or nbytes < 0:
-            raise ConfigError(
-                f"send() takes a rank in 0..{self.flow.tp - 1} and bytes >= 0", field="rank"
-            )
+        if not 0 <= rank < self.flow.tp:
+            raise ConfigError(f"send() takes a rank in 0..{self.flow.tp - 1}", field="rank")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"send() takes bytes >= 0, got {nbytes!r}", field="nbytes")
         x, src, dst = self.xccl, self.sources[rank], self.destination
         buf = AppBuffer(0, nbytes)
         lock = self.flow._pair_locks.setdefault((src, dst), anyio.Lock())
@@ -135,18 +136,27 @@ class KVMove:
             tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=aivs))
             tg.start_soon(functools.partial(x.receive, dst, src, buf, event, n_aiv=aivs))
 
-    def book(self, part_bytes: list[float] | float) -> int:
-        """Closed form: book each rank's ``part_bytes`` (a list, or one size for every rank)
-        through its prefill die's egress port and the decode die's ingress port (the ports
-        other transfers of this Decode TE share, FIFO); returns when the last part lands.
-        Sleep until then to have moved them."""
-        parts = part_bytes if isinstance(part_bytes, list) else [part_bytes] * self.flow.tp
-        if len(parts) != self.flow.tp or any(p < 0 for p in parts):
+    def book(self, part_bytes: Sequence[float] | np.ndarray | float) -> int:
+        """Closed form: book each rank's ``part_bytes`` (one size per TP rank, or one size for
+        every rank) through its prefill die's egress port and the decode die's ingress port
+        (the ports other transfers of this Decode TE share, FIFO). Returns the virtual time
+        the last part lands: sleep until then to have moved them."""
+        tp = self.flow.tp
+        try:
+            sizes = np.asarray(part_bytes, dtype=np.float64)
+        except (TypeError, ValueError):
+            sizes = None
+        if sizes is not None and sizes.ndim == 0:
+            sizes = np.full(tp, float(sizes))
+        if sizes is not None and sizes.shape != (tp,):
+            sizes = None
+        if sizes is None or not np.isfinite(sizes).all() or (sizes < 0).any():
             raise ConfigError(
-                f"book() takes one non-negative size per TP rank ({self.flow.tp})",
+                f"book() takes one non-negative size per TP rank ({tp}), or one for all",
                 field="part_bytes",
             )
-        srcs = [self.transfer.prefill_dp * self.flow.tp + rank for rank in range(self.flow.tp)]
+        parts = sizes.tolist()
+        srcs = self.flow._rank_ports(self.transfer.prefill_dp)
         return max(
             self.flow._through_ports([src], self.decode_dp, part)
             for src, part in zip(srcs, parts, strict=True)
@@ -289,7 +299,7 @@ class DistFlow:
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
         part = transfer.kv_bytes / self.tp
-        srcs = [transfer.prefill_dp * self.tp + rank for rank in range(self.tp)]
+        srcs = self._rank_ports(transfer.prefill_dp)
         done = self._through_ports(srcs, decode_dp, part)
         while True:  # on the wire; a link going down freezes what is left of it
             with anyio.CancelScope() as wire:
@@ -309,6 +319,10 @@ class DistFlow:
                 return
             done = now_ns() + left
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    def _rank_ports(self, prefill_dp: int) -> list[int]:
+        """The egress ports (prefill dies within the TE) of ``prefill_dp``'s TP ranks."""
+        return [prefill_dp * self.tp + rank for rank in range(self.tp)]
 
     def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
         """Closed form: book ``part`` bytes from each prefill die in ``srcs`` through its

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from .recovery import KVMask, MemoryFault, TEFailover
 from .scale_down import resized_config, scaled_down_config
@@ -116,15 +114,16 @@ class Elastic:
         at an iteration boundary. If the TE was restarted meanwhile the server is a spare."""
         d, te = self._scaled_out.pop(server)
         start = now_ns()
-        await sleep_ns(self.config.recovery.scale_down_ns)
+        if self._live_decode(te):  # (a TE down or restarted gets the server as a spare)
+            await sleep_ns(self.config.recovery.scale_down_ns)
         if server in self.tainted:  # it failed again: its next repair brings it back
             self._scaled_out[server] = (d, te)
             return
         if not self._live_decode(te):  # the TE restarted meanwhile: a spare for the pool
             self._spares.append(server)
-            self._free_servers()
             return
-        keep = te.alive | np.isin(te.dp_server, [server])
+        keep = te.alive.copy()
+        keep[te.dps_on(server, alive=False)] = True
         bigger = resized_config(self.config.decode, keep, te.kv_capacity)
         grid = self._grid if keep.all() else self._grid_of(bigger)
         te.scale_up(server, bigger, grid)

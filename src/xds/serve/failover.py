@@ -239,16 +239,21 @@ class Failover(Elastic):
 
     async def _repair(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns + fault.repair_ns)
-        self._pending_repairs -= 1
         self._taints[fault.server] -= 1
         if self._taints[fault.server]:  # another fault of it is still unrepaired
+            self._pending_repairs -= 1
             self._free_servers()  # (a TE waiting for servers re-checks its options)
             return
         self.tainted.discard(fault.server)
         emit("k8s", "untaint", server=fault.server)
         if fault.server in self._scaled_out:  # its Decode TE scaled down: scale back up
-            await self._scale_up(fault.server)
+            try:  # still a pending repair while it rejoins (a TE waiting for servers waits)
+                await self._scale_up(fault.server)
+            finally:
+                self._pending_repairs -= 1
+                self._free_servers()
             return
+        self._pending_repairs -= 1
         used = {s for te in self.placement.prefill + self.placement.decode for s in te}
         if fault.server not in used and fault.server not in self._spares:
             self._spares.append(fault.server)  # back in the pool for the next restart

@@ -198,10 +198,10 @@ class KVBlockManager:
         held = sum(self._held.values())
         owner = np.zeros(self.capacity + 1, dtype=np.int64)  # runs covering each block
         masked = np.zeros(self.capacity + 1, dtype=np.int64)
-        for runs, counts in ((self._free_runs, owner), *((r, owner) for r in self._runs.values())):
+        for runs in (self._free_runs, *self._runs.values()):
             for s, e in runs:
-                counts[s] += 1
-                counts[e] -= 1
+                owner[s] += 1
+                owner[e] -= 1
         for s, e in self.masked:
             masked[s] += 1
             masked[e] -= 1

@@ -47,7 +47,8 @@ class RecoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Prefill TEs back, after the Decode TEs. [emulator choice]"""
     scale_down_ns: Annotated[int, Meta(ge=0)] = 20 * S
     """A Decode scale-down's pause: the EP communication domain rebuilt on the surviving dies
-    and the failed dies' experts loaded into their redundant slots. [emulator choice]"""
+    and the failed dies' experts loaded into their redundant slots; also how long a repaired
+    server's dies load their weights before the TE scales back up. [emulator choice]"""
     spare_servers: Annotated[int, Meta(ge=0)] = 0
     """Healthy idle servers in the cluster a restart may use."""
 

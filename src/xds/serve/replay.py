@@ -135,7 +135,9 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(
                 f"prefill.tes x prefill.dies_per_te + decode_tes x decode.dies = {dies:,} dies; "
                 f"a replay models up to {MAX_DEPLOYMENT_DIES:,} (16 CloudMatrix384 pods)",
-                field="decode_tes" if self.decode_tes * self.decode.dies > dies // 2 else "prefill",
+                field="decode_tes"
+                if self.decode_tes * self.decode.dies > dies // 2
+                else "prefill.tes",
             )
         if self.kv_transfer == "xccl" and dies > 768:
             raise ConfigError(
@@ -208,8 +210,8 @@ class ReplayResult(msgspec.Struct):
     restarts: list[Restart] = []
     """Every restart-the-world after a node fault."""
     failovers: list[TEFailover] = []
-    """Every TE an independent failover took down or scaled down (``recovery.mode``
-    ``"independent"`` or ``"scale_down"``)."""
+    """Every TE an independent failover took down, scaled down or scaled back up
+    (``recovery.mode`` ``"independent"`` or ``"scale_down"``)."""
     kv_masks: list[KVMask] = []
     """Every :class:`~xds.serve.recovery.MemoryFault` and what it did."""
 
@@ -466,20 +468,15 @@ class Replay(Failover):
         where.decode_te = dte
         try:
             dp = await dte.route(rec)
-        except KVNoFit as exc:
-            flow.withdraw(transfer)
-            te.release(job.dp, rid)
-            self._fail(rec, str(exc))
-            return
-        where.decode_dp = dp
-        if rid in self._ended_ids:
-            return
-        try:
+            where.decode_dp = dp
+            if rid in self._ended_ids:
+                return
             await dte.reserve(dp, rec)
-        except KVNoFit as exc:
+        except KVNoFit as exc:  # memory faults left no DP group that can hold it
             flow.withdraw(transfer)
             te.release(job.dp, rid)
-            dte.abandon(dp, rec)
+            if where.decode_dp >= 0:
+                dte.abandon(where.decode_dp, rec)
             self._fail(rec, str(exc))
             return
         if rid in self._ended_ids:

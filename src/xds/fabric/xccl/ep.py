@@ -436,7 +436,9 @@ class EPGroup:
         incoming = np.zeros(self.R, dtype=np.int64)
         for src in range(self.R):
             field = mem.meta(self.ranks[src], slot, Direction.COLL)
-            last = self._seen.get((rank, slot, src), 0)  # what this field held before
+            # what this field held before: from the last exchange, or (this group's first read)
+            # whatever an earlier group on the fabric left there
+            last = self._seen.get((rank, slot, src), field.event_id)
             while field.event_id != event_id:
                 if field.event_id != last:  # a new write, for another event
                     raise ProtocolError(

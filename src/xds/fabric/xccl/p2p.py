@@ -31,6 +31,7 @@ the pair wait until then.
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 
 import anyio
@@ -59,7 +60,7 @@ class AppBuffer(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         for name in ("offset", "nbytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise ConfigError(
                     f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
                     field=f"buffer.{name}",

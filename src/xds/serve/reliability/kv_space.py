@@ -1,10 +1,10 @@
 """A DP's KV blocks by address: iteration checkpoints and memory-fault masking (SPEC 11.2-11.3).
 
-:class:`xds.serve.kv.KVBlockManager` counts blocks; recovery needs to know *which* blocks a
-request holds. Here every block has an index (its address range on the die). A request holds
-a list of blocks; what it wrote in the current iteration is tentative until the iteration's
-global commit, so a rollback can truncate it back to the last checkpoint (KV is overwritable,
-SPEC 11.2's idempotence condition). An on-chip memory fault masks a range of blocks for good
+:class:`xds.serve.kv.KVBlockManager` (the replay's) also knows which blocks a request holds,
+in runs, and masks them; this one adds what token rollback needs: a request's blocks are a
+list, and what it wrote in the current iteration is tentative until the iteration's global
+commit, so a rollback can truncate it back to the last checkpoint (KV is overwritable, SPEC
+11.2's idempotence condition). An on-chip memory fault masks a range of blocks for good
 (CANN remaps the virtual memory around them): no later allocation lands there, and the requests
 whose KV overlapped the range are returned so the caller fails them explicitly.
 
