@@ -165,3 +165,44 @@ def test_a_second_group_on_the_same_fabric_reads_past_the_first_ones_metadata():
     # a fresh EPGroup per batch on one fabric: the fields still hold the last group's eventIDs
     out = dispatch_combine.measure([1, 2], ep=16, tier="protocol")
     assert set(out) == {1, 2} and all(d > 0 and c > 0 for d, c in out.values())
+
+
+def test_groups_on_one_fabric_never_read_each_others_metadata():
+    """Two EPGroups on the same dies and fabric, both using eventIDs 1 and 2: the second must
+    wait for its own ranks, not pass its barrier on the first group's leftovers."""
+    from ep_harness import POD as POD4
+    from xds.model import ReferenceMoE, TinyMoE
+
+    shape = TinyMoE(hidden=H, n_experts=8, top_k=K)
+    model = ReferenceMoE(shape, np.random.default_rng(0))
+    xs = [np.random.default_rng(r).standard_normal((3, H)).astype(np.float32) for r in range(4)]
+    ys: dict[tuple[int, int], np.ndarray] = {}
+
+    async def main():
+        fabric = UBFabric(POD4)
+        cfg = EPConfig(
+            hidden=H, top_k=K, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+        )
+        for g_i in range(2):
+            g = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(8, 4), cfg)
+
+            async def rank(r: int, g=g, g_i=g_i) -> None:
+                await xds.sleep_ns(5_000 * g_i * (4 - r))  # the second group's ranks stagger
+                idx, w = model.route(xs[r])
+                h = await g.dispatch(r, xs[r], idx, event_id=1)
+                out = np.zeros((h.n_recv, K, H), np.float32)
+                for i, j in zip(*np.nonzero(h.recv_local_slots >= 0), strict=True):
+                    out[i, j] = model.expert(2 * r + h.recv_local_slots[i, j], h.recv_x[i : i + 1])[
+                        0
+                    ]
+                ys[(g_i, r)] = await g.combine(r, h, out, w, event_id=2)
+
+            async with anyio.create_task_group() as tg:
+                for r in range(4):
+                    tg.start_soon(rank, r)
+
+    xds.run(main)
+    for (_, r), y in ys.items():
+        np.testing.assert_allclose(
+            y, model.forward(xs[r], *model.route(xs[r])), rtol=1e-5, atol=1e-5
+        )

@@ -76,6 +76,15 @@ class UBFabric:
         self._memories: dict[int, DieMemory] = {}
         self._ports: dict[tuple[int, str], Port] = {}
         self._links: dict[tuple[int, int], tuple[tuple[Port, ...], float, int]] = {}
+        self._collective_fields = 0
+
+    def reserve_collective_fields(self, n: int) -> int:
+        """The first of ``n`` collective metadata fields (``Direction.COLL``) no other group
+        on this fabric uses: each collective group signals in its own fields, as each XCCL
+        communicator has its own managed area, so one group never reads another's eventIDs."""
+        base = self._collective_fields
+        self._collective_fields += n
+        return base
 
     @property
     def mode(self) -> str:

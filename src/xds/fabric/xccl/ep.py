@@ -164,6 +164,7 @@ class EPGroup:
         if tier not in ("protocol", "collective"):
             raise ConfigError(f"unknown tier {tier!r}", field="tier")
         self.fabric = fabric
+        self._fields = fabric.reserve_collective_fields(4)  # (dispatch, combine) x parity
         self.ranks = list(ranks)
         self.expert_map = expert_map
         self.config = config
@@ -403,7 +404,7 @@ class EPGroup:
         e = fabric.engines
         me = self.ranks[rank]
         parity = event_id & 1
-        slot = phase * 2 + parity
+        slot = self._fields + phase * 2 + parity
         await sleep_ns(e.kernel_launch_ns)
         # The block area of this parity must have been pulled by everyone (their releases).
         key = (rank, phase, parity)

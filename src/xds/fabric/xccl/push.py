@@ -48,6 +48,7 @@ class PushExchange:
         self.fabric = fabric
         self.tier = tier
         self._slot = {name: i for i, name in enumerate(names)}
+        self._fields = fabric.reserve_collective_fields(2 * len(names))  # x parity
         self._blocks: dict[tuple[str, int, int, int], Block] = {}
         self.meta_writes: dict[tuple[str, int], int] = {}  # (name, src) -> count, for tests
         # collective tier: (name, src, dst, event) -> (metadata visible at, block or None)
@@ -55,7 +56,7 @@ class PushExchange:
         self._pushed: dict[tuple[str, int, int], anyio.Event] = {}
 
     def _field_index(self, name: str, parity: int) -> int:
-        return 16 + 2 * self._slot[name] + parity
+        return self._fields + 2 * self._slot[name] + parity
 
     async def push(
         self,
