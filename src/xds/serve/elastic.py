@@ -31,7 +31,6 @@ class Elastic:
     decode: list[DecodeTE]
     placement: Placement
     failovers: list[TEFailover]
-    tainted: set[int]
     down: str
     kv_masks: list[KVMask]
     _scaled_out: dict[int, tuple[int, DecodeTE]]
@@ -40,6 +39,8 @@ class Elastic:
 
     if TYPE_CHECKING:  # provided by Failover and Replay
 
+        @property
+        def tainted(self) -> set[int]: ...
         def _live_decode(self, te: DecodeTE | None) -> bool: ...
         def _fail_held(self, held: Callable[[int, Where], bool], reason: str) -> int: ...
         def _free_servers(self) -> None: ...

@@ -3,7 +3,7 @@
 :class:`Failover` is the part of :class:`xds.serve.replay.Replay` that reacts to a
 :class:`~xds.serve.recovery.NodeFault`. It tracks, for every request in flight, which Prefill
 and Decode TE hold its state (:class:`Where`), which servers each TE runs on
-(:class:`~xds.serve.recovery.Placement`) and which are tainted, and recovers in one of two
+(:class:`~xds.serve.recovery.Placement`) and which are tainted, and recovers in one of three
 ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
 
 * ``restart_world`` (stage 1, P118): see :mod:`xds.serve.recovery`.
@@ -104,7 +104,6 @@ class Failover(Elastic):
         self.down = ""
         """Why the whole engine is not serving ("" while it is; restart-the-world): while set,
         the TEs in ``prefill``/``decode`` are the torn-down ones."""
-        self.tainted: set[int] = set()
         self._taints: dict[int, int] = {}
         """Unrepaired faults per server: a repair untaints it only when none is left."""
         self.restarts: list[Restart] = []
@@ -139,6 +138,11 @@ class Failover(Elastic):
         """Servers a Decode TE scaled down without: server -> (TE index, that TE)."""
 
     # -- hooks the replay calls --------------------------------------------------------------
+    @property
+    def tainted(self) -> set[int]:
+        """Servers Kubernetes has tainted: those with a fault not yet repaired."""
+        return {server for server, faults in self._taints.items() if faults}
+
     async def _engine_task(self, key: tuple[str, int], fn: Callable[[], Awaitable[None]]) -> None:
         """Run one engine task (a TE, a completion-queue poller) in a scope a failover of its
         TE, or a restart-the-world, cancels."""
@@ -208,7 +212,6 @@ class Failover(Elastic):
     async def _handle_node_fault(self, fault: NodeFault) -> None:
         rc = self.config.recovery
         await sleep_ns(rc.detect_ns)
-        self.tainted.add(fault.server)
         self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
         emit("k8s", "taint", server=fault.server)
         if fault.repair_ns:
@@ -244,7 +247,6 @@ class Failover(Elastic):
             self._pending_repairs -= 1
             self._free_servers()  # (a TE waiting for servers re-checks its options)
             return
-        self.tainted.discard(fault.server)
         emit("k8s", "untaint", server=fault.server)
         if fault.server in self._scaled_out:  # its Decode TE scaled down: scale back up
             try:  # still a pending repair while it rejoins (a TE waiting for servers waits)
