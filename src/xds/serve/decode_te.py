@@ -242,7 +242,7 @@ class DecodeTE:
         tokens = record.input_tokens + record.output_tokens
         too_small = [
             dp
-            for dp in self._masked_dps
+            for dp in sorted(self._masked_dps)
             if self.alive[dp] and not self.kv[dp].could_ever_admit(tokens)
         ]
         if too_small and len(too_small) == int(self.alive.sum()):
