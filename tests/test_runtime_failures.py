@@ -33,6 +33,54 @@ def test_deadlock_names_every_waiting_task(xds_backend):
     assert "die-1" in str(err) and "nothing runnable" in str(err)
 
 
+def test_a_deadlock_report_says_what_each_task_waits_for(xds_backend):
+    state = {"credits": 0}
+
+    async def main() -> None:
+        never = anyio.Event()
+
+        async def sender(i: int) -> None:
+            with xds.waiting_for("a credit"):
+                with xds.waiting_for(lambda: f"credit {i} (holds {state['credits']})"):
+                    await never.wait()
+                await never.wait()  # unreachable; the outer note would apply here
+
+        async def broken() -> None:
+            with xds.waiting_for(lambda: 1 / 0):
+                await never.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender, 0, name="s0")
+            tg.start_soon(broken, name="s1")
+            await xds.sleep_ns(10)
+            state["credits"] = 3  # the note is rendered when the report is made
+            with xds.waiting_for("done"):
+                pass  # a note leaves with its block
+            await xds.sleep_ns(10)
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    notes = {w.name: w.waiting_for for w in info.value.waiting}
+    assert notes == {
+        "s0": "credit 0 (holds 3)",
+        "s1": "<the note could not be rendered: ZeroDivisionError: division by zero>",
+        "main": "",
+    }
+    assert "waiting for credit 0 (holds 3)" in str(info.value)
+
+
+def test_a_nested_note_gives_way_to_the_outer_one_when_its_block_ends(xds_backend):
+    async def main() -> None:
+        with xds.waiting_for("outer"):
+            with xds.waiting_for("inner"):
+                await xds.sleep_ns(1)
+            await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    assert [w.waiting_for for w in info.value.waiting] == ["outer"]
+
+
 def test_deadlock_of_main_itself(xds_backend):
     async def main() -> None:
         send, receive = anyio.create_memory_object_stream[int]()

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import xds
-from xds.errors import ConfigError, ProtocolError
+from xds.errors import ConfigError, ModelDeadlock, ProtocolError
 from xds.fabric import UBFabric
+from xds.fabric.xccl import XCCL
 from xds.fabric.xccl.a2e import AEConfig, AEGroup
 from xds.fabric.xccl.ep import EPConfig, EPGroup
 from xds.fabric.xccl.moe import ExpertMap
@@ -206,3 +207,42 @@ def test_groups_on_one_fabric_never_read_each_others_metadata():
         np.testing.assert_allclose(
             y, model.forward(xs[r], *model.route(xs[r])), rtol=1e-5, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_ranks_an_odd_number_of_events_apart_deadlock_with_a_report_naming_both(tier):
+    """eventIDs of different parity use different metadata fields (double buffering), so the
+    ranks cannot see that they disagree: like a real barrier they wait, and xds's deadlock
+    report says which eventID each rank waits in and which one its peer last joined."""
+
+    async def main():
+        g = _group(tier)
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(lambda r=r: g.dispatch(r, _x(r), _idx(r), event_id=2 if r else 1))
+
+    err = _single(main)
+    assert isinstance(err, ModelDeadlock)
+    notes = [w.waiting_for for w in err.waiting if w.waiting_for]
+    assert len(notes) == 4
+    assert any("eventID 1: rank 0 waits for rank 1" in n and "joined eventID 2" in n for n in notes)
+    assert any("eventID 2: rank 1 waits for rank 0" in n and "joined eventID 1" in n for n in notes)
+
+
+@pytest.mark.parametrize("missing", ["receive", "send"])
+def test_an_unmatched_point_to_point_operation_deadlocks_saying_what_it_waits_for(missing):
+    async def main():
+        fabric = UBFabric(POD)
+        async with XCCL(fabric) as xccl, anyio.create_task_group() as tg:
+            if missing != "send":
+                tg.start_soon(xccl.send, 0, 7, AppBuffer(0, 1 << 22), 42)
+            if missing != "receive":
+                tg.start_soon(xccl.receive, 7, 0, AppBuffer(0, 1 << 22), 42)
+
+    err = _single(main)
+    assert isinstance(err, ModelDeadlock)
+    notes = " | ".join(w.waiting_for for w in err.waiting)
+    if missing == "receive":  # the ring filled up: the sender waits for the receiver's credit
+        assert "send eventID 42, die 0 -> die 7: credit for ring slot" in notes
+    else:
+        assert "receive at die 7 from die 0: a send from die 0 (none is posted" in notes

@@ -21,6 +21,7 @@ from .runtime import (
     run,
     sleep_ns,
     sleep_until_ns,
+    waiting_for,
 )
 
 __version__ = "0.1.0"
@@ -38,4 +39,5 @@ __all__ = [
     "sleep_ns",
     "sleep_until_ns",
     "units",
+    "waiting_for",
 ]

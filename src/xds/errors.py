@@ -73,11 +73,14 @@ class WaitingTask(msgspec.Struct, frozen=True):
     """Innermost library call it is blocked in (e.g. ``Event.wait``), or ``""``."""
     called_from: str = ""
     """When ``waiting_in`` is inside xds: the innermost frame of the caller's own code."""
+    waiting_for: str = ""
+    """What the task said it waits for (:func:`xds.waiting_for`), or ``""``."""
 
     def describe(self) -> str:
         on = f" (blocked in {self.waiting_on})" if self.waiting_on else ""
         caller = f", called from {self.called_from}" if self.called_from else ""
-        return f"{self.name}: {self.waiting_in}{on}{caller}"
+        what = f"\n      waiting for {self.waiting_for}" if self.waiting_for else ""
+        return f"{self.name}: {self.waiting_in}{on}{caller}{what}"
 
 
 class ModelDeadlock(XdsError):

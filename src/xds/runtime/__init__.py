@@ -11,6 +11,7 @@ from .core import (
     run,
     sleep_ns,
     sleep_until_ns,
+    waiting_for,
 )
 from .events import Event, EventLog, read_jsonl
 from .logs import configure_logging, get_logger
@@ -37,4 +38,5 @@ __all__ = [
     "run",
     "sleep_ns",
     "sleep_until_ns",
+    "waiting_for",
 ]

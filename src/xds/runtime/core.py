@@ -10,9 +10,10 @@ returns its result. Inside the run, :func:`now_ns`, :func:`sleep_ns`, :func:`rng
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import numbers
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -103,6 +104,8 @@ class Runtime:
         self._used = False
         self._hard_stop = False
         self._trio_timers: TrioTimerWheel | None = None
+        self.waiting_notes: dict[int, str | Callable[[], str]] = {}
+        """Task id -> what that task waits for (:func:`waiting_for`), for deadlock reports."""
 
     # -- clock -------------------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -242,8 +245,11 @@ class Runtime:
 
     # -- model failures ----------------------------------------------------------------------
     def _waiting_tasks(self) -> list[WaitingTask]:
+        notes = self.waiting_notes
         tasks = (
-            waiting_asyncio_tasks(self._loop) if self._loop is not None else waiting_trio_tasks()
+            waiting_asyncio_tasks(self._loop, notes)
+            if self._loop is not None
+            else waiting_trio_tasks(notes)
         )
         # The root task runs the user's main: call it that.
         return [
@@ -395,6 +401,36 @@ def call_at_ns(when_ns: int, callback: Callable[..., object], *args: Any) -> Any
 def rng(name: str) -> np.random.Generator:
     """The current run's random stream called ``name``."""
     return current_runtime().rng(name)
+
+
+@contextlib.contextmanager
+def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
+    """Say what the current task waits for while inside the ``with`` block.
+
+    ``what`` is text, or a function returning text that is called only if a report needs it
+    (so it can describe the state at the time of the report). Costs a dictionary entry; if the
+    run deadlocks or reaches its time limit meanwhile, the report shows it beside the task, so
+    a protocol's hang explains itself::
+
+        with xds.waiting_for(lambda: f"credit from die {peer} (holds {credits[peer]})"):
+            await credit.wait()
+    """
+    rt = current_runtime()
+    if rt._loop is not None:
+        key = id(asyncio.current_task(rt._loop))
+    else:
+        import trio
+
+        key = id(trio.lowlevel.current_task())
+    outer = rt.waiting_notes.get(key)
+    rt.waiting_notes[key] = what
+    try:
+        yield
+    finally:
+        if outer is None:
+            rt.waiting_notes.pop(key, None)
+        else:
+            rt.waiting_notes[key] = outer
 
 
 def emit(component: str, event: str, **fields: Any) -> None:

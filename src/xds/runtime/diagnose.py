@@ -67,11 +67,26 @@ def _coroutine_frames(coro: Any) -> list[FrameType]:
     return frames
 
 
+Notes = dict[int, "str | Callable[[], str]"]
+"""Task id -> what it waits for (:func:`xds.waiting_for`)."""
+
+
+def _note(what: str | Callable[[], str]) -> str:
+    """A waiting note as text; a note that fails to render says so instead of hiding the
+    deadlock report behind its own error."""
+    if isinstance(what, str):
+        return what
+    try:
+        return str(what())
+    except Exception as exc:  # the report must still be raised
+        return f"<the note could not be rendered: {type(exc).__name__}: {exc}>"
+
+
 def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
     """Drop tasks that are pure library plumbing (no frame of the model's code and a name the
     library gave them), unless nothing else is left. A task the model named is kept even if it
     runs a library call directly (``tg.start_soon(event.wait, name="w")``)."""
-    tasks.sort(key=lambda w: (w.name, w.waiting_in))
+    tasks.sort(key=lambda w: (w.name, w.waiting_in, w.waiting_for, w.called_from))
     model = [w for w in tasks if w.waiting_in != "<unknown>" or not _library_named(w.name)]
     return model or tasks
 
@@ -81,14 +96,19 @@ def _library_named(name: str) -> bool:
     return name.startswith(("Task-", "<")) or "." in name
 
 
-def waiting_asyncio_tasks(loop: asyncio.AbstractEventLoop) -> list[WaitingTask]:
-    """Every unfinished asyncio task of ``loop``, sorted by name (deterministic message)."""
+def waiting_asyncio_tasks(
+    loop: asyncio.AbstractEventLoop, notes: Notes | None = None
+) -> list[WaitingTask]:
+    """Every unfinished asyncio task of ``loop``, sorted by name (deterministic message), with
+    what it said it waits for (``notes``: task id -> text, :func:`xds.waiting_for`)."""
+    notes = notes or {}
     out = []
     for task in asyncio.all_tasks(loop):
         if task.done():
             continue
         waiting_in, waiting_on, called_from = _describe_frames(_coroutine_frames(task.get_coro()))
-        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on, called_from))
+        note = _note(notes.get(id(task), ""))
+        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on, called_from, note))
     return _model_tasks(out)
 
 
@@ -123,8 +143,10 @@ def interrupt_blocked_trio_tasks(make_error: Callable[[], BaseException]) -> Non
         task._attempt_abort(raise_error)
 
 
-def waiting_trio_tasks() -> list[WaitingTask]:
-    """Every task below trio's root task, sorted by name (called from inside the run loop)."""
+def waiting_trio_tasks(notes: Notes | None = None) -> list[WaitingTask]:
+    """Every task below trio's root task, sorted by name (called from inside the run loop),
+    with what it said it waits for (``notes``, as for :func:`waiting_asyncio_tasks`)."""
+    notes = notes or {}
     out = []
     for task in _trio_tasks():
         if task.name.startswith("<"):
@@ -133,5 +155,6 @@ def waiting_trio_tasks() -> list[WaitingTask]:
         if not frames:
             continue
         waiting_in, waiting_on, called_from = _describe_frames(frames)
-        out.append(WaitingTask(task.name, waiting_in, waiting_on, called_from))
+        note = _note(notes.get(id(task), ""))
+        out.append(WaitingTask(task.name, waiting_in, waiting_on, called_from, note))
     return _model_tasks(out)

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 import anyio
 import anyio.abc
 
+from .core import waiting_for
+
 
 @contextlib.asynccontextmanager
 async def task_group_raising_single() -> AsyncIterator[anyio.abc.TaskGroup]:
@@ -72,7 +74,13 @@ class Barrier:
             await anyio.lowlevel.checkpoint()
             return ranks.pop(token)
         try:
-            await release.wait()
+            with waiting_for(
+                lambda: (
+                    f"Barrier generation {self.generation}: "
+                    f"{len(self._waiters)} of {self.parties} parties arrived"
+                )
+            ):
+                await release.wait()
         except BaseException:
             if not release.is_set():
                 self._waiters.remove(token)  # a cancelled waiter leaves this generation

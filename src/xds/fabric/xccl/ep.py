@@ -39,7 +39,7 @@ from ...config import check_fields
 from ...docfields import document_fields
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
-from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ..memory import Direction
 from ..ub import UBFabric
 from . import args, wire
@@ -178,6 +178,8 @@ class EPGroup:
         self._completion: dict[tuple[int, int], _Completion] = {}
         self._seen: dict[tuple[int, int, int], int] = {}
         """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
+        self._joined: dict[tuple[int, int], int] = {}
+        """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
 
     # -- public API ------------------------------------------------------------------------------
     async def dispatch(
@@ -381,6 +383,7 @@ class EPGroup:
                     f"capacity of {cap} (max_tokens_per_rank); nothing was written"
                 )
         costs = (round(pack_vector_ns), per_row_ns, round(post_ns))
+        self._joined[(rank, phase)] = event_id
         if self.tier == "collective":
             return await self._exchange_collective(
                 rank, event_id, phase, blocks, counts, row_bytes, costs
@@ -410,7 +413,11 @@ class EPGroup:
         key = (rank, phase, parity)
         while self._pending.get(key, 0) > 0:
             self._released[key] = anyio.Event()
-            await self._released[key].wait()
+            with waiting_for(
+                f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits until every "
+                f"peer has pulled its managed blocks of eventID parity {parity}"
+            ):
+                await self._released[key].wait()
         # Steps 1-3: load, quantise, pack by destination into the own managed area.
         pack_bytes = int(counts.sum()) * row_bytes
         t = fabric.mte_transfer(me, me, pack_bytes, start_ns=now_ns(), aivs=cfg.n_aiv)
@@ -446,7 +453,8 @@ class EPGroup:
                         f"{_PHASE_NAMES[phase]}: rank {src} wrote eventID {field.event_id} "
                         f"where rank {rank} expects {event_id} (the ranks disagree)"
                     )
-                await field.changed()
+                with waiting_for(lambda s=src: self._barrier_note(rank, s, event_id, phase)):
+                    await field.changed()
             self._seen[(rank, slot, src)] = event_id
             incoming[src] = field.chunk_id
         barrier = now_ns()
@@ -493,6 +501,32 @@ class EPGroup:
                     tg.start_soon(lane, sources)
         await sleep_ns(post_ns)
         return received, barrier
+
+    def _barrier_note(self, rank: int, waits_on: int | list[int], event_id: int, phase: int) -> str:
+        """What ``rank`` waits for in the step-5 barrier, with where each awaited rank last
+        signalled (protocol tier: the field it wrote; collective tier: the exchange it joined),
+        so a deadlock report shows ranks that disagree on the eventID."""
+        name = _PHASE_NAMES[phase]
+        if isinstance(waits_on, int):
+            field = self.fabric.memory(self.ranks[rank]).meta(
+                self.ranks[waits_on], self._fields + phase * 2 + (event_id & 1), Direction.COLL
+            )
+            return (
+                f"{name} barrier, eventID {event_id}: rank {rank} waits for rank {waits_on}'s "
+                f"metadata (that field last held eventID {field.event_id}; "
+                f"{self._last_signal(waits_on, phase)})"
+            )
+        where = "; ".join(f"rank {r}: {self._last_signal(r, phase)}" for r in waits_on[:8])
+        more = f"; and {len(waits_on) - 8} more" if len(waits_on) > 8 else ""
+        return f"{name} barrier, eventID {event_id}: rank {rank} waits for {where}{more}"
+
+    def _last_signal(self, rank: int, phase: int) -> str:
+        joined = self._joined.get((rank, phase))
+        return (
+            "it has not joined a " + _PHASE_NAMES[phase]
+            if joined is None
+            else (f"it last joined eventID {joined}")
+        )
 
     def _release(self, src: int, phase: int, parity: int) -> None:
         key = (src, phase, parity)
@@ -548,7 +582,12 @@ class EPGroup:
             del self._arrivals[key]
             done.set()
         else:
-            await done.wait()
+            with waiting_for(
+                lambda: self._barrier_note(
+                    rank, [s for s in range(self.R) if s not in arrivals], event_id, phase
+                )
+            ):
+                await done.wait()
         result = self._completion[key]
         await sleep_until_ns(int(result.end[rank]))
         received = [result.blocks[s][rank] for s in range(self.R)]

@@ -39,7 +39,7 @@ import anyio.abc
 import msgspec
 
 from ...errors import ConfigError, ProtocolError
-from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ...runtime.sync import task_group_raising_single
 from ..memory import DieMemory, Direction
 from ..ub import ENGINES, Engine, Transfer, UBFabric
@@ -280,14 +280,25 @@ class P2P:
             while previous >= 0 and pair.slot_last[slot] < previous:
                 if pair.aborted:
                     return
-                await pair.issued.wait()
+                with waiting_for(
+                    f"send eventID {msg.event_id}, die {src} -> die {dst}: ring slot {slot} "
+                    f"until this sender's lanes have issued chunk {previous}"
+                ):
+                    await pair.issued.wait()
             owner = pair.slot_owner[slot]
             if owner is not None:  # R2: wait for the credit of the slot's previous chunk
                 field = sender_mem.meta(dst, owner[0], Direction.TX)
                 while field.ack < owner[1]:
                     if pair.aborted:
                         return
-                    await field.changed()
+                    with waiting_for(
+                        lambda f=field, o=owner, s=slot: (
+                            f"send eventID {msg.event_id}, die {src} -> die {dst}: credit for "
+                            f"ring slot {s} (the receiver has ACKed {f.ack} bytes on lane "
+                            f"{o[0]}; the slot is free at {o[1]}; R2)"
+                        )
+                    ):
+                        await field.changed()
             await self.delay("sender", pair, lane)
             start = now_ns()
             if msg.engine == "dma":
@@ -369,7 +380,11 @@ class P2P:
                 raise ProtocolError(
                     f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}: {pair.poisoned}"
                 )
-            await field.changed()
+            with waiting_for(
+                f"send eventID {msg.event_id}, die {pair.src} -> die {pair.dst}: the receiver's "
+                "final ACK (step 8; has the receiver posted a receive for this message?)"
+            ):
+                await field.changed()
         if field.flags & NACK:
             raise ProtocolError(
                 f"receiver {pair.dst} rejected message eventID {msg.event_id} from {pair.src} "
@@ -486,7 +501,11 @@ class P2P:
     async def _await_descriptor(self, pair: _Pair) -> None:
         while not pair.posted:
             pair.posted_event = anyio.Event()
-            await pair.posted_event.wait()
+            with waiting_for(
+                f"receive at die {pair.dst} from die {pair.src}: a send from die {pair.src} "
+                "(none is posted on this pair)"
+            ):
+                await pair.posted_event.wait()
 
     # -- cancellation and recovery ---------------------------------------------------------------
     def _abandon(self, pair: _Pair, reason: str, *, writer: int) -> None:
@@ -595,7 +614,14 @@ class P2P:
             while field.tail_ptr < consumed + size:  # step 5: poll the local tailPtr
                 if pair.aborted:
                     return  # the sender abandoned the message: receive() reports it
-                await field.changed()
+                with waiting_for(
+                    lambda f=field, c=chunk, want=consumed + size: (
+                        f"receive eventID "
+                        f"{event_id} at die {dst} from die {src}: chunk {c} on lane {lane} "
+                        f"(tailPtr {f.tail_ptr} < {want}; step 5)"
+                    )
+                ):
+                    await field.changed()
             if field.event_id != event_id:  # R3
                 problems.append(
                     f"eventID mismatch: expected {event_id}, the sender wrote {field.event_id}"

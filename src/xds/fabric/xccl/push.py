@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
-from ...runtime import now_ns, sleep_until_ns
+from ...runtime import now_ns, sleep_until_ns, waiting_for
 from ..memory import Direction
 from ..ports import finish_ns
 from ..ub import UBFabric
@@ -149,7 +149,13 @@ class PushExchange:
         for src in sources:
             field = mem.meta(src, field_index, Direction.COLL)
             while field.event_id != event_id:
-                await field.changed()
+                with waiting_for(
+                    lambda s=src, f=field: (
+                        f"{name} eventID {event_id}: die {dst} waits for die "
+                        f"{s}'s metadata (that field holds eventID {f.event_id})"
+                    )
+                ):
+                    await field.changed()
             if field.chunk_id:
                 block = self._blocks.pop((name, src, dst, parity), None)
                 if block is None or block.rows != field.chunk_id:
@@ -167,7 +173,10 @@ class PushExchange:
             key = (name, src, dst, event_id)
             while key not in self._arrivals:  # that source has not pushed yet
                 pushed = self._pushed.setdefault((name, src, event_id), anyio.Event())
-                await pushed.wait()
+                with waiting_for(
+                    f"{name} eventID {event_id}: die {dst} waits for die {src} to push"
+                ):
+                    await pushed.wait()
             meta_at, block = self._arrivals.pop(key)
             ready = max(ready, meta_at)
             if block is not None:
