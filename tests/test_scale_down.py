@@ -448,3 +448,29 @@ def test_a_scaled_down_te_restarted_by_a_second_fault_ends_every_request():
     assert [f.kind for f in d0] == ["scale_down", "restart"]
     assert d0[1].back_ns >= 0 and 5 not in d0[1].servers  # restarted before 5 was repaired
     assert res.summary.completed + res.summary.failed == len(WL)
+
+
+@pytest.mark.parametrize(
+    ("mode", "failed_server", "remasked"),
+    [
+        ("independent", 5, ["D0/DP1"]),  # D0 restarts on 0, 4, 6, 7: DP 1 lands on (4, die 0)
+        ("restart_world", 5, ["D0/DP0"]),  # the same layout shifted: DP 0 on (4, die 0)
+        ("restart_world", 4, []),  # server 4 itself failed and was repaired: a new die
+    ],
+)
+def test_bad_memory_outlives_a_restart_of_its_te_until_the_server_is_repaired(
+    mode, failed_server, remasked
+):
+    cfg = msgspec.structs.replace(CFG, recovery=msgspec.structs.replace(CFG.recovery, mode=mode))
+    faults = [
+        MemoryFault(at_ns=1 * S, dp=0, first_block=0, blocks=20),  # DP 0: server 4, die 0
+        NodeFault(at_ns=AT, server=failed_server, repair_ns=2 * S),
+    ]
+    res = replay(WL, cfg, faults=faults, event_log=True)
+    (mask,) = res.kv_masks
+    assert (mask.server, mask.skipped) == (4, "")
+    assert mask.remasked == remasked
+    remasks = [e for e in res.events if e.event == "memory-remasked"]
+    assert [f"{e.fields['te']}/DP{e.fields['dp']}" for e in remasks] == remasked
+    if mode == "restart_world":  # DP 0 is back on server 4's die 0 either way
+        assert res.restarts[0].placement.decode[0][0] == 4

@@ -176,6 +176,7 @@ class DecodeTE:
         n, limit = config.dies, config.batch_per_die
         servers = servers or list(range(-(-n // DIES_PER_SERVER)))
         self.dp_server = [servers[dp % len(servers)] for dp in range(n)]
+        self._servers = len(servers)
         """The server each DP group (one die) runs on: striped, DP ``i`` on the ``i mod S``-th
         of the TE's ``S`` servers, so every server holds the same mix of routed-expert and
         shared-expert dies (the last ``shared_expert_dies`` DP groups) and one server's loss
@@ -351,6 +352,11 @@ class DecodeTE:
         emit("decode-te", "kv-masked", te=self.index, dp=dp, first=first_block, blocks=blocks)
         self._signal_capacity()
         return victims
+
+    def die_of(self, dp: int) -> tuple[int, int]:
+        """(server, die on that server) of DP group ``dp`` (one die each; striped as
+        :attr:`dp_server` says): where its KV's memory physically is."""
+        return self.dp_server[dp], dp // self._servers
 
     def dps_on(self, server: int, *, alive: bool = True) -> list[int]:
         """The DP groups on ``server`` that are in service (``alive``), or that a scale-down

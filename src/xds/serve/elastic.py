@@ -33,6 +33,7 @@ class Elastic:
     failovers: list[TEFailover]
     down: str
     kv_masks: list[KVMask]
+    _bad_memory: dict[tuple[int, int], list[KVMask]]
     _scaled_out: dict[int, tuple[int, DecodeTE]]
     _spares: list[int]
     _grid: list[CommCosts]
@@ -64,17 +65,36 @@ class Elastic:
         live = self._live_decode(te) and not self.down
         if not live or not te.alive[dp]:
             what = f"Decode TE {d}" if not live else f"Decode TE {d} DP {dp} (scaled down)"
-            rec.skipped = f"{what} was not in service (its memory is set up afresh on return)"
+            rec.skipped = f"{what} was not in service (no KV of it to mask)"
             emit("node", "memory-fault-skipped", te=rec.te, dp=dp)
             return
         emit("node", "memory-fault", te=rec.te, dp=dp, first=fault.first_block)
         last = fault.first_block + fault.blocks - 1
         victims = set(te.memory_fault(dp, fault.first_block, fault.blocks))
+        rec.server = te.dp_server[dp]
+        self._bad_memory.setdefault(te.die_of(dp), []).append(rec)
         reason = (
             f"KV lost to an on-chip memory fault on Decode TE {d} DP {dp} (blocks "
             f"{fault.first_block}..{last} masked)"
         )
         rec.failed = self._fail_held(lambda r, w: r in victims, reason)
+
+    def _remask(self, te: DecodeTE) -> None:
+        """A Decode TE (re)started: mask again the bad memory under any of its DP groups (the
+        remap is CANN's, per die; a new process on the die inherits it). Its DP groups are
+        empty, so nothing fails."""
+        if not self._bad_memory:
+            return
+        for dp in range(te.config.dies):
+            for rec in self._bad_memory.get(te.die_of(dp), ()):
+                te.memory_fault(dp, rec.first_block, rec.blocks)
+                rec.remasked.append(f"D{te.index}/DP{dp}")
+                emit("node", "memory-remasked", te=f"D{te.index}", dp=dp, first=rec.first_block)
+
+    def _repaired_memory(self, server: int) -> None:
+        """``server`` was repaired (its faulty parts replaced): its dies' masks go."""
+        for die in [die for die in self._bad_memory if die[0] == server]:
+            del self._bad_memory[die]
 
     async def _scale_down(self, d: int, server: int, why: str) -> str:
         """Decode vertical scale-down (P119): Decode TE ``d`` drops its DP groups and EP ranks

@@ -134,6 +134,9 @@ class Failover(Elastic):
         self._retired_iterations = 0
         self._retired_busy: dict[int, int] = {}
         self.kv_masks: list[KVMask] = []
+        self._bad_memory: dict[tuple[int, int], list[KVMask]] = {}
+        """(server, die on it) -> the memory faults masked there; the mask outlives a restart of
+        the TE on that die and goes when the server is repaired (:mod:`xds.serve.elastic`)."""
         self._scaled_out: dict[int, tuple[int, DecodeTE]] = {}
         """Servers a Decode TE scaled down without: server -> (TE index, that TE)."""
 
@@ -248,6 +251,7 @@ class Failover(Elastic):
             self._free_servers()  # (a TE waiting for servers re-checks its options)
             return
         emit("k8s", "untaint", server=fault.server)
+        self._repaired_memory(fault.server)
         if fault.server in self._scaled_out:  # its Decode TE scaled down: scale back up
             try:  # still a pending repair while it rejoins (a TE waiting for servers waits)
                 await self._scale_up(fault.server)

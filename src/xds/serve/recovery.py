@@ -99,6 +99,11 @@ class KVMask(msgspec.Struct, kw_only=True):
     """Requests whose KV lay in the masked blocks."""
     skipped: str = ""
     """Why nothing was masked (the TE or DP group was not in service), else ""."""
+    server: int = -1
+    """The server whose die holds the bad memory (-1 when skipped)."""
+    remasked: list[str] = []
+    """Decode DP groups (``D<d>/DP<dp>``) that a restarted TE placed on this die and whose KV
+    was masked again, because the bad memory outlives the process (until the server's repair)."""
 
 
 class TEFailover(msgspec.Struct, kw_only=True):

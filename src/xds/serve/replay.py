@@ -322,7 +322,7 @@ class Replay(Failover):
         )
 
     def _new_decode_te(self, d: int) -> DecodeTE:
-        return DecodeTE(
+        te = DecodeTE(
             self.config.decode,
             self._grid,
             index=d,
@@ -331,6 +331,8 @@ class Replay(Failover):
             routing=self._decode_routing,
             servers=self.placement.decode[d],
         )
+        self._remask(te)
+        return te
 
     def _grid_of(self, config: DecodeConfig) -> list[CommCosts]:
         """Dispatch/combine costs of a Decode TE of ``config`` (a scale-down's smaller TE)."""
