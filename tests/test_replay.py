@@ -1005,3 +1005,31 @@ def test_the_job_executor_stops_choosing_a_failed_pair():
     assert both.summary.completed == 0 and both.summary.failed == 24
     reasons = {x.reason for x in both.records}
     assert any("every DistFlow pair from P" in r for r in reasons)
+
+
+def test_decode_jitter_lengthens_iterations_in_a_replay_and_mitigations_shrink_it():
+    wl = production_workload(30, rate_per_s=6.0, seed=1)
+
+    def tpot(jitter: JitterConfig) -> float:
+        base = pd_config("production-4p1d")
+        cfg = msgspec.structs.replace(
+            base, decode=msgspec.structs.replace(base.decode, jitter=jitter)
+        )
+        return replay(wl, cfg).summary.tpot_ms.mean
+
+    off = tpot(JitterConfig(enabled=False))
+    mitigated = tpot(JitterConfig(enabled=True))
+    raw = tpot(JitterConfig(enabled=True, manual_gc=False, core_pinning=False, graph_cache=False))
+    assert off < mitigated < raw
+    assert mitigated < off * 1.05  # pinned cores and manual GC: a small cost
+    assert raw > off * 1.5  # 128 DPs: someone is nearly always preempted, GC'd or recompiling
+
+
+def test_online_eplb_in_a_replay_is_refused_naming_the_field():
+    from xds.serve.eplb.online import OnlineEPLBConfig
+
+    base = pd_config("production-4p1d")
+    decode = msgspec.structs.replace(base.decode, dies=272, eplb=OnlineEPLBConfig())  # valid
+    with pytest.raises(ConfigError) as err:
+        msgspec.structs.replace(base, decode=decode)
+    assert err.value.field == "decode.eplb"

@@ -72,6 +72,24 @@ def test_a_burst_between_snapshots_spreads_across_dps():
     assert router.route("next", 2048) == 0
 
 
+def test_a_request_whose_kv_the_dp_took_counts_once():
+    router = DecodeRouter(2, 10, block_tokens=128)
+    router.route("a", 1280)  # 10 output blocks reserved on DP 0
+    assert router.dps[0].kv_reserved_blocks == 10
+    router.kv_taken("a")  # DP 0 now holds input + output: 20 + 10 blocks
+    router.snapshot_kv([30, 0])
+    assert (router.dps[0].kv_used_blocks, router.dps[0].kv_reserved_blocks) == (30, 0)
+    assert router.dps[0].pending == 1  # still pending until admitted
+    router.admitted("a")
+    router.finished("a")
+    assert router.dps[0].kv_reserved_blocks == 0 and router.dps[0].active == 0
+    # a DP with 25 blocks used beats one with 30 (not 30 + a stale 10 reserved)
+    router.route("b", 1280)
+    router.kv_taken("b")
+    router.snapshot_kv([30, 25])
+    assert router.route("c", 1280) == 1
+
+
 def test_router_errors():
     router = DecodeRouter(2, 1)
     router.route("a", 10)

@@ -34,11 +34,13 @@ from .decode import (
     decode_kv_capacity,
     measure_comm,
 )
+from .jitter import JitterConfig, sample_dps
 from .kv import KVBlockManager
 from .mtp import tokens_per_step
 from .routing import BACKPRESSURE, DecodeRouter, DecodeRouting, lowest_kv
 
 _GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
+_NO_JITTER = JitterConfig(enabled=False)
 
 
 def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
@@ -46,7 +48,8 @@ def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
 
     Each point is a collective-tier run of its own (seeded, so deterministic) on the default
     pod; the grid of a configuration is computed once per process (the last few are kept)."""
-    key = (msgspec.json.encode(config), seed)
+    # host jitter does not touch the fabric: configurations differing only there share a grid
+    key = (msgspec.json.encode(msgspec.structs.replace(config, jitter=_NO_JITTER)), seed)
     grid = _GRIDS.get(key)
     if grid is None:
         if len(_GRIDS) >= 16:  # a sweep over many configurations: keep memory bounded
@@ -185,6 +188,7 @@ class DecodeTE:
         self.alive = np.ones(n, dtype=bool)
         """DP groups in service (a scale-down clears those of the failed server)."""
         self._alive_idx = np.arange(n)
+        self._no_jitter = np.zeros(n, dtype=np.int64)
         self._holds = 0
         self._resumed = anyio.Event()
         self._epoch = 0
@@ -277,6 +281,7 @@ class DecodeTE:
             emit("decode-te", "recv-deferred", request=record.request_id, dp=dp)
             await self._wait_capacity()
         self.kv[dp].admit(record.request_id, tokens)
+        self.router.kv_taken(record.request_id)
         self.router.snapshot_kv([k.used for k in self.kv])
 
     def enqueue(self, dp: int, record: RequestRecord) -> None:
@@ -425,6 +430,7 @@ class DecodeTE:
     async def run(self) -> None:
         k = self.config.mtp.k
         gen = rng(f"decode-te/{self.index}/iteration")
+        jitter_gen = rng(f"decode-te/{self.index}/jitter")
         mtp_gen = rng(f"decode-te/{self.index}/mtp")
         while True:
             if self._holds:
@@ -446,8 +452,8 @@ class DecodeTE:
             widest = int(seqs.max())
             self.model.comm = interpolate(self.grid, widest * (1 + k))
             self.model.comm_mtp = interpolate(self.grid, widest)
-            out = self.model.iteration(seqs, ctx, np.zeros(len(idx), dtype=np.int64), gen)
-            step = out.time_ns + cfg.scheduler_gap_ns
+            out = self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
+            step = out.time_ns + cfg.scheduler_gap_ns + self._jitter(out, jitter_gen, len(idx))
             epoch, owners = self._epoch, self.slot_req.copy()
             await sleep_ns(step)
             if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
@@ -471,6 +477,18 @@ class DecodeTE:
             if ended.any():
                 for dp, s in zip(*np.nonzero(ended), strict=True):
                     self._finish(int(dp), int(s), t)
+
+    def _jitter(self, out: IterationOutcome, gen: np.random.Generator, dps: int) -> int:
+        """Host jitter of this iteration (SPEC 6.5, ``config.jitter``): each DP group's delay
+        before its first dispatch, absorbed by that all-die barrier (the iteration grows by
+        the most any DP's delay exceeds its slack there), plus the longest between-pass pause.
+        ``out`` is the jitter-free iteration (cached by shape), whose first dispatch kernels
+        measure each DP's slack: the barrier wait it had to spare."""
+        before, between = sample_dps(self.config.jitter, gen, self.iterations, dps)
+        if not before.any():
+            return between
+        slack = out.first_dispatch_ns - self.model.comm.dispatch_ns
+        return max(0, int((before - slack).max())) + between
 
     def _finish(self, dp: int, s: int, t: int) -> None:
         req = int(self.slot_req[dp, s])

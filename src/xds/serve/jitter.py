@@ -79,4 +79,29 @@ def sample(config: JitterConfig, rng: np.random.Generator, iteration: int) -> It
     return IterationJitter(inside, between)
 
 
+def sample_dps(
+    config: JitterConfig, rng: np.random.Generator, iteration: int, dps: int
+) -> tuple[np.ndarray, int]:
+    """:func:`sample` for ``dps`` DP groups at once, from one stream (a PD replay's Decode TE):
+    each DP's delay before its first dispatch, and the longest between-pass pause."""
+    inside = np.zeros(dps, dtype=np.int64)
+    if not config.enabled:
+        return inside, 0
+    between = 0
+    if config.manual_gc:
+        if (iteration + 1) % config.gc_every_n == 0:
+            between = config.gc_pause_ns
+    else:
+        inside += (rng.random(dps) < config.auto_gc_probability) * config.gc_pause_ns
+    if config.core_pinning:
+        inside += rng.exponential(config.pinned_noise_mean_ns, dps).astype(np.int64)
+    else:
+        hit = rng.random(dps) < config.preempt_probability
+        inside += (hit * rng.exponential(config.preempt_mean_ns, dps)).astype(np.int64)
+    if not config.graph_cache:
+        inside += config.guard_ns
+        inside += (rng.random(dps) < config.recompile_probability) * config.recompile_ns
+    return inside, between
+
+
 document_fields(JitterConfig)

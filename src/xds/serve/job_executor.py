@@ -39,14 +39,15 @@ class DecodeTEView(msgspec.Struct, frozen=True):
     sequences: int
     """Sequences routed to the TE (decoding, or routed and waiting for their KV)."""
     kv_used_blocks: int
-    """KV blocks in use over the TE's DPs (the last periodic snapshot)."""
+    """KV blocks in use over the TE's DPs (as the DP groups last reported it)."""
 
 
 PrefillTESelection = Callable[[Request, Sequence[PrefillTEView]], int]
 """(the request, the Prefill TEs that may serve it) -> the chosen view's ``te``."""
 
 DecodeTESelection = Callable[[Request, Sequence[DecodeTEView]], int]
-"""(the request, every Decode TE) -> the chosen view's ``te``."""
+"""(the request, the Decode TEs in service whose DistFlow pair with its Prefill TE works) -> the
+chosen view's ``te``."""
 
 
 def earliest_first_token(request: Request, tes: Sequence[PrefillTEView]) -> int:

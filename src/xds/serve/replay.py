@@ -99,7 +99,8 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     )
     """Decode TE (DP128/EP128, TP1). ``batch_per_die`` is the TE-shell's batch limit
     ([emulator choice] 32; SPEC 12.4 does not give it); ``input_tokens``/``output_tokens``
-    are unused in a replay (lengths come from the workload)."""
+    are unused in a replay (lengths come from the workload). ``jitter`` applies per iteration
+    (off here, as the paper's production runs with its mitigations); ``eplb`` must be None."""
     decode_tes: Annotated[int, Meta(ge=1)] = 1
     max_context_tokens: Annotated[int, Meta(ge=1)] = 131_072
     """DeepSeek-R1's 128K context (SPEC 12.4): longer requests fail with this reason."""
@@ -138,6 +139,13 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 field="decode_tes"
                 if self.decode_tes * self.decode.dies > dies // 2
                 else "prefill.tes",
+            )
+        if self.decode.eplb is not None:
+            raise ConfigError(
+                "online EPLB (decode.eplb) runs in the colocated decode group (`xds decode`, "
+                "xds.serve.decode); a PD replay's Decode TE routes tokens uniformly over its "
+                "static expert placement: leave decode.eplb unset",
+                field="decode.eplb",
             )
         if self.kv_transfer == "xccl" and dies > 768:
             raise ConfigError(

@@ -2,9 +2,12 @@
 
 Each request is routed once: DP groups at their batch limit (active + pending >= limit) are
 excluded; among the rest the one with the lowest ``kv_used + kv_reserved + reservation`` wins,
-ties to the lowest index. ``kv_used`` is the last periodic snapshot (it may be stale);
-pending counts and reservations update immediately, so a burst between snapshots still
-spreads. When no DP qualifies the router answers :data:`BACKPRESSURE` and the caller holds the
+ties to the lowest index. ``kv_used`` is the last snapshot the DP groups reported
+(:meth:`DecodeRouter.snapshot_kv`; the paper collects it periodically, a PD replay's Decode
+TE reports at every change); pending counts and reservations update immediately, so a burst
+between snapshots still spreads. A reservation covers the output's KV until the DP group takes
+the whole sequence's blocks (:meth:`DecodeRouter.kv_taken`), after which its KV figure counts
+them. When no DP qualifies the router answers :data:`BACKPRESSURE` and the caller holds the
 request until capacity frees (it is never dropped).
 
 The choice among the eligible DPs is pluggable: pass ``routing=`` a function
@@ -42,8 +45,9 @@ class DPLoad(msgspec.Struct):
     active: int = 0
     pending: int = 0
     kv_used_blocks: int = 0
-    """Last periodic snapshot."""
+    """KV blocks held, as last reported (:meth:`DecodeRouter.snapshot_kv`)."""
     kv_reserved_blocks: int = 0
+    """Output KV reserved for requests routed here whose blocks the DP has not taken yet."""
 
 
 DecodeRouting = Callable[[Sequence[int], Sequence[DPLoad], int], int]
@@ -126,6 +130,14 @@ class DecodeRouter:
         dp.pending -= 1
         dp.active += 1
 
+    def kv_taken(self, request: object) -> None:
+        """The DP group now holds the request's whole sequence of KV, so its KV figure
+        (:meth:`snapshot_kv`) counts the output too: the output reservation made at routing
+        goes (it would count those blocks twice). The request stays pending until admitted."""
+        dp_index, reserve = self._reservation(request)
+        self.dps[dp_index].kv_reserved_blocks -= reserve
+        self._reservations[request] = (dp_index, 0)
+
     def finished(self, request: object) -> None:
         """The request completed or failed (admitted or still pending): counts and its
         reservation return to baseline."""
@@ -159,7 +171,7 @@ class DecodeRouter:
         self.dps[dp_index] = DPLoad(batch_limit)
 
     def snapshot_kv(self, used_blocks: list[int]) -> None:
-        """The periodic KV metric collection (P059)."""
+        """The KV metric collection (P059: periodic in the paper; callers choose when)."""
         if len(used_blocks) != len(self.dps):
             raise ConfigError("one KV figure per DP group", field="used_blocks")
         for dp, used in zip(self.dps, used_blocks, strict=True):
