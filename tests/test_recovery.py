@@ -91,6 +91,33 @@ def test_too_few_healthy_servers_keep_the_engine_down_and_every_request_ends():
     assert late and all("cannot hold the Decode TEs" in r.reason for r in late)
 
 
+def test_an_engine_down_for_want_of_servers_restarts_when_repairs_give_it_room():
+    faults = [NodeFault(at_ns=3 * S, server=s, repair_ns=8 * S) for s in (0, 1, 2, 3, 6)]
+    wl = Workload(tuple(Request(i, i * 200 * MS, 1500, 40) for i in range(120)))  # 24 s
+    res = replay(wl, CFG, faults=faults, event_log=True)
+    (restart,) = res.restarts
+    assert restart.attempts == 2 and restart.prefill_tes == 3  # all five repaired at 11 s
+    assert restart.prefill_up_ns == 11 * S + CFG.recovery.decode_restart_ns + 2 * S
+    assert len(res.events.select("engine", "restart-after-repair")) == 1
+    down = [r for r in res.records if 10 * S <= r.arrival_ns < 11 * S]  # placed at 9.5 s
+    assert down and all("cannot hold the Decode TEs" in r.reason for r in down)
+    again = [r for r in res.records if 11 * S <= r.arrival_ns < restart.prefill_up_ns]
+    assert again and all("restarting again: repairs gave it room" in r.reason for r in again)
+    later = [r for r in res.records if r.arrival_ns > restart.prefill_up_ns]
+    assert later and all(r.outcome == "completed" for r in later)
+
+
+def test_a_killed_prefill_te_comes_back_when_a_repair_frees_servers():
+    fault = NodeFault(at_ns=3 * S, server=6, repair_ns=5 * S)  # repaired at 8 s
+    res = replay(LONG, IND, faults=[fault], event_log=True)
+    decode, killed = res.failovers
+    assert killed.te == "P0" and "killed to preserve Decode TE 0" in killed.reason
+    assert killed.back_ns == 8 * S + CFG.recovery.prefill_restart_ns
+    assert killed.servers == [1, 6]  # its healthy server and the repaired one
+    later = [r for r in res.records if r.arrival_ns > killed.back_ns]
+    assert any(r.prefill_placement.startswith("P0") for r in later)
+
+
 def test_a_repaired_node_serves_again_at_the_next_restart():
     faults = [
         NodeFault(at_ns=1 * S, server=2, repair_ns=10 * S),  # untainted at 11 s

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 
-from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from .elastic import Elastic
 from .recovery import KVMask, NodeFault, Placement, Restart, TEFailover, restart_placement
 
@@ -115,6 +115,8 @@ class Failover(Elastic):
         self._decode_down: set[int] = set()
         self._decode_back = anyio.Event()
         self._decode_lost: dict[int, str] = {}
+        self._decode_waiting: set[int] = set()
+        """Decode TEs waiting for servers to restart on (they go before any Prefill TE)."""
         """Decode TEs that cannot come back (too few healthy servers, no repair pending)."""
         self._pending_repairs = 0
         self._prefill_restarting = 0
@@ -290,28 +292,28 @@ class Failover(Elastic):
         self._retired_iterations += sum(d.iterations for d in self.decode)
         restart = Restart(reason=reason, started_ns=started, failed=failed)
         self.restarts.append(restart)
-        await sleep_ns(rc.decode_restart_ns)  # Decode first (P118)
-        restart.decode_up_ns = now_ns()
-        emit("engine", "decode-restarted")
-        await sleep_ns(rc.prefill_restart_ns)
-        placement = restart_placement(
-            servers=cfg.servers,
-            tainted=self.tainted,
-            prefill_tes=cfg.prefill.tes,
-            prefill_servers_per_te=cfg.prefill_servers_per_te,
-            decode_tes=cfg.decode_tes,
-            decode_servers_per_te=cfg.decode_servers // cfg.decode_tes,
-        )
-        tes = len(placement.prefill)
-        restart.prefill_tes, restart.placement = tes, placement
-        if not tes:
+        while True:
+            await sleep_ns(rc.decode_restart_ns)  # Decode first (P118)
+            restart.decode_up_ns = now_ns()
+            emit("engine", "decode-restarted")
+            await sleep_ns(rc.prefill_restart_ns)
+            placement = self._world_placement()
+            tes = len(placement.prefill)
+            restart.prefill_tes, restart.placement = tes, placement.copy()
+            if tes:
+                break
             self.down = (
                 f"{reason}: {cfg.servers - len(self.tainted)} untainted servers cannot hold "
                 f"the Decode TEs ({cfg.decode_servers} servers) and a Prefill TE "
                 f"({cfg.prefill_servers_per_te})"
             )
             emit("engine", "down", reason=self.down)
-            return
+            # down until repairs give it room: then it restarts (Decode, then Prefill) again
+            if not await self._await_servers(lambda: bool(self._world_placement().prefill)):
+                return
+            restart.attempts += 1
+            self.down = f"{reason} (restarting again: repairs gave it room)"
+            emit("engine", "restart-after-repair")
         restart.prefill_up_ns = now_ns()
         emit("engine", "prefill-restarted", prefill_tes=tes)
         self.placement = placement
@@ -322,6 +324,28 @@ class Failover(Elastic):
         self._build_distflow(None)  # type: ignore[attr-defined]
         self._start_engine()  # type: ignore[attr-defined]
         self.down = ""
+
+    def _world_placement(self) -> Placement:
+        """Where a restart of the world would put the TEs now (untainted servers only)."""
+        cfg = self.config
+        return restart_placement(
+            servers=cfg.servers,
+            tainted=self.tainted,
+            prefill_tes=cfg.prefill.tes,
+            prefill_servers_per_te=cfg.prefill_servers_per_te,
+            decode_tes=cfg.decode_tes,
+            decode_servers_per_te=cfg.decode_servers // cfg.decode_tes,
+        )
+
+    async def _await_servers(self, enough: Callable[[], bool]) -> bool:
+        """Wait until ``enough()`` (re-checked whenever servers return to the pool); False at
+        once if it is not and no repair is pending (nothing will change)."""
+        while not enough():
+            if not self._pending_repairs:
+                return False
+            with waiting_for(f"a repair ({self._pending_repairs} pending) freeing servers"):
+                await self._servers_freed.wait()
+        return True
 
     # -- stage 2 ---------------------------------------------------------------------------------
     async def _prefill_failover(self, k: int, reason: str) -> None:
@@ -338,7 +362,37 @@ class Failover(Elastic):
             self._release_prefill_servers(k)
             self._free_servers()
             emit("failover", "stays-down", te=f"P{k}")
+            await self._prefill_comeback(k, rec)
             return
+        self._prefill_up(k, rec, servers)
+
+    async def _prefill_comeback(self, k: int, rec: TEFailover) -> None:
+        """A Prefill TE left down for want of servers (or killed to preserve a Decode TE)
+        restarts once repairs give it a whole group of servers that no Decode TE is waiting
+        for (Decode has priority, P118-P119); without pending repairs it stays down."""
+        need = self.config.prefill_servers_per_te
+        while True:
+            if not await self._await_servers(
+                lambda: not self._decode_waiting and len(self._spares) >= need
+            ):
+                return
+            servers = self._servers_for([], need)
+            assert servers is not None
+            self.placement.prefill[k] = servers
+            emit("failover", "restart-after-repair", te=f"P{k}")
+            self._prefill_restarting += 1
+            try:
+                await sleep_ns(self.config.recovery.prefill_restart_ns)
+            finally:
+                self._prefill_restarting -= 1
+            if not set(servers) & self.tainted:
+                break
+            self._release_prefill_servers(k)  # a server failed meanwhile: try again
+            self._free_servers()
+        self._prefill_up(k, rec, servers)
+
+    def _prefill_up(self, k: int, rec: TEFailover, servers: list[int]) -> None:
+        """Prefill TE ``k`` serves again on ``servers``."""
         self.placement.prefill[k] = servers
         self.prefill[k] = self._new_prefill_te(k)  # type: ignore[attr-defined]
         self._start_prefill_te(k)
@@ -367,7 +421,12 @@ class Failover(Elastic):
                     self._decode_back = anyio.Event()
                     emit("failover", "stays-down", te=f"D{d}")
                     return
-                await self._servers_freed.wait()  # a repair may bring one back
+                self._decode_waiting.add(d)
+                try:
+                    with waiting_for(f"servers to restart Decode TE {d} on"):
+                        await self._servers_freed.wait()  # a repair may bring one back
+                finally:
+                    self._decode_waiting.discard(d)
                 continue
             self.placement.decode[d] = servers
             await sleep_ns(cfg.recovery.decode_restart_ns)
@@ -412,9 +471,12 @@ class Failover(Elastic):
         return self._servers_for(self.placement.decode[d], need)
 
     def _kill_prefill(self, k: int, reason: str) -> None:
-        """Take Prefill TE ``k`` down for good; its healthy servers become spares."""
-        self._prefill_down_now(k, reason)
+        """Take Prefill TE ``k`` down; its healthy servers become spares. It comes back when
+        repairs give it servers again (:meth:`_prefill_comeback`)."""
+        rec = self._prefill_down_now(k, reason)
         self._release_prefill_servers(k)
+        assert self._system is not None
+        self._system.start_soon(self._prefill_comeback, k, rec, name=f"prefill-comeback-{k}")
 
     def _prefill_down_now(self, k: int, reason: str) -> TEFailover:
         """Prefill TE ``k`` stops: its tasks end and the requests whose KV it holds fail."""

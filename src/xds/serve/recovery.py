@@ -139,15 +139,24 @@ class Restart(msgspec.Struct, kw_only=True):
     prefill_tes: int = -1
     """Prefill TEs after the restart (0: the engine could not come back)."""
     placement: Placement | None = None
-    """The servers each TE restarted on."""
+    """The servers each TE restarted on (a copy: later changes do not show here)."""
+    attempts: int = 1
+    """Restarts tried: more than one when too few servers were healthy and the engine stayed
+    down until repairs gave it room."""
 
 
 class Placement(msgspec.Struct, frozen=True):
-    """Servers of each TE after a restart (none of them tainted)."""
+    """Servers of each TE. A replay's live placement (``Replay.placement``) changes in place
+    as TEs fail over, scale down or come back; a restart-the-world computes a new one on
+    untainted servers (:func:`restart_placement`)."""
 
     decode: list[list[int]]
     prefill: list[list[int]]
     """Empty if the engine cannot come back (the Decode TEs, or a Prefill TE, do not fit)."""
+
+    def copy(self) -> Placement:
+        """A copy whose server lists do not change with this one."""
+        return Placement([list(s) for s in self.decode], [list(s) for s in self.prefill])
 
 
 def restart_placement(
