@@ -91,3 +91,91 @@ def test_a_mover_is_deterministic_and_checked():
 
     with pytest.raises(ConfigError, match="needs kv_transfer = 'xccl'"):
         replay(WL, SMALL, kv_mover=send_without_fabric)
+
+
+def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_error():
+    def not_async(move: KVMove) -> None:
+        move.book(move.part_bytes)
+
+    with pytest.raises(
+        ConfigError, match="kv_mover 'not_async' returned NoneType, not an awaitable"
+    ):
+        replay(WL, SMALL, kv_mover=not_async)  # type: ignore[arg-type]
+
+    async def forgets_to_wait(move: KVMove) -> None:
+        move.book(move.part_bytes)
+
+    with pytest.raises(ConfigError, match="before the parts it booked land") as err:
+        replay(WL, SMALL, kv_mover=forgets_to_wait)
+    assert err.value.field == "kv_mover"
+
+    async def event_zero(move: KVMove) -> None:
+        await move.send(0, move.part_bytes[0], 0)
+
+    with pytest.raises(
+        ConfigError, match=r"send\(\) takes an eventID in 1..2\*\*64-1, got 0"
+    ) as err:
+        replay(WL, msgspec.structs.replace(SMALL, kv_transfer="xccl"), kv_mover=event_zero)
+    assert err.value.field == "event"
+
+
+def test_a_link_going_down_mid_move_interrupts_the_mover_and_it_runs_again_after():
+    from xds.serve.replay import DistFlowFault
+
+    calls = [0]
+
+    async def slow_mover(move: KVMove) -> None:  # 200x the bytes: a move of several ms
+        calls[0] += 1
+        await xds.sleep_until_ns(move.book([b * 200 for b in move.part_bytes]))
+
+    one = Workload((Request(0, 0, 3000, 12),))
+    base = replay(one, SMALL, kv_mover=slow_mover, event_log=True)
+    (recv,) = base.events.select("distflow", "recv")
+    took = base.records[0].kv_transfer_ns
+    pair = recv.fields["pair"]  # "P<k>-D0"
+    cut = DistFlowFault(
+        at_ns=recv.t_ns + took // 2,
+        prefill_te=int(pair[1 : pair.index("-")]),
+        kind="link_down",
+        duration_ns=50 * MS,
+    )
+    calls[0] = 0
+    res = replay(one, SMALL, kv_mover=slow_mover, faults=[cut], event_log=True)
+    rec = res.records[0]
+    assert rec.outcome == "completed"
+    assert len(res.events.select("distflow", "move-interrupted")) == 1 and calls[0] == 2
+    # half a move, the outage, then a whole fresh move
+    assert rec.kv_transfer_ns >= took // 2 + 50 * MS + took - 1_000
+
+
+# -- the policy slots: one clear error naming the slot ------------------------------------------
+
+
+def test_policies_must_be_plain_functions_of_the_right_arity():
+    async def async_router(eligible, dps, reserve):
+        return eligible[0]
+
+    with pytest.raises(ConfigError, match="decode_routing policy 'async_router' is async") as err:
+        replay(WL, SMALL, decode_routing=async_router)
+    assert err.value.field == "decode_routing"
+    with pytest.raises(ConfigError, match="must take 3 positional arguments") as err:
+        replay(WL, SMALL, decode_routing=lambda eligible, dps: eligible[0])  # type: ignore[arg-type]
+    assert err.value.field == "decode_routing"
+    with pytest.raises(ConfigError, match=r"prefill_placement policy .* must take 2") as err:
+        replay(WL, SMALL, prefill_placement=lambda job: 0)  # type: ignore[arg-type]
+
+
+def test_a_policy_sees_copies_and_its_errors_name_its_slot():
+    def sneaky(eligible, dps, reserve):
+        eligible.append(0)  # the offer is a tuple: this raises, naming the slot
+        return 0
+
+    with pytest.raises(AttributeError) as err:
+        replay(WL, SMALL, decode_routing=sneaky)
+    assert "(raised by the decode_routing policy 'sneaky' for request 0)" in err.value.__notes__
+
+    def edits_views(request, tes):
+        return tes[0].te
+
+    res = replay(WL, SMALL, prefill_te_selection=edits_views)
+    assert all(r.prefill_placement.startswith("P0") for r in res.records)

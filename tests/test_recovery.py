@@ -111,7 +111,8 @@ def test_a_killed_prefill_te_comes_back_when_a_repair_frees_servers():
     fault = NodeFault(at_ns=3 * S, server=6, repair_ns=5 * S)  # repaired at 8 s
     res = replay(LONG, IND, faults=[fault], event_log=True)
     decode, killed = res.failovers
-    assert killed.te == "P0" and "killed to preserve Decode TE 0" in killed.reason
+    assert decode.te == "D0" and killed.te == "P0"
+    assert "killed to preserve Decode TE 0" in killed.reason
     assert killed.back_ns == 8 * S + CFG.recovery.prefill_restart_ns
     assert killed.servers == [1, 6]  # its healthy server and the repaired one
     later = [r for r in res.records if r.arrival_ns > killed.back_ns]

@@ -75,12 +75,43 @@ class WaitingTask(msgspec.Struct, frozen=True):
     """When ``waiting_in`` is inside xds: the innermost frame of the caller's own code."""
     waiting_for: str = ""
     """What the task said it waits for (:func:`xds.waiting_for`), or ``""``."""
+    own_code: bool = False
+    """The task runs code of the caller's own (outside xds and the async libraries)."""
 
     def describe(self) -> str:
         on = f" (blocked in {self.waiting_on})" if self.waiting_on else ""
         caller = f", called from {self.called_from}" if self.called_from else ""
         what = f"\n      waiting for {self.waiting_for}" if self.waiting_for else ""
         return f"{self.name}: {self.waiting_in}{on}{caller}{what}"
+
+
+def describe_waiting(waiting: Sequence[WaitingTask], limit: int = 40) -> list[str]:
+    """Report lines for the waiting tasks: those that say what they wait for first, then
+    those waiting in the caller's own code, then the rest (xds's own plumbing); tasks waiting
+    at the same place for the same thing share one line."""
+    groups: dict[tuple[str, str, str, str], list[WaitingTask]] = {}
+    for w in waiting:
+        groups.setdefault((w.waiting_in, w.waiting_on, w.called_from, w.waiting_for), []).append(w)
+
+    def rank(tasks: list[WaitingTask]) -> tuple[int, str]:
+        w = tasks[0]
+        return (0 if w.waiting_for else 1 if w.own_code else 2), w.name
+
+    ordered = sorted(groups.values(), key=rank)
+    lines = []
+    for tasks in ordered[:limit]:
+        line = f"  - {tasks[0].describe()}"
+        others = [w.name for w in tasks[1:]]
+        if others:
+            also = ", ".join(others[:3]) + (
+                f" and {len(others) - 3} more" if len(others) > 3 else ""
+            )
+            line = line.replace(tasks[0].name + ":", f"{tasks[0].name} (also {also}):", 1)
+        lines.append(line)
+    if len(ordered) > limit:
+        rest = sum(len(t) for t in ordered[limit:])
+        lines.append(f"  ... and {rest} more task(s) elsewhere")
+    return lines
 
 
 class ModelDeadlock(XdsError):
@@ -97,11 +128,7 @@ class ModelDeadlock(XdsError):
             f"model deadlock at t={t_ns} ns: {len(self.waiting)} task(s) waiting, "
             "nothing runnable, no timer pending"
         ]
-        shown = self.waiting[:40]
-        lines += [f"  - {w.describe()}" for w in shown]
-        if len(self.waiting) > len(shown):
-            lines.append(f"  ... and {len(self.waiting) - len(shown)} more")
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(lines + describe_waiting(self.waiting)))
 
 
 class ModelTimeLimit(XdsError):
@@ -122,11 +149,7 @@ class ModelTimeLimit(XdsError):
             else f"virtual-time limit of {limit_ns} ns reached"
         )
         lines = [f"{what} (next event due after it): {len(self.waiting)} task(s) still waiting"]
-        shown = self.waiting[:40]
-        lines += [f"  - {w.describe()}" for w in shown]
-        if len(self.waiting) > len(shown):
-            lines.append(f"  ... and {len(self.waiting) - len(shown)} more")
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(lines + describe_waiting(self.waiting)))
 
 
 class ModelLivelock(XdsError):

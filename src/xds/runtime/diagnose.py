@@ -16,12 +16,21 @@ _RUNTIME_DIR = os.path.dirname(__file__) + os.sep
 _XDS_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
+_LIBRARY_MODULES = ("contextlib", "functools")
+"""Standard-library modules whose frames are plumbing too (async context managers)."""
+
+
 def _library_dirs() -> tuple[str, ...]:
+    """Directory (and file) prefixes of frames that are not the model's own."""
     dirs = [_RUNTIME_DIR]
     for name in _LIBRARY_PACKAGES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
             dirs.append(os.path.dirname(module.__file__) + os.sep)
+    for name in _LIBRARY_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(module.__file__)
     return tuple(dirs)
 
 
@@ -34,9 +43,10 @@ def _where(frame: FrameType) -> str:
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}"
 
 
-def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str]:
+def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str, bool]:
     """(innermost model frame, innermost library call, innermost frame of the user's own
-    code when the model frame is inside xds) for a task's await chain."""
+    code when the model frame is inside xds, whether any frame is the user's own) for a
+    task's await chain."""
     dirs = _library_dirs()
     waiting_in = "<unknown>"
     waiting_on = ""
@@ -53,7 +63,7 @@ def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str]:
             if not code.co_filename.startswith(_XDS_DIR):
                 user = waiting_in
     called_from = user if user and user != waiting_in else ""
-    return waiting_in, waiting_on, called_from
+    return waiting_in, waiting_on, called_from, bool(user)
 
 
 def _coroutine_frames(coro: Any) -> list[FrameType]:
@@ -82,6 +92,13 @@ def _note(what: str | Callable[[], str]) -> str:
         return f"<the note could not be rendered: {type(exc).__name__}: {exc}>"
 
 
+def _waiting(
+    name: str, where: tuple[str, str, str, bool], note: str | Callable[[], str]
+) -> WaitingTask:
+    waiting_in, waiting_on, called_from, own = where
+    return WaitingTask(name, waiting_in, waiting_on, called_from, _note(note), own)
+
+
 def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
     """Drop tasks that are pure library plumbing (no frame of the model's code and a name the
     library gave them), unless nothing else is left. A task the model named is kept even if it
@@ -106,9 +123,8 @@ def waiting_asyncio_tasks(
     for task in asyncio.all_tasks(loop):
         if task.done():
             continue
-        waiting_in, waiting_on, called_from = _describe_frames(_coroutine_frames(task.get_coro()))
-        note = _note(notes.get(id(task), ""))
-        out.append(WaitingTask(task.get_name(), waiting_in, waiting_on, called_from, note))
+        where = _describe_frames(_coroutine_frames(task.get_coro()))
+        out.append(_waiting(task.get_name(), where, notes.get(id(task), "")))
     return _model_tasks(out)
 
 
@@ -154,7 +170,5 @@ def waiting_trio_tasks(notes: Notes | None = None) -> list[WaitingTask]:
         frames = [frame for frame, _ in task.iter_await_frames()]
         if not frames:
             continue
-        waiting_in, waiting_on, called_from = _describe_frames(frames)
-        note = _note(notes.get(id(task), ""))
-        out.append(WaitingTask(task.name, waiting_in, waiting_on, called_from, note))
+        out.append(_waiting(task.name, _describe_frames(frames), notes.get(id(task), "")))
     return _model_tasks(out)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -47,8 +48,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..errors import ConfigError
 from ..fabric.xccl import XCCL, AppBuffer
+from ..fabric.xccl import args as xccl_args
 from ..hw import EngineSpec, LinkSpec
 from ..runtime import emit, now_ns, sleep_until_ns
+from .policies import policy_name
 
 
 class TransferState(enum.Enum):
@@ -116,6 +119,8 @@ class KVMove:
         """The XCCL of the ``xccl`` tier (None on the closed-form tier)."""
         self.link = flow.link
         self.engines = flow.engines
+        self.booked_until = 0
+        """The latest landing time :meth:`book` gave (0: nothing booked)."""
 
     async def send(self, rank: int, nbytes: int, event: int) -> None:
         """``xccl`` tier: one XCCL point-to-point message of ``nbytes`` from rank ``rank``'s
@@ -128,6 +133,12 @@ class KVMove:
             raise ConfigError(f"send() takes a rank in 0..{self.flow.tp - 1}", field="rank")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ConfigError(f"send() takes bytes >= 0, got {nbytes!r}", field="nbytes")
+        try:
+            event = xccl_args.event_id(event)
+        except ConfigError:
+            raise ConfigError(
+                f"send() takes an eventID in 1..2**64-1, got {event!r}", field="event"
+            ) from None
         x, src, dst = self.xccl, self.sources[rank], self.destination
         buf = AppBuffer(0, nbytes)
         lock = self.flow._pair_locks.setdefault((src, dst), anyio.Lock())
@@ -157,19 +168,23 @@ class KVMove:
             )
         parts = sizes.tolist()
         srcs = self.flow._rank_ports(self.transfer.prefill_dp)
-        return max(
+        lands = max(
             self.flow._through_ports([src], self.decode_dp, part)
             for src, part in zip(srcs, parts, strict=True)
         )
+        self.booked_until = max(self.booked_until, lands)
+        return lands
 
 
 KVMover = Callable[[KVMove], Awaitable[None]]
 """A KV-transfer protocol of your own: ``async def mover(move: KVMove) -> None`` moves one
-transfer's bytes (on the ``xccl`` tier with ``move.xccl``'s send/receive between
-``move.sources`` and ``move.destination``; on the closed-form tier by sleeping until
-:meth:`KVMove.book`'s time, or any cost you model) and returns when every part has landed.
-DistFlow keeps the rest: registration, the deferred RECV, the pair's FIFO, completion queues
-on both sides, failures and link stalls before the move starts."""
+transfer's bytes (on the ``xccl`` tier with :meth:`KVMove.send`; on the closed-form tier by
+sleeping until :meth:`KVMove.book`'s time, or any cost you model) and returns when every part
+has landed: returning before a time ``book`` gave is an error. DistFlow keeps the rest:
+registration, the deferred RECV, the pair's FIFO, completion queues on both sides, transport
+failures, and link stalls: before the move starts on both tiers, and on the closed-form tier
+also during it (a link going down cancels the move; it runs again from the start, on fresh
+bookings, when the link is back)."""
 
 
 class DistFlow:
@@ -291,9 +306,15 @@ class DistFlow:
             if self.failed:  # declared failed while stalled: nothing moved
                 self._finish(transfer, TransferState.FAILED)
                 return
+        if self.mover is not None and self.xccl is None:
+            if await self._custom_move(transfer, decode_dp):
+                self._finish(
+                    transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED
+                )
+            return
         if self.mover is not None or self.xccl is not None:
             if self.mover is not None:
-                await self.mover(KVMove(self, transfer, decode_dp))
+                await self._run_mover(KVMove(self, transfer, decode_dp))
             else:
                 await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
@@ -319,6 +340,46 @@ class DistFlow:
                 return
             done = now_ns() + left
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    async def _custom_move(self, transfer: Transfer, decode_dp: int) -> bool:
+        """A mover of the user's on the closed-form tier: a link going down cancels it; it
+        runs again from the start when the link is back. False if the transfer ended here
+        (declared failed while stalled)."""
+        while True:
+            with anyio.CancelScope() as wire:
+                self._on_wire[transfer.transfer_id] = wire
+                await self._run_mover(KVMove(self, transfer, decode_dp))
+            del self._on_wire[transfer.transfer_id]
+            if not wire.cancelled_caught:
+                return True
+            emit("distflow", "move-interrupted", transfer=transfer.transfer_id, pair=self.pair)
+            self.stalled += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self.stalled -= 1
+            if self.failed:
+                self._finish(transfer, TransferState.FAILED)
+                return False
+
+    async def _run_mover(self, move: KVMove) -> None:
+        """Call the user's mover and check what it returns and when."""
+        assert self.mover is not None
+        moving = self.mover(move)
+        if not inspect.isawaitable(moving):
+            raise ConfigError(
+                f"kv_mover {policy_name(self.mover)} returned {type(moving).__name__}, not an "
+                "awaitable: write it as `async def mover(move): ...`",
+                field="kv_mover",
+            )
+        await moving
+        if now_ns() < move.booked_until:
+            raise ConfigError(
+                f"kv_mover {policy_name(self.mover)} returned at {now_ns()} ns, before the "
+                f"parts it booked land ({move.booked_until} ns): "
+                "`await sleep_until_ns(move.book(...))`",
+                field="kv_mover",
+            )
 
     def _rank_ports(self, prefill_dp: int) -> list[int]:
         """The egress ports (prefill dies within the TE) of ``prefill_dp``'s TP ranks."""

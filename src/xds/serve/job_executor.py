@@ -15,7 +15,7 @@ import msgspec
 
 from ..docfields import document_fields
 from ..trace.workload import Request
-from .policies import offered_choice
+from .policies import ask, offered_choice
 
 
 class PrefillTEView(msgspec.Struct, frozen=True):
@@ -63,11 +63,16 @@ def fewest_sequences(request: Request, tes: Sequence[DecodeTEView]) -> int:
 
 
 def checked_choice(
-    policy: Callable[..., int], request: Request, offer: Sequence[PrefillTEView | DecodeTEView]
+    policy: Callable[..., int],
+    request: Request,
+    offer: Sequence[PrefillTEView | DecodeTEView],
+    field: str,
 ) -> int:
-    """Ask ``policy`` and check its answer is one of the offered TEs."""
+    """Ask ``policy`` (the ``field`` slot) and check its answer is one of the offered TEs (it
+    sees them as a tuple of frozen views: nothing it does changes the offer)."""
     offered = [v.te for v in offer]
-    return offered_choice(policy, policy(request, offer), offered, "TE", request.request_id)
+    answer = ask(policy, field, request.request_id, request, tuple(offer))
+    return offered_choice(policy, answer, offered, "TE", request.request_id, field=field)
 
 
 document_fields(PrefillTEView, DecodeTEView)

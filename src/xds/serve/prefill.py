@@ -59,7 +59,7 @@ from ..errors import ConfigError
 from ..model import KernelEfficiency, Precision
 from ..runtime import emit, now_ns, sleep_ns
 from .kv import KVBlockManager
-from .policies import offered_choice, require_callable
+from .policies import ask, offered_choice, require_callable
 from .prefill_cost import Piece, PrefillCost, _tokens
 
 
@@ -236,7 +236,7 @@ class PrefillTE:
         kv_blocks_per_dp: int,
         placement: PrefillPlacement = least_work,
     ):
-        require_callable(placement, "placement")
+        require_callable(placement, "prefill_placement", arity=2)
         self.placement = placement
         self.index = index
         self.config = config
@@ -397,11 +397,24 @@ class PrefillTE:
             if not views:
                 keep.append((job, ev))
                 continue
-            shown = job if self.placement is least_work else job.__copy__()  # a copy: no
-            answer = self.placement(shown, views)  # policy can change the job's accounting
             offered = [v.dp for v in views]
+            if self.placement is least_work:
+                answer: object = least_work(job, views)
+            else:  # a copy of the job and frozen views: the policy cannot change either
+                answer = ask(
+                    self.placement,
+                    "prefill_placement",
+                    job.request_id,
+                    job.__copy__(),
+                    tuple(views),
+                )
             best = offered_choice(
-                self.placement, answer, offered, "prefill DP group", job.request_id
+                self.placement,
+                answer,
+                offered,
+                "prefill DP group",
+                job.request_id,
+                field="prefill_placement",
             )
             chosen = views[offered.index(best)]
             job.dp = best

@@ -257,7 +257,7 @@ class Replay(Failover):
             ("prefill_te_selection", prefill_te_selection),
             ("decode_te_selection", decode_te_selection),
         ):
-            require_callable(policy, name)
+            require_callable(policy, name, arity=3 if name == "decode_routing" else 2)
         if kv_mover is not None:
             require_callable(kv_mover, "kv_mover")
         self._kv_mover = kv_mover
@@ -373,7 +373,9 @@ class Replay(Failover):
                     self._picked[te.index],
                 )
             )
-        te = self.prefill[checked_choice(self.prefill_te_selection, req, offer)]
+        te = self.prefill[
+            checked_choice(self.prefill_te_selection, req, offer, "prefill_te_selection")
+        ]
         self._picks += 1
         self._picked[te.index] = self._picks
         return te
@@ -401,7 +403,9 @@ class Replay(Failover):
         ]
         if not offer:
             return None
-        return self.decode[checked_choice(self.decode_te_selection, req, offer)]
+        return self.decode[
+            checked_choice(self.decode_te_selection, req, offer, "decode_te_selection")
+        ]
 
     # -- one request --
     def _failure(self, req: Request) -> str:

@@ -27,7 +27,7 @@ import msgspec
 
 from ..docfields import document_fields
 from ..errors import ConfigError
-from .policies import offered_choice, require_callable
+from .policies import ask, offered_choice, require_callable
 
 
 class _Backpressure:
@@ -77,7 +77,7 @@ class DecodeRouter:
     ):
         if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
             raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
-        require_callable(routing, "routing")
+        require_callable(routing, "decode_routing", arity=3)
         self.routing = routing
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
@@ -104,15 +104,19 @@ class DecodeRouter:
         ]
         if not eligible:
             return BACKPRESSURE
-        # a custom policy sees copies: it cannot change the router's bookkeeping
-        loads = self.dps if self.routing is lowest_kv else [d.__copy__() for d in self.dps]
+        if self.routing is lowest_kv:
+            answer: object = lowest_kv(eligible, self.dps, reserve)
+        else:  # a custom policy sees copies: it cannot change the router's bookkeeping
+            loads = tuple(d.__copy__() for d in self.dps)
+            answer = ask(self.routing, "decode_routing", request, tuple(eligible), loads, reserve)
         best = offered_choice(
             self.routing,
-            self.routing(eligible, loads, reserve),
+            answer,
             eligible,
             "decode DP",
             request,
             "the DPs below their batch limit",
+            field="decode_routing",
         )
         dp = self.dps[best]
         dp.pending += 1
