@@ -10,7 +10,7 @@ import pytest
 from test_replay import SMALL
 from xds.cli.main import main
 from xds.errors import ConfigError
-from xds.serve.capacity import measure_point, search_capacity, steady_window
+from xds.serve.capacity import TTFT_GROWTH, measure_point, search_capacity, steady_window
 from xds.trace.metrics import SLA, RequestRecord
 from xds.trace.production import production_workload
 from xds.trace.workload import Request, Workload
@@ -41,7 +41,8 @@ def test_search_brackets_the_knee_and_is_deterministic():
     fails = [p.scale for p in res.points if not p.meets]
     assert min(fails) - res.found.scale <= res.found.scale / 2
     for p in res.points:  # the verdict is the mean criterion, recomputed
-        assert p.meets == (p.tpot_ms <= 35.0 and p.ttft_ms <= 2000.0)
+        sustained = p.ttft_late_ms - p.ttft_early_ms <= TTFT_GROWTH * 2000.0
+        assert p.meets == (p.tpot_ms <= 35.0 and p.ttft_ms <= 2000.0 and sustained)
         assert 0 < p.steady_requests <= p.requests and p.failed == 0
     again = search_capacity(built_in(), SMALL, start=4.0, bisections=2)
     assert msgspec.json.encode(again) == msgspec.json.encode(res)
@@ -192,9 +193,25 @@ def test_point_metrics_by_hand():
     assert p.goodput == pytest.approx(1 / 4)  # only id 2 has TTFT < 2 s and TPOT < 35 ms
     assert p.rate_per_s == pytest.approx(7 / 7)
     assert p.prefill_busy == pytest.approx(0.6)
-    assert p.misses == ("mean TPOT 43.33 ms > 35 ms", "mean TTFT 2,167 ms > 2,000 ms")
+    growth = (
+        "TTFT grows through the window (1,750 ms in its earlier half, 3,000 ms in its later): "
+        "arrivals outpace the deployment"
+    )
+    assert (p.ttft_early_ms, p.ttft_late_ms) == (1750, 3000)  # ids 2, 3 | id 5
+    assert p.misses == (
+        "mean TPOT 43.33 ms > 35 ms",
+        "mean TTFT 2,167 ms > 2,000 ms",
+        "1 of 4 requests failed (too long)",  # the means cover completed requests only
+        growth,
+    )
     g = measure_point(wl, 1.0, recs, SMALL, [], criterion="goodput", goodput_target=0.25)
-    assert g.meets and g.misses == ()
+    assert g.misses == (growth,)  # goodput met; the rate is not sustained
+    flat = [_record(i, 1000 * i, ttft_ms=500, tpot_ms=10) for i in range(8)]
+    flat[4] = msgspec.structs.replace(
+        flat[4], outcome="failed", reason="context 200000 tokens exceeds max_context_tokens 131072"
+    )
+    f = measure_point(wl, 1.0, flat, SMALL, [])
+    assert f.meets and f.failed == 1  # too long for the model: not the deployment's failure
     assert p.lead_in_s == pytest.approx(1.75)  # first arrival to the window's start
     assert p.mean_decode_s == pytest.approx((0.3 + 0.4 + 0.6) / 3)  # 10 gaps of their TPOT
     assert p.warm
@@ -290,3 +307,19 @@ def test_the_search_floor_keeps_a_long_trace_within_a_replays_reach():
     assert res.found is None
     lowest = min(p.scale for p in res.points)
     assert lowest > 1 / 16 and base.scaled(lowest).duration_ns <= MAX_ARRIVAL_NS
+
+
+def test_decoding_counts_a_request_from_joining_a_batch_not_from_its_first_token():
+    from xds.serve.capacity import decoding_per_die
+
+    recs = [_record(i, 1000 * i, ttft_ms=100, tpot_ms=100, out=41) for i in range(8)]
+    waited = [
+        msgspec.structs.replace(r, decode_wait_ns=r.finish_ns - r.first_token_ns - 1_000 * MS)
+        for r in recs
+    ]  # each waits for a batch slot until 1 s before its last token
+    # the window is 1.75 .. 5.25 s; request i decodes from i + 0.1 s to i + 4.1 s
+    assert decoding_per_die(recs, 1) == pytest.approx(
+        (2.35 + 3.35 + 3.15 + 2.15 + 1.15 + 0.15) / 3.5
+    )
+    # ... or, having waited, from i + 3.1 s: ids 0, 1 and 2 overlap the window
+    assert decoding_per_die(waited, 1) == pytest.approx((1 + 1 + 0.15) / 3.5)

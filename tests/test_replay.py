@@ -1033,3 +1033,15 @@ def test_online_eplb_in_a_replay_is_refused_naming_the_field():
     with pytest.raises(ConfigError) as err:
         msgspec.structs.replace(base, decode=decode)
     assert err.value.field == "decode.eplb"
+
+
+def test_a_prompt_longer_than_one_groups_kv_runs_sequence_parallel_instead_of_failing():
+    prefill = PrefillConfig(tes=2, long_pool_tes=0, prefix_cache_fraction=0.9)
+    cfg = msgspec.structs.replace(pd_config("production-4p1d"), prefill=prefill)
+    long = Request(0, 0, 100_000, 20)  # a group keeps ~90K tokens of KV beside its cache
+    (rec,) = replay(Workload((long,)), cfg).records
+    assert rec.outcome == "completed", rec.reason
+    assert rec.prefill_placement == "P0/SP8"  # spread over the TE's 8 groups
+    no_sp = msgspec.structs.replace(prefill, sp_threshold=0)
+    (rec,) = replay(Workload((long,)), msgspec.structs.replace(cfg, prefill=no_sp)).records
+    assert rec.outcome == "failed" and "exceeds a prefill DP's KV" in rec.reason

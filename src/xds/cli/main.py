@@ -776,7 +776,8 @@ def replay(
         ("TPOT", s.tpot_ms, "ms"),
         ("ITL", s.itl_ms, "ms"),
         ("E2E", s.e2e_s, "s"),
-        ("queueing", s.queue_ms, "ms"),
+        ("prefill queueing", s.queue_ms, "ms"),
+        ("decode admission wait", s.decode_wait_ms, "ms"),
         ("KV transfer", s.kv_transfer_ms, "ms"),
     ):
         table.add_row(
@@ -1154,8 +1155,8 @@ def capacity(
             scales = ", ".join(f"{q.scale:g}" for q in cold)
             console.print(
                 f"note: at {scales} {unit} the judged requests arrived less than a request's "
-                f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.0f} s < "
-                f"{p.mean_decode_s:,.0f} s): decode had not filled up, so TPOT there is "
+                f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.1f} s < "
+                f"{p.mean_decode_s:,.1f} s): decode had not filled up, so TPOT there is "
                 "optimistic; give the search more arrivals ("
                 + ("--window" if trace is None else "a longer trace, or --span")
                 + ")"

@@ -15,9 +15,15 @@ Each rate is judged on its **steady window**: the requests that arrive in the mi
 its arrivals, so that neither the empty start nor the drain at the end counts. Two criteria:
 
 * ``"mean"`` (SPEC 12.4's reading of "TTFT < 2 s, TPOT 35 ms"): mean TPOT <= the SLA's TPOT
-  and mean TTFT <= the SLA's TTFT over the window's completed requests;
+  and mean TTFT <= the SLA's TTFT over the window's completed requests, and none of the
+  window's requests failed (except for being longer than the model's context: every
+  deployment fails those);
 * ``"goodput"``: the share of the window's requests (failed ones included) with TTFT and TPOT
   both under the SLA is at least ``goodput_target``.
+
+Under either, a rate whose TTFT grows through the window (:data:`TTFT_GROWTH`) is not
+sustained: a trace compressed far enough arrives in a burst that the deployment only works
+off after the last arrival, and its means would otherwise look fine.
 
 A finite replay "meets" any mean-TPOT target at any rate if prefill is the bottleneck (requests
 just queue in front of prefill, and decode sees a trickle), which is why the TTFT bound is part
@@ -46,7 +52,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .prefill import PrefillPlacement, least_work
-from .replay import MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
+from .replay import CONTEXT_FAILURE, MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
 from .routing import DecodeRouting, lowest_kv
 from .speculative import Speculator
 
@@ -78,7 +84,12 @@ class CapacityPoint(msgspec.Struct, frozen=True):
     lead_in_s: float = 0.0
     """From the first arrival to the steady window's first: the time decode had to fill up."""
     mean_decode_s: float = 0.0
-    """Mean decode lifetime (first token to last) of the steady window's completed requests."""
+    """Mean decode lifetime (joining a decode batch to the last token) of the steady window's
+    completed requests."""
+    ttft_early_ms: float = float("nan")
+    """Mean TTFT of the steady window's earlier half (completed requests)."""
+    ttft_late_ms: float = float("nan")
+    """Mean TTFT of its later half: much above the earlier half, the rate is not sustained."""
 
     @property
     def meets(self) -> bool:
@@ -120,18 +131,41 @@ def steady_window(records: list[RequestRecord]) -> list[RequestRecord]:
     return [r for r in records if lo <= r.arrival_ns <= hi]
 
 
+def decode_start_ns(r: RequestRecord) -> int:
+    """When ``r`` joined a decode batch: its first token, the decode admission wait and the KV
+    transfer after it."""
+    return r.first_token_ns + r.decode_wait_ns + r.kv_transfer_ns
+
+
 def decoding_per_die(records: list[RequestRecord], dies: int) -> float:
     """Mean sequences in decode per decode die over the middle half of the arrival window
-    (each request counts from its first token to its last)."""
+    (each request counts from joining a decode batch to its last token; never more than the
+    batch limit)."""
     if not records:
         return 0.0
     lo, hi = _middle_half(records)
     busy = sum(
-        max(0.0, min(hi, r.finish_ns) - max(lo, r.first_token_ns))
+        max(0.0, min(hi, r.finish_ns) - max(lo, decode_start_ns(r)))
         for r in records
-        if r.outcome == "completed"
+        if r.outcome == "completed" and r.output_tokens > 1
     )
     return busy / max(1.0, hi - lo) / dies
+
+
+TTFT_GROWTH = 0.25
+"""[emulator choice] A rate is not sustained if the mean TTFT of the steady window's later
+half exceeds its earlier half's by more than this share of the SLA's TTFT: arrivals outpace
+the deployment, and a finite replay only looks fine because its backlog drains at the end."""
+
+
+def _ttft_growth_ms(window: list[RequestRecord]) -> tuple[float, float]:
+    """Mean TTFT (ms) of the completed requests of the window's earlier and later halves."""
+    half = len(window) // 2
+    means = []
+    for part in (window[:half], window[half:]):
+        done = [r.ttft_ns for r in part if r.outcome == "completed"]
+        means.append(float(np.mean(done)) / 1e6 if done else float("nan"))
+    return means[0], means[1]
 
 
 def _arrival_rate(workload: Workload) -> float:
@@ -166,8 +200,17 @@ def measure_point(
             misses.append(f"mean TPOT {tpot:,.2f} ms > {sla.tpot_ms:g} ms")
         if ttft > sla.ttft_ms:
             misses.append(f"mean TTFT {ttft:,.0f} ms > {sla.ttft_ms:,.0f} ms")
+        lost = [r for r in window if r.outcome == "failed" and CONTEXT_FAILURE not in r.reason]
+        if lost:  # the means above cover completed requests only
+            misses.append(f"{len(lost)} of {len(window)} requests failed ({lost[0].reason})")
     elif goodput < goodput_target:
         misses.append(f"goodput {goodput:.1%} < {goodput_target:.1%}")
+    early, late = _ttft_growth_ms(window)
+    if done and late - early > TTFT_GROWTH * sla.ttft_ms:
+        misses.append(
+            f"TTFT grows through the window ({early:,.0f} ms in its earlier half, {late:,.0f} "
+            "ms in its later): arrivals outpace the deployment"
+        )
     return CapacityPoint(
         scale=scale,
         rate_per_s=_arrival_rate(workload),
@@ -184,9 +227,11 @@ def measure_point(
         lead_in_s=(_middle_half(records)[0] - min(r.arrival_ns for r in records)) / 1e9
         if records
         else 0.0,
-        mean_decode_s=float(np.mean([r.finish_ns - r.first_token_ns for r in decoded])) / 1e9
+        mean_decode_s=float(np.mean([r.finish_ns - decode_start_ns(r) for r in decoded])) / 1e9
         if decoded
         else 0.0,
+        ttft_early_ms=early,
+        ttft_late_ms=late,
     )
 
 

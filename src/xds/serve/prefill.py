@@ -281,7 +281,11 @@ class PrefillTE:
         self._assigned[dp] = self._assignments
 
     def max_input_tokens(self) -> int:
-        return self.kv[0].capacity * self.config.block_tokens
+        """The longest prompt this TE can prefill: one DP group's KV, or, when prompts may run
+        sequence-parallel, an equal share on every group (a prompt too long for one group
+        always runs so)."""
+        one = self.kv[0].capacity * self.config.block_tokens
+        return one * len(self.kv) if self._sp_possible() else one
 
     def cached_tokens(self, hashes: tuple[int, ...]) -> int:
         """Longest cached prefix of a prompt on any of this TE's DP groups (tokens)."""
@@ -321,9 +325,16 @@ class PrefillTE:
             return longest, batched, sp_ns + self._predicted_step(tokens, sp=True)
         return max(longest, tokens), batched + tokens, sp_ns
 
-    def _is_sp(self, new_tokens: int) -> bool:
-        threshold = self.config.sp_threshold
-        return bool(threshold) and new_tokens > threshold and self.config.dps_per_te > 1
+    def _is_sp(self, new_tokens: int, input_tokens: int = 0) -> bool:
+        """Whether a prompt runs sequence-parallel: more uncached tokens than ``sp_threshold``,
+        or (``input_tokens``) more KV than one DP group holds."""
+        if not self._sp_possible():
+            return False
+        too_long = input_tokens > self.kv[0].capacity * self.config.block_tokens
+        return new_tokens > self.config.sp_threshold or too_long
+
+    def _sp_possible(self) -> bool:
+        return bool(self.config.sp_threshold) and self.config.dps_per_te > 1
 
     def _predicted_step(self, tokens: int, *, sp: bool) -> int:
         """A step of one ``tokens``-token prompt, alone on a group or sequence-parallel over
@@ -377,7 +388,7 @@ class PrefillTE:
                 keep.append((job, ev))
                 continue
             hit = self._best_hit(job)
-            if self._is_sp(job.input_tokens - hit):
+            if self._is_sp(job.input_tokens - hit, job.input_tokens):
                 if not placed and self._place_sp(job, hit, groups):
                     placed.append((job, ev))
                     sp_step = True

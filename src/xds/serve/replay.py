@@ -85,6 +85,11 @@ MAX_DEPLOYMENT_DIES = 16 * 768
 """The largest PD deployment a replay takes (its TEs are tasks and arrays of that size)."""
 
 
+CONTEXT_FAILURE = "exceeds max_context_tokens"
+"""The failure reason of a request longer than the model's context (every deployment of the
+model fails it: capacity searches do not hold it against a deployment)."""
+
+
 class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A PD-disaggregated deployment (defaults: SPEC 12.4's 4P1D on 16 servers)."""
 
@@ -412,7 +417,7 @@ class Replay(Failover):
         total = req.input_tokens + req.output_tokens
         if total > self.config.max_context_tokens:
             limit = self.config.max_context_tokens
-            return f"context {total} tokens exceeds max_context_tokens {limit}"
+            return f"context {total} tokens {CONTEXT_FAILURE} {limit}"
         if req.input_tokens > self.prefill[0].max_input_tokens():
             return f"input {req.input_tokens} tokens exceeds a prefill DP's KV"
         dkv = self.decode[0].kv[0]
@@ -495,6 +500,7 @@ class Replay(Failover):
             return
         if rid in self._ended_ids:
             return
+        rec.decode_wait_ns = now_ns() - rec.first_token_ns
         await flow.recv(transfer, dp)
         where.transferred = True
         rec.kv_transfer_ns = transfer.done_ns - transfer.recv_ns

@@ -41,9 +41,16 @@ class RequestRecord(msgspec.Struct):
     prefill_placement: str = ""
     decode_placement: str = ""
     queue_ns: int = 0
+    """Prefill queueing: from arrival until the prefill step holding the prompt started."""
     kv_transfer_ns: int = 0
+    """From the Decode DP's RECV until the KV landed."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefill prefix cache (not recomputed)."""
+    decode_wait_ns: int = 0
+    """Decode admission: from the first token (prefill done) until the Decode DP posted the
+    RECV. The KV waits on the Prefill side meanwhile: for a Decode TE in service, for a DP
+    group below its batch limit (TE-shell backpressure) and for its KV blocks (deferred
+    RECV)."""
 
     @property
     def ttft_ns(self) -> int:
@@ -105,7 +112,10 @@ class Summary(msgspec.Struct):
     itl_ms: Stat
     e2e_s: Stat
     queue_ms: Stat
+    """Prefill queueing (:attr:`RequestRecord.queue_ns`)."""
     kv_transfer_ms: Stat
+    decode_wait_ms: Stat
+    """Decode admission wait (:attr:`RequestRecord.decode_wait_ns`)."""
     output_tokens_per_s: float
     output_tokens_per_s_per_chip: float
     goodput: float
@@ -155,6 +165,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         e2e_s=Stat.of([r.e2e_ns / 1e9 for r in done]),
         queue_ms=Stat.of([r.queue_ns / 1e6 for r in done]),
         kv_transfer_ms=Stat.of([r.kv_transfer_ns / 1e6 for r in done]),
+        decode_wait_ms=Stat.of([r.decode_wait_ns / 1e6 for r in done if r.output_tokens > 1]),
         output_tokens_per_s=tokens / duration,
         output_tokens_per_s_per_chip=tokens / duration / chips,
         goodput=good / len(records) if records else 0.0,
@@ -205,6 +216,7 @@ def write(
             "queue_ns",
             "kv_transfer_ns",
             "cached_tokens",
+            "decode_wait_ns",
         ]
         with (out / "requests.csv").open("w", newline="") as f:
             writer = csv_module.writer(f)
