@@ -179,3 +179,22 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
 
     res = replay(WL, SMALL, prefill_te_selection=edits_views)
     assert all(r.prefill_placement.startswith("P0") for r in res.records)
+
+
+def test_a_stuck_mover_never_hangs_a_replay_and_the_report_names_it_first():
+    from xds.errors import ModelDeadlock, ModelTimeLimit
+    from xds.serve.probe import ProbeConfig
+
+    async def stuck(move: KVMove) -> None:
+        with xds.waiting_for("my protocol's ack"):
+            await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock) as dead:  # nothing else to do: a deadlock at once
+        replay(WL, SMALL, kv_mover=stuck)
+    first = dead.value.args[0].splitlines()[1]
+    assert first.startswith("  - request-0 (also request-1") and "<locals>.stuck" in first
+    probing = msgspec.structs.replace(SMALL, probe=ProbeConfig())  # periodic probes: no deadlock
+    with pytest.raises(ModelTimeLimit) as limit:
+        replay(WL, probing, kv_mover=stuck, time_limit_ns=20 * 10**9)
+    assert limit.value.limit_ns == 20 * 10**9
+    assert "waiting for my protocol's ack" in limit.value.args[0].splitlines()[2]

@@ -350,3 +350,14 @@ def test_faults_on_spares_and_vanished_pairs_are_harmless():
         faults=[NodeFault(at_ns=3 * S, server=2), DistFlowFault(at_ns=12 * S, prefill_te=2)],
     )  # the restart brought back only Prefill TEs 0 and 1
     assert res.summary.completed + res.summary.failed == len(WL)
+
+
+def test_a_replaced_distflow_instance_retires_once_drained_and_its_pollers_end():
+    res = replay(LONG, IND, faults=[NodeFault(at_ns=3 * S, server=6)], event_log=True)
+    decode, _killed = res.failovers
+    retired = res.events.select("distflow", "retired")
+    # Decode TE 0 came back: a fresh instance per pair (P0's too, for when P0 returns), the
+    # old ones retired once drained
+    assert sorted(e.fields["pair"] for e in retired) == ["P0-D0", "P1-D0", "P2-D0"]
+    assert all(e.t_ns >= decode.back_ns for e in retired)
+    assert res.summary.completed + res.summary.failed == len(LONG)

@@ -253,6 +253,8 @@ class DistFlow:
         """Registered transfers whose RECV has not been posted (the pair's FIFO)."""
         self._posted = anyio.Event()
         """Set (and replaced) whenever a registered transfer gets its RECV or ends."""
+        self._retired = False
+        self._closed = False
 
     def register(self, request_id: int, prefill_dp: int, kv_blocks: int, kv_bytes: int) -> Transfer:
         """The Prefill DP master registers a transfer: metadata only (P098)."""
@@ -292,6 +294,7 @@ class DistFlow:
                 transfer.state = TransferState.CANCELLED
                 transfer.done_ns = now_ns()
                 emit("distflow", "abandoned", transfer=transfer.transfer_id, pair=self.pair)
+                self._close_if_drained()
 
     async def _move(self, transfer: Transfer, decode_dp: int) -> None:
         """Move the KV and post the completion (or stall, or fail). If the request's task is
@@ -338,7 +341,11 @@ class DistFlow:
             if self.failed:  # declared failed while stalled: the rest never arrives
                 self._finish(transfer, TransferState.FAILED)
                 return
-            done = now_ns() + left
+            # the bytes not yet sent go through the ports again (a fresh DMA start-up, behind
+            # what others booked meanwhile); those already sent were in flight for the latency
+            sending_ns = max(0, min(part / self.link.bandwidth * 1e9, left - self.link.latency_ns))
+            part = sending_ns * self.link.bandwidth / 1e9
+            done = self._through_ports(srcs, decode_dp, part)
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
 
     async def _custom_move(self, transfer: Transfer, decode_dp: int) -> bool:
@@ -474,11 +481,24 @@ class DistFlow:
             transfer.state = TransferState.CANCELLED
             transfer.done_ns = now_ns()
             emit("distflow", "withdrawn", transfer=transfer.transfer_id, pair=self.pair)
+            self._close_if_drained()
 
-    def cancel(self, transfer: Transfer) -> None:
-        """Cancel a registered transfer whose RECV never came (e.g. the request failed)."""
-        if transfer.state is TransferState.REGISTERED:
-            self._finish(transfer, TransferState.CANCELLED)
+    def retire(self) -> None:
+        """A fresh instance replaced this one (a TE of the pair came back): nothing registers
+        here any more, and once every transfer it holds has ended its completion queues close,
+        ending the pollers that drain them."""
+        self._retired = True
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if not self._retired or self._closed:
+            return
+        if any(t.state not in TERMINAL for t in self.transfers.values()):
+            return
+        self._closed = True
+        for send, _ in (*self.prefill_cq, *self.decode_cq):
+            send.close()
+        emit("distflow", "retired", pair=self.pair)
 
     def _finish(self, transfer: Transfer, state: TransferState) -> None:
         if transfer.state is TransferState.REGISTERED:
@@ -490,6 +510,7 @@ class DistFlow:
         if transfer.decode_dp >= 0:
             self.decode_cq[transfer.decode_dp][0].send_nowait(done)
         emit("distflow", state.value, transfer=transfer.transfer_id, pair=self.pair)
+        self._close_if_drained()
 
     def check(self) -> None:
         """Every registered transfer ended in exactly one terminal state."""

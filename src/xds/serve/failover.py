@@ -569,7 +569,11 @@ class Failover(Elastic):
     def _build_pair(self, p: int, d: int) -> None:
         """A fresh DistFlow instance for (Prefill TE ``p``, Decode TE ``d``) after either came
         back; its pollers start on the sides that are up. The old instance's pollers keep
-        draining what it already completed."""
+        draining what it already completed, and end when it has ended everything it held
+        (:meth:`~xds.serve.distflow.DistFlow.retire`)."""
+        old = self.distflow.get((p, d))
+        if old is not None:
+            old.retire()  # its pollers end once what it holds has ended
         flow = self.distflow[(p, d)] = self._new_flow(p, d)  # type: ignore[attr-defined]
         self._failed_pairs.pop((p, d), None)
         self._start_pollers(

@@ -39,6 +39,7 @@ from ..runtime.loop import HORIZON_NS
 from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
 from ..trace.workload import Request, Workload
+from ..units import S
 from .decode import CommCosts, DecodeConfig
 from .decode_te import DecodeTE, KVNoFit, comm_grid, comm_grid_blocking
 from .distflow import DistFlow, KVMover, TransferState
@@ -84,6 +85,10 @@ def check_pd_config(config: object) -> PDConfig:
 MAX_DEPLOYMENT_DIES = 16 * 768
 """The largest PD deployment a replay takes (its TEs are tasks and arrays of that size)."""
 
+
+REPLAY_GRACE_NS = 86_400 * S
+"""A replay's default virtual-time bound after its last arrival (one day): far beyond any drain,
+it only stops a model that hangs behind periodic tasks."""
 
 CONTEXT_FAILURE = "exceeds max_context_tokens"
 """The failure reason of a request longer than the model's context (every deployment of the
@@ -838,6 +843,7 @@ def replay(
     faults: Sequence[DistFlowFault | NodeFault | MemoryFault] = (),
     event_log: bool = False,
     kv_mover: KVMover | None = None,
+    time_limit_ns: int | None = None,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
@@ -847,7 +853,13 @@ def replay(
     (:data:`~xds.serve.distflow.KVMover`). ``faults`` (:class:`DistFlowFault`,
     :class:`~xds.serve.recovery.NodeFault`, :class:`~xds.serve.recovery.MemoryFault`) are
     injected before the run starts; with
-    ``event_log`` the result keeps the run's event log (``ReplayResult.events``)."""
+    ``event_log`` the result keeps the run's event log (``ReplayResult.events``).
+
+    A replay never hangs: a model with nothing left to do raises
+    :class:`~xds.errors.ModelDeadlock`, and one kept alive by periodic tasks (link probing)
+    stops with :class:`~xds.errors.ModelTimeLimit` at ``time_limit_ns`` (default: one virtual
+    day after the last arrival), both naming what each task waits for (e.g. a ``kv_mover``
+    that never returns)."""
     cfg = check_pd_config(config)
     _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
@@ -903,7 +915,14 @@ def replay(
             )
         return await r.run()
 
-    runtime = Runtime(seed=seed, backend=backend, event_log=event_log)  # type: ignore[arg-type]
+    if time_limit_ns is None:
+        time_limit_ns = max((r.arrival_ns for r in workload.requests), default=0) + REPLAY_GRACE_NS
+    runtime = Runtime(
+        seed=seed,
+        backend=backend,  # type: ignore[arg-type]
+        event_log=event_log,
+        time_limit_ns=time_limit_ns,
+    )
     records = runtime.run(main)
     check_complete(records, len(workload))
     r = holder["r"]
