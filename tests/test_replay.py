@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from xds.cli.main import main
 from xds.errors import ConfigError
-from xds.runtime import run
+from xds.runtime import run, sleep_ns
 from xds.serve.decode import DecodeConfig
 from xds.serve.decode_te import comm_grid, interpolate
 from xds.serve.distflow import TransferState
@@ -1045,3 +1046,41 @@ def test_a_prompt_longer_than_one_groups_kv_runs_sequence_parallel_instead_of_fa
     no_sp = msgspec.structs.replace(prefill, sp_threshold=0)
     (rec,) = replay(Workload((long,)), msgspec.structs.replace(cfg, prefill=no_sp)).records
     assert rec.outcome == "failed" and "exceeds a prefill DP's KV" in rec.reason
+
+
+@pytest.mark.parametrize("when", ["waiting", "in its step"])
+def test_a_prefill_cancelled_while_waiting_or_in_its_step_leaks_no_kv(when):
+    from xds.serve.prefill import PrefillJob, PrefillTE
+
+    cfg = PrefillConfig()
+
+    async def main():
+        te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=20_000)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(te.run)
+            with anyio.CancelScope() as scope:
+                tg.start_soon(te.prefill, PrefillJob(0, 20_000, (), 0))  # sequence-parallel, alone
+                if when == "in its step":
+                    await sleep_ns(1)  # placed: its step is running
+                    scope.cancel()
+                job = PrefillJob(1, 4_000, (), 0)
+                waiter = anyio.CancelScope()
+
+                async def second():
+                    with waiter:
+                        await te.prefill(job)
+
+                tg.start_soon(second)
+                await sleep_ns(2)
+                if when == "waiting":
+                    waiter.cancel()  # still in the pool, behind the first job's step
+                await sleep_ns(5 * S)
+            held = sum(kv.held_blocks for kv in te.kv)
+            first = sum(kv.held(0) for kv in te.kv if kv.holds(0))
+            tg.cancel_scope.cancel()
+        return held, first, len(te.pool), te.queued_tokens
+
+    held, first, pool, queued = run(main)
+    assert pool == 0 and queued == 0
+    # only a job nobody cancelled still holds KV (its owner releases it after the transfer)
+    assert held == (0 if when == "in its step" else first) and (first > 0) == (when == "waiting")

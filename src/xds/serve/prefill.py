@@ -254,6 +254,8 @@ class PrefillTE:
         """Step predictions per prompt size: the Job Executor's hot path skips building the
         step-cost memo's key (a tuple of every group's pieces)."""
         self._backlog: Backlog = (0, 0, 0)
+        self._orphans: set[int] = set()
+        """Requests cancelled during their step: their KV is freed when it ends."""
         """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
         at every step and added to as jobs join."""
         self._wake = anyio.Event()
@@ -355,14 +357,31 @@ class PrefillTE:
         return self.cost.step_ns([[(share, 0)] for _ in range(self.config.dps_per_te)])
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
-        """Put ``job`` in the pool and wait until its prefill (first token) is done."""
+        """Put ``job`` in the pool and wait until its prefill (first token) is done. Cancelled
+        while waiting, the job leaves the pool; cancelled during its step, its KV is freed
+        when the step ends (nobody is left to hand it on)."""
         done = anyio.Event()
         self.pool.append((job, done))
         self._backlog = self._with(self._backlog, job.input_tokens)
         self.queued_tokens += job.input_tokens
         self._wake.set()
-        await done.wait()
+        try:
+            await done.wait()
+        except BaseException:
+            self._abandon(job, done)
+            raise
         return job
+
+    def _abandon(self, job: PrefillJob, done: anyio.Event) -> None:
+        if done.is_set():
+            return  # prefilled: its owner releases the KV as for any request
+        entry = (job, done)
+        if entry in self.pool:  # still waiting: it leaves the pool
+            self.pool.remove(entry)
+            self.queued_tokens -= job.input_tokens
+            self._backlog = self.backlog_of(j.input_tokens for j, _ in self.pool)
+        else:  # in the running step: free its KV when the step ends
+            self._orphans.add(job.request_id)
 
     def release(self, dp: int, request_id: int) -> None:
         """The DP dequeued the transfer's completion: free the request's KV blocks (its share
@@ -577,6 +596,9 @@ class PrefillTE:
                 self.queued_tokens -= job.input_tokens
                 emit("prefill", "done", te=self.index, dp=job.dp, request=job.request_id)
                 ev.set()
+                if job.request_id in self._orphans:  # its request was cancelled meanwhile
+                    self._orphans.discard(job.request_id)
+                    self.release(job.dp, job.request_id)
 
     def check(self) -> None:
         for kv in self.kv:
