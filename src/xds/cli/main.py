@@ -332,6 +332,8 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     table.add_row("TPOT", f"{res.mean_iteration_ns / 1e6 / res.mean_tokens_per_step:.2f} ms")
     table.add_row("tokens/s (total)", f"{total:,.0f}")
     table.add_row("tokens/s per chip", f"{total / chips:,.1f}")
+    if cfg.eplb is not None:
+        table.add_row("EPLB rebalances", f"{res.rebalances:,}")
     table.add_row("virtual time", fmt_ns(res.elapsed_ns))
     console.print(table)
     bd = res.breakdown

@@ -47,7 +47,8 @@ def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
     """Dispatch/combine costs at the tokens-per-die points a decode batch can reach.
 
     Each point is a collective-tier run of its own (seeded, so deterministic) on the default
-    pod; the grid of a configuration is computed once per process (the last few are kept)."""
+    pod; the grid of a configuration is computed once per process (up to 16 configurations;
+    the cache starts afresh when full)."""
     # host jitter does not touch the fabric: configurations differing only there share a grid
     key = (msgspec.json.encode(msgspec.structs.replace(config, jitter=_NO_JITTER)), seed)
     grid = _GRIDS.get(key)

@@ -132,7 +132,8 @@ class Elastic:
     async def _scale_up(self, server: int) -> None:
         """The repaired ``server`` rejoins the Decode TE that scaled down without it: its dies
         load their weights (``scale_down_ns``), then the TE takes their DP groups back, empty,
-        at an iteration boundary. If the TE was restarted meanwhile the server is a spare."""
+        from the next iteration (empty, they take no part in the one in flight). If the TE was
+        restarted meanwhile the server is a spare."""
         d, te = self._scaled_out.pop(server)
         start = now_ns()
         if self._live_decode(te):  # (a TE down or restarted gets the server as a spare)

@@ -12,13 +12,14 @@ ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
   - A **Prefill** TE's fault fails the requests whose KV it holds (prefilling, or waiting for
     their transfer) and nothing else: **killing a Prefill never kills its Decodes**, and the
     other Prefill TEs keep serving. It restarts after ``prefill_restart_ns`` on its untainted
-    servers plus spares, or stays down if they do not make a TE.
+    servers plus spares, or stays down until repairs return enough servers.
   - A **Decode** TE's fault fails the requests it holds (decoding, or reserved and in
     transfer); requests that finish prefill meanwhile keep their KV on the Prefill side and
     wait for a Decode TE (backpressure). It restarts after ``decode_restart_ns`` on its
     untainted servers plus spares; if that is not enough, **kill-P-to-preserve-D**: the Prefill
-    TE holding the fewest requests is killed (its requests fail) and its servers go to the
-    Decode TE.
+    TEs holding the fewest requests are killed, as many as it takes (their requests fail), and
+    their servers go to the Decode TE; a killed Prefill TE comes back when repairs free
+    servers.
 
 * ``scale_down`` (stage 2 with EPLB, P119): as ``independent``, except that a **Decode** TE
   drops the failed server's DP groups and EP ranks and serves on with the rest, and takes
@@ -74,7 +75,7 @@ class Where:
         """The KV reached the Decode side (the Prefill side frees it on the completion)."""
         self.flow: DistFlow | None = None
         self.transfer: Transfer | None = None
-        """The registered KV transfer, until it completes."""
+        """The registered KV transfer (kept after it ends)."""
 
     @property
     def prefill(self) -> int:

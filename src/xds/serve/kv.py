@@ -51,7 +51,9 @@ class KVBlockManager:
 
     def __init__(self, capacity_blocks: int, *, block_tokens: int = 128):
         if capacity_blocks < 0 or block_tokens < 1:
-            raise ConfigError("capacity and block size must be positive", field="capacity")
+            raise ConfigError(
+                "capacity must be >= 0 blocks and block size >= 1 token", field="capacity"
+            )
         self.capacity = capacity_blocks
         self.block_tokens = block_tokens
         self.free = capacity_blocks

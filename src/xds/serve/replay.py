@@ -675,7 +675,8 @@ class Replay(Failover):
 
     def _start_engine(self, *, first: bool = False) -> None:
         """Start the engine's tasks: TEs, DistFlow completion-queue pollers, and (once) the
-        fault injectors and the link monitor."""
+        DistFlow fault injectors and the link monitor (:meth:`_run` starts the node and memory
+        fault injectors)."""
         system = self._system
         assert system is not None
         for k in range(len(self.prefill)):

@@ -388,7 +388,9 @@ def checked_plan(
         return ProtocolError(f"{where}: {what}")
 
     if not isinstance(plan, Plan):
-        got = "None" if plan is None else f"a {type(plan).__name__} ({plan!r:.60})"
+        shown = repr(plan)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        got = "None" if plan is None else f"a {type(plan).__name__} ({shown})"
         raise bad(f"returned {got}, not a Plan")
     raw = plan.replica_dies
     if not isinstance(raw, list | tuple) or len(raw) != n_e:
