@@ -609,6 +609,11 @@ def _check_out_dir(out_dir: str) -> None:
         raise click.UsageError(f"--out {out_dir}: cannot write there ({why})") from None
 
 
+def _cell(value: float) -> str:
+    """A statistic for the replay table; "-" where there is none (e.g. ITL untracked)."""
+    return "-" if math.isnan(value) else f"{value:,.2f}"
+
+
 def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     from xds.trace.production import (
         MOONCAKE_CONVERSATIONS,
@@ -783,9 +788,14 @@ def replay(
         ("KV transfer", s.kv_transfer_ms, "ms"),
     ):
         table.add_row(
-            f"{name} ({unit})", *(f"{getattr(stat, q):,.2f}" for q in ("mean", "p50", "p90", "p99"))
+            f"{name} ({unit})", *(_cell(getattr(stat, q)) for q in ("mean", "p50", "p90", "p99"))
         )
     console.print(table)
+    if math.isnan(s.itl_ms.mean) and s.completed:
+        console.print(
+            "ITL: per-token times are kept for workloads up to 5,000 requests "
+            "(record_token_times = true in the deployment file keeps them)"
+        )
     totals = Table(show_header=False)
     totals.add_row("requests", f"{s.requests:,} ({s.completed:,} completed, {s.failed:,} failed)")
     for reason, n in s.failures.items():

@@ -196,7 +196,8 @@ class DistFlowFault(msgspec.Struct, frozen=True, kw_only=True):
     ``at_ns`` (:meth:`Replay.inject_distflow_failure`).
 
     ``kind = "transport"``: the instance fails every transfer it completes (a transport
-    error each side sees). ``kind = "link_down"``: the link stalls silently, transfers and
+    error each side sees), until either TE of the pair fails over: the TE that comes back gets
+    a fresh instance, healthy. ``kind = "link_down"``: the link stalls silently, transfers and
     probes alike, for ``duration_ns`` (0: for good); only link probing
     (:attr:`PDConfig.probe`) tells it from Decode saturation and takes the pair out of
     service."""
