@@ -1084,3 +1084,15 @@ def test_a_prefill_cancelled_while_waiting_or_in_its_step_leaks_no_kv(when):
     assert pool == 0 and queued == 0
     # only a job nobody cancelled still holds KV (its owner releases it after the transfer)
     assert held == (0 if when == "in its step" else first) and (first > 0) == (when == "waiting")
+
+
+def test_a_sequence_parallel_prompt_first_in_line_is_not_starved_by_later_short_ones():
+    # group 0 is nearly full: the 40K prompt's share does not fit there yet
+    te, groups, placed = _one_step(
+        [40_000, 1_000, 2_000], balance=True, kv_blocks=1_000, used={0: 124_000}
+    )
+    assert not placed and not any(groups)  # nothing takes KV ahead of it
+    assert [job.request_id for job, _ in te.pool] == [0, 1, 2]
+    # with room everywhere it runs alone, and the short ones wait for the next step
+    te, groups, placed = _one_step([40_000, 1_000, 2_000], balance=True, kv_blocks=1_000)
+    assert [job.request_id for job, _ in placed] == [0] and placed[0][0].alone

@@ -67,13 +67,16 @@ def test_all_targets_are_registered():
 def test_production_rate_search_stops_at_the_first_rate_missing_the_sla():
     from test_replay import SMALL
     from xds.reproduce.production import TPOT_SLA_MS, TTFT_SLA_MS, measure
+    from xds.serve.capacity import KEEP_UP
 
     res = measure(window_s=10.0, bisections=1, config=SMALL)
     seen = {p.scale: p for p in res.points}
     rate = res.found.scale
 
     def meets(r):
-        return seen[r].tpot_ms <= TPOT_SLA_MS and seen[r].ttft_ms <= TTFT_SLA_MS
+        p = seen[r]
+        backlog = p.backlog_ratio > KEEP_UP and p.backlog_excess_ms > TTFT_SLA_MS / 4
+        return p.tpot_ms <= TPOT_SLA_MS and p.ttft_ms <= TTFT_SLA_MS and not backlog
 
     assert rate in seen and meets(rate)
     assert all(meets(r) for r in seen if r <= rate)

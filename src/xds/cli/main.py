@@ -918,9 +918,21 @@ def _replay_fault(spec: str):
 
 
 def _bounds(binding: str) -> str:
-    """What a missed point missed, in a word per miss: "TPOT, TTFT", "goodput"..."""
-    words = [m.split()[1] if m.startswith("mean ") else m.split()[0] for m in binding.split("; ")]
-    return ", ".join(words)
+    """What a missed point missed, in a word per miss: "TPOT, TTFT", "goodput", "failures",
+    "backlog"..."""
+
+    def word(miss: str) -> str:
+        if miss.startswith("mean "):
+            return miss.split()[1]
+        if "failed" in miss:
+            return "failures"
+        if "outpace" in miss:
+            return "backlog"
+        if miss.startswith("no request"):
+            return "nothing completed"
+        return miss.split()[0]
+
+    return ", ".join(word(m) for m in binding.split("; ") if m)
 
 
 def _ms(value: float, digits: int) -> str:
@@ -1187,7 +1199,9 @@ def capacity(
         "goodput",
         "bound",
     ):
-        compare.add_column(col, justify="left" if col[0] in "dt" else "right")
+        compare.add_column(
+            col, justify="left" if col[0] in "db" else "right", no_wrap=col != "deployment"
+        )
     for name, chips, res in found:
         p = res.found
         if p is None:

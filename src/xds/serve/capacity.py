@@ -21,9 +21,9 @@ its arrivals, so that neither the empty start nor the drain at the end counts. T
 * ``"goodput"``: the share of the window's requests (failed ones included) with TTFT and TPOT
   both under the SLA is at least ``goodput_target``.
 
-Under either, a rate whose TTFT grows through the window (:data:`TTFT_GROWTH`) is not
-sustained: a trace compressed far enough arrives in a burst that the deployment only works
-off after the last arrival, and its means would otherwise look fine.
+Under either, a rate the deployment does not keep up with is not sustained
+(:func:`backlog_ratio`): a trace compressed far enough arrives in a burst that the deployment
+only works off after the last arrival, and its means would otherwise look fine.
 
 A finite replay "meets" any mean-TPOT target at any rate if prefill is the bottleneck (requests
 just queue in front of prefill, and decode sees a trickle), which is why the TTFT bound is part
@@ -86,10 +86,11 @@ class CapacityPoint(msgspec.Struct, frozen=True):
     mean_decode_s: float = 0.0
     """Mean decode lifetime (joining a decode batch to the last token) of the steady window's
     completed requests."""
-    ttft_early_ms: float = float("nan")
-    """Mean TTFT of the steady window's earlier half (completed requests)."""
-    ttft_late_ms: float = float("nan")
-    """Mean TTFT of its later half: much above the earlier half, the rate is not sustained."""
+    backlog_ratio: float = float("nan")
+    """How many times the span of the steady window's arrivals its first tokens took
+    (:func:`backlog_ratio`): about 1 when prefill keeps up."""
+    backlog_excess_ms: float = 0.0
+    """By how much the first tokens' span exceeded the arrivals'."""
 
     @property
     def meets(self) -> bool:
@@ -152,20 +153,24 @@ def decoding_per_die(records: list[RequestRecord], dies: int) -> float:
     return busy / max(1.0, hi - lo) / dies
 
 
-TTFT_GROWTH = 0.25
-"""[emulator choice] A rate is not sustained if the mean TTFT of the steady window's later
-half exceeds its earlier half's by more than this share of the SLA's TTFT: arrivals outpace
-the deployment, and a finite replay only looks fine because its backlog drains at the end."""
+KEEP_UP = 1.25
+"""[emulator choice] Beyond this :func:`backlog_ratio` (and by more than a quarter of the SLA's
+TTFT), arrivals outpace the deployment: the rate is not sustained."""
 
 
-def _ttft_growth_ms(window: list[RequestRecord]) -> tuple[float, float]:
-    """Mean TTFT (ms) of the completed requests of the window's earlier and later halves."""
-    half = len(window) // 2
-    means = []
-    for part in (window[:half], window[half:]):
-        done = [r.ttft_ns for r in part if r.outcome == "completed"]
-        means.append(float(np.mean(done)) / 1e6 if done else float("nan"))
-    return means[0], means[1]
+def backlog_ratio(window: list[RequestRecord]) -> tuple[float, float]:
+    """(ratio, excess in ms): the span of the window's first tokens over the span of its
+    arrivals (completed requests, 10th to 90th percentile, so that one long prompt does not
+    decide it), and by how much the first exceeds the second. A deployment that keeps up gives
+    first tokens as fast as requests arrive (ratio about 1); one that does not builds a backlog
+    and gives them over a longer span."""
+    done = [r for r in window if r.outcome == "completed"]
+    if len(done) < 4:
+        return float("nan"), 0.0
+    arrivals = np.percentile([r.arrival_ns for r in done], [10, 90])
+    firsts = np.percentile([r.first_token_ns for r in done], [10, 90])
+    arrive, first = float(arrivals[1] - arrivals[0]), float(firsts[1] - firsts[0])
+    return first / max(arrive, 1.0), (first - arrive) / 1e6
 
 
 def _arrival_rate(workload: Workload) -> float:
@@ -205,11 +210,11 @@ def measure_point(
             misses.append(f"{len(lost)} of {len(window)} requests failed ({lost[0].reason})")
     elif goodput < goodput_target:
         misses.append(f"goodput {goodput:.1%} < {goodput_target:.1%}")
-    early, late = _ttft_growth_ms(window)
-    if done and late - early > TTFT_GROWTH * sla.ttft_ms:
+    ratio, excess_ms = backlog_ratio(window)
+    if ratio > KEEP_UP and excess_ms > sla.ttft_ms / 4:
         misses.append(
-            f"TTFT grows through the window ({early:,.0f} ms in its earlier half, {late:,.0f} "
-            "ms in its later): arrivals outpace the deployment"
+            f"arrivals outpace the deployment (the window's first tokens took {ratio:.2f}x the "
+            "span of its arrivals)"
         )
     return CapacityPoint(
         scale=scale,
@@ -230,8 +235,8 @@ def measure_point(
         mean_decode_s=float(np.mean([r.finish_ns - decode_start_ns(r) for r in decoded])) / 1e9
         if decoded
         else 0.0,
-        ttft_early_ms=early,
-        ttft_late_ms=late,
+        backlog_ratio=ratio,
+        backlog_excess_ms=excess_ms,
     )
 
 

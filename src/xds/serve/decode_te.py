@@ -180,12 +180,12 @@ class DecodeTE:
         n, limit = config.dies, config.batch_per_die
         servers = servers or list(range(-(-n // DIES_PER_SERVER)))
         self.dp_server = [servers[dp % len(servers)] for dp in range(n)]
-        self._servers = len(servers)
         """The server each DP group (one die) runs on: striped, DP ``i`` on the ``i mod S``-th
         of the TE's ``S`` servers, so every server holds the same mix of routed-expert and
         shared-expert dies (the last ``shared_expert_dies`` DP groups) and one server's loss
         leaves the others a replica of everything (as an operator would lay them out). The
         fabric's die numbering is not affected: UB bandwidth is uniform (SPEC 1.3)."""
+        self._servers = len(servers)
         self.alive = np.ones(n, dtype=bool)
         """DP groups in service (a scale-down clears those of the failed server)."""
         self._alive_idx = np.arange(n)

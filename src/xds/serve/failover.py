@@ -116,9 +116,9 @@ class Failover(Elastic):
         self._decode_down: set[int] = set()
         self._decode_back = anyio.Event()
         self._decode_lost: dict[int, str] = {}
+        """Decode TEs that cannot come back (too few healthy servers, no repair pending)."""
         self._decode_waiting: set[int] = set()
         """Decode TEs waiting for servers to restart on (they go before any Prefill TE)."""
-        """Decode TEs that cannot come back (too few healthy servers, no repair pending)."""
         self._pending_repairs = 0
         self._prefill_restarting = 0
         self._servers_freed = anyio.Event()

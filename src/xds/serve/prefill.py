@@ -411,6 +411,9 @@ class PrefillTE:
                 if not placed and self._place_sp(job, hit, groups):
                     placed.append((job, ev))
                     sp_step = True
+                elif not placed:  # first in line, but some group lacks KV for its share:
+                    keep.append((job, ev))  # nothing behind it takes KV meanwhile (under
+                    sp_step = True  # steady load it would never find every group free)
                 else:
                     keep.append((job, ev))  # waits for a step it can have alone
                 continue
