@@ -174,8 +174,8 @@ def test_summary_and_outputs(tmp_path):
     assert len(lines) == 3 and json.loads(lines[2])["reason"] == "kv capacity"
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["completed"] == 2
     csv_lines = (tmp_path / "out" / "requests.csv").read_text().splitlines()
-    assert len(csv_lines) == 4 and csv_lines[0].endswith(",cached_tokens")
-    assert csv_lines[1].endswith(",50")
+    assert len(csv_lines) == 4 and csv_lines[0].endswith(",cached_tokens,decode_wait_ns")
+    assert csv_lines[1].endswith(",50,0")  # cached_tokens, decode_wait_ns
 
 
 @needs_data
