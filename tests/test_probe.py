@@ -257,3 +257,31 @@ def test_a_transfer_on_the_wire_freezes_while_its_link_is_down(xds_backend):
     assert abs(t.done_ns - (duration + 10 * MS + restart)) <= 2  # whole-nanosecond bookings
     assert res.verdict is LinkVerdict.LINK_FAILURE
     assert d.state is TransferState.FAILED
+
+
+@pytest.mark.parametrize("outage_ms", [1, 10])
+def test_an_outage_costs_its_length_and_a_restart_however_short(outage_ms):
+    """The frozen transfer gives its port bookings back: a short outage does not make the rest
+    queue behind the transfer's own dead booking."""
+
+    async def main():
+        clean = _flow()
+        c = clean.register(0, 0, 4, 1 << 30)
+        await clean.recv(c, 0)
+        duration = c.done_ns - c.recv_ns
+        flow = _flow()
+        t = flow.register(0, 0, 4, 1 << 30)
+
+        async def outage():
+            await sleep_ns(2 * MS)
+            flow.link_down()
+            await sleep_ns(outage_ms * MS)
+            flow.link_restore()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outage)
+            tg.start_soon(flow.recv, t, 0)
+        return t.done_ns - t.recv_ns, duration, flow.engines.dma_startup_ns
+
+    took, duration, restart = run(main)
+    assert abs(took - (duration + outage_ms * MS + restart)) <= 2

@@ -361,3 +361,16 @@ def test_a_replaced_distflow_instance_retires_once_drained_and_its_pollers_end()
     assert sorted(e.fields["pair"] for e in retired) == ["P0-D0", "P1-D0", "P2-D0"]
     assert all(e.t_ns >= decode.back_ns for e in retired)
     assert res.summary.completed + res.summary.failed == len(LONG)
+
+
+def test_prefill_tes_waiting_behind_a_decode_te_come_back_once_it_is_served():
+    """Every Prefill server fails, then a Decode server; all are repaired at 20 s. The Prefill
+    TEs wait while the Decode TE waits (it goes first), whatever order the tasks wake in."""
+    wl = Workload(tuple(Request(i, i * 500 * MS, 1500, 20) for i in range(60)))  # 30 s
+    faults = [NodeFault(at_ns=1 * S, server=s, repair_ns=19 * S) for s in range(6)]
+    faults.append(NodeFault(at_ns=5 * S, server=6, repair_ns=15 * S))
+    res = replay(wl, IND, faults=faults)
+    back = {f.te: f.back_ns for f in res.failovers}
+    assert set(back) == {"P0", "P1", "P2", "D0"} and min(back.values()) >= 20 * S
+    late = [r for r in res.records if r.arrival_ns > 25 * S]
+    assert late and all(r.outcome == "completed" for r in late)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from xds.cli.main import main
 from xds.errors import ConfigError
-from xds.runtime import run, sleep_ns
+from xds.runtime import now_ns, run, sleep_ns
 from xds.serve.decode import DecodeConfig
 from xds.serve.decode_te import comm_grid, interpolate
 from xds.serve.distflow import TransferState
@@ -25,7 +25,7 @@ from xds.serve.presets import pd_config
 from xds.serve.replay import PDConfig, Replay, replay
 from xds.trace import Request, Workload, load_mooncake
 from xds.trace.production import NO_CONVERSATIONS, production_workload
-from xds.units import S
+from xds.units import MS, S
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
@@ -1056,34 +1056,34 @@ def test_a_prefill_cancelled_while_waiting_or_in_its_step_leaks_no_kv(when):
 
     async def main():
         te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=20_000)
+        first, second = PrefillJob(0, 20_000, (), 0), PrefillJob(1, 4_000, (), 0)
+        scopes = {0: anyio.CancelScope(), 1: anyio.CancelScope()}
+
+        async def prefill(job):
+            with scopes[job.request_id]:
+                await te.prefill(job)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(te.run)
-            with anyio.CancelScope() as scope:
-                tg.start_soon(te.prefill, PrefillJob(0, 20_000, (), 0))  # sequence-parallel, alone
-                if when == "in its step":
-                    await sleep_ns(1)  # placed: its step is running
-                    scope.cancel()
-                job = PrefillJob(1, 4_000, (), 0)
-                waiter = anyio.CancelScope()
-
-                async def second():
-                    with waiter:
-                        await te.prefill(job)
-
-                tg.start_soon(second)
-                await sleep_ns(2)
-                if when == "waiting":
-                    waiter.cancel()  # still in the pool, behind the first job's step
-                await sleep_ns(5 * S)
-            held = sum(kv.held_blocks for kv in te.kv)
-            first = sum(kv.held(0) for kv in te.kv if kv.holds(0))
+            tg.start_soon(prefill, first)  # sequence-parallel: a step of its own
+            tg.start_soon(prefill, second)  # waits in the pool behind it
+            await sleep_ns(1 * MS)
+            assert first.start_ns >= 0 and te.step_end_ns > now_ns()  # its step is running
+            victim = first if when == "in its step" else second
+            scopes[victim.request_id].cancel()
+            await sleep_ns(5 * S)  # both steps are over
+            held = {
+                j.request_id: sum(kv.held(j.request_id) for kv in te.kv if kv.holds(j.request_id))
+                for j in (first, second)
+            }
             tg.cancel_scope.cancel()
-        return held, first, len(te.pool), te.queued_tokens
+        return held, len(te.pool), te.queued_tokens, te._orphans
 
-    held, first, pool, queued = run(main)
-    assert pool == 0 and queued == 0
-    # only a job nobody cancelled still holds KV (its owner releases it after the transfer)
-    assert held == (0 if when == "in its step" else first) and (first > 0) == (when == "waiting")
+    held, pool, queued, orphans = run(main)
+    assert pool == 0 and queued == 0 and not orphans
+    # the cancelled job holds nothing; the other, prefilled, holds its KV until its transfer
+    assert held == ({0: 0, 1: held[1]} if when == "in its step" else {0: held[0], 1: 0})
+    assert held[1 if when == "in its step" else 0] > 0
 
 
 def test_a_sequence_parallel_prompt_first_in_line_is_not_starved_by_later_short_ones():

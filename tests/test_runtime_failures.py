@@ -247,3 +247,22 @@ def test_a_replay_beyond_the_horizon_is_refused_up_front():
     with pytest.raises(ConfigError) as info:
         replay(fixed(2000, 50, 3, rate_per_s=1e-7), pd_config("production-4p1d"))
     assert info.value.field == "arrival" and "days" in str(info.value)
+
+
+def test_waiting_for_outside_a_run_does_nothing():
+    from xds.runtime import Barrier
+
+    async def main() -> list[int]:
+        barrier = Barrier(2)
+        ranks: list[int] = []
+
+        async def party() -> None:
+            ranks.append(await barrier.wait())
+
+        with xds.waiting_for("nothing"):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(party)
+                tg.start_soon(party)
+        return sorted(ranks)
+
+    assert anyio.run(main) == [0, 1]  # plain anyio: no xds run, no labels needed

@@ -407,7 +407,8 @@ def rng(name: str) -> np.random.Generator:
 def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     """Say what the current task waits for while inside the ``with`` block.
 
-    ``what`` is text, or a function returning text that is called only if a report needs it
+    Outside :func:`run` it does nothing. ``what`` is text, or a function returning text that
+    is called only if a report needs it
     (so it can describe the state at the time of the report). Costs a dictionary entry; if the
     run deadlocks or reaches its time limit meanwhile, the report shows it beside the task, so
     a protocol's hang explains itself::
@@ -415,7 +416,10 @@ def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
         with xds.waiting_for(lambda: f"credit from die {peer} (holds {credits[peer]})"):
             await credit.wait()
     """
-    rt = current_runtime()
+    rt = _current.get()
+    if rt is None:  # outside xds.run (e.g. an xds Barrier under plain anyio): nothing to label
+        yield
+        return
     if rt._loop is not None:
         key = id(asyncio.current_task(rt._loop))
     else:

@@ -305,6 +305,7 @@ class DecodeTE:
             return  # a scale-down dropped the DP group, or a memory fault the request
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
+            self.router.snapshot_kv([k.used for k in self.kv])
         self.router.finished(record.request_id)
         self.done.pop(record.request_id).set()
         self._signal_capacity()

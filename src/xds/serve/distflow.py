@@ -121,6 +121,8 @@ class KVMove:
         self.engines = flow.engines
         self.booked_until = 0
         """The latest landing time :meth:`book` gave (0: nothing booked)."""
+        self.bookings: list[tuple[list[int], list[int]]] = []
+        """What :meth:`book` booked: (prefill ports, each one's landing time) per call."""
 
     async def send(self, rank: int, nbytes: int, event: int) -> None:
         """``xccl`` tier: one XCCL point-to-point message of ``nbytes`` from rank ``rank``'s
@@ -166,12 +168,10 @@ class KVMove:
                 f"book() takes one non-negative size per TP rank ({tp}), or one for all",
                 field="part_bytes",
             )
-        parts = sizes.tolist()
         srcs = self.flow._rank_ports(self.transfer.prefill_dp)
-        lands = max(
-            self.flow._through_ports([src], self.decode_dp, part)
-            for src, part in zip(srcs, parts, strict=True)
-        )
+        ends = self.flow._book(srcs, self.decode_dp, sizes.tolist())
+        self.bookings.append((srcs, ends))
+        lands = max(ends, default=now_ns())
         self.booked_until = max(self.booked_until, lands)
         return lands
 
@@ -322,17 +322,17 @@ class DistFlow:
                 await self._xccl_parts(transfer, decode_dp)
             self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
-        part = transfer.kv_bytes / self.tp
         srcs = self._rank_ports(transfer.prefill_dp)
-        done = self._through_ports(srcs, decode_dp, part)
+        parts = [transfer.kv_bytes / self.tp] * self.tp
+        ends = self._book(srcs, decode_dp, parts)
         while True:  # on the wire; a link going down freezes what is left of it
             with anyio.CancelScope() as wire:
                 self._on_wire[transfer.transfer_id] = wire
-                await sleep_until_ns(done)
+                await sleep_until_ns(max(ends))
             del self._on_wire[transfer.transfer_id]
             if not wire.cancelled_caught:
                 break
-            left = done - now_ns()
+            parts = self._unbook(srcs, decode_dp, parts, ends)  # the bytes not yet sent
             self.stalled += 1
             try:
                 await self._gate.wait()
@@ -341,11 +341,9 @@ class DistFlow:
             if self.failed:  # declared failed while stalled: the rest never arrives
                 self._finish(transfer, TransferState.FAILED)
                 return
-            # the bytes not yet sent go through the ports again (a fresh DMA start-up, behind
-            # what others booked meanwhile); those already sent were in flight for the latency
-            sending_ns = max(0, min(part / self.link.bandwidth * 1e9, left - self.link.latency_ns))
-            part = sending_ns * self.link.bandwidth / 1e9
-            done = self._through_ports(srcs, decode_dp, part)
+            # the rest goes through the ports again: a fresh DMA start-up, behind what others
+            # booked meanwhile
+            ends = self._book(srcs, decode_dp, parts)
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
 
     async def _custom_move(self, transfer: Transfer, decode_dp: int) -> bool:
@@ -353,12 +351,15 @@ class DistFlow:
         runs again from the start when the link is back. False if the transfer ended here
         (declared failed while stalled)."""
         while True:
+            move = KVMove(self, transfer, decode_dp)
             with anyio.CancelScope() as wire:
                 self._on_wire[transfer.transfer_id] = wire
-                await self._run_mover(KVMove(self, transfer, decode_dp))
+                await self._run_mover(move)
             del self._on_wire[transfer.transfer_id]
             if not wire.cancelled_caught:
                 return True
+            for srcs, ends in move.bookings:  # its bookings end here: the ports are free
+                self._unbook(srcs, decode_dp, [0.0] * len(srcs), ends)
             emit("distflow", "move-interrupted", transfer=transfer.transfer_id, pair=self.pair)
             self.stalled += 1
             try:
@@ -392,20 +393,43 @@ class DistFlow:
         """The egress ports (prefill dies within the TE) of ``prefill_dp``'s TP ranks."""
         return [prefill_dp * self.tp + rank for rank in range(self.tp)]
 
-    def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
-        """Closed form: book ``part`` bytes from each prefill die in ``srcs`` through its
-        egress port and the decode die's ingress port (FIFOs); when the last part lands (TP
-        synchronisation)."""
+    def _book(self, srcs: list[int], decode_dp: int, parts: list[float]) -> list[int]:
+        """Closed form: book ``parts[i]`` bytes from prefill die ``srcs[i]`` through its egress
+        port and the decode die's ingress port (FIFOs, after a DMA start-up); when each lands."""
         t0 = now_ns()
-        done = t0
-        for src in srcs:
+        ends = []
+        for src, part in zip(srcs, parts, strict=True):
             start = max(t0 + self.engines.dma_startup_ns, self._egress.get(src, 0))
             start = max(start, self._ingress.get(decode_dp, 0))
             end = start + self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
             self._egress[src] = end
             self._ingress[decode_dp] = end
-            done = max(done, end)
-        return done
+            ends.append(end)
+        return ends
+
+    def _unbook(
+        self, srcs: list[int], decode_dp: int, parts: list[float], ends: list[int]
+    ) -> list[float]:
+        """A link outage stops bookings ``ends`` of ``parts`` now: the ports they still hold
+        (as the latest booking on them) are free from now; returns each part's bytes not yet
+        sent (those sent already were in flight for the link latency)."""
+        t = now_ns()
+        bw = self.link.bandwidth
+        left = []
+        for src, part, end in zip(srcs, parts, ends, strict=True):
+            if self._egress.get(src) == end:
+                self._egress[src] = t
+            sending_ns = part / bw * 1e9
+            left.append(max(0.0, min(sending_ns, end - self.link.latency_ns - t)) * bw / 1e9)
+        if ends and self._ingress.get(decode_dp) == max(ends):
+            self._ingress[decode_dp] = t
+        return left
+
+    def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
+        """Closed form: book ``part`` bytes from each prefill die in ``srcs`` through its
+        egress port and the decode die's ingress port (FIFOs); when the last part lands (TP
+        synchronisation)."""
+        return max([now_ns(), *self._book(srcs, decode_dp, [part] * len(srcs))])
 
     # -- link probing (SPEC 11.1) ----------------------------------------------------------------
     def link_down(self) -> None:

@@ -339,10 +339,11 @@ class Failover(Elastic):
         )
 
     async def _await_servers(self, enough: Callable[[], bool]) -> bool:
-        """Wait until ``enough()`` (re-checked whenever servers return to the pool); False at
-        once if it is not and no repair is pending (nothing will change)."""
+        """Wait until ``enough()`` (re-checked whenever servers return to the pool or a Decode
+        TE stops waiting for them); False once it is not and nothing can change it: no repair
+        pending and no Decode TE waiting (which may leave spares when it is served)."""
         while not enough():
-            if not self._pending_repairs:
+            if not self._pending_repairs and not self._decode_waiting:
                 return False
             with waiting_for(f"a repair ({self._pending_repairs} pending) freeing servers"):
                 await self._servers_freed.wait()
@@ -417,18 +418,17 @@ class Failover(Elastic):
             servers = self._decode_servers(d, need)
             if servers is None:
                 if not self._pending_repairs and not self._prefill_restarting:
+                    self._stop_waiting(d)
                     self._decode_lost[d] = f"{reason}; too few healthy servers to restart it"
                     self._decode_back.set()  # waiting requests learn it
                     self._decode_back = anyio.Event()
                     emit("failover", "stays-down", te=f"D{d}")
                     return
                 self._decode_waiting.add(d)
-                try:
-                    with waiting_for(f"servers to restart Decode TE {d} on"):
-                        await self._servers_freed.wait()  # a repair may bring one back
-                finally:
-                    self._decode_waiting.discard(d)
+                with waiting_for(f"servers to restart Decode TE {d} on"):
+                    await self._servers_freed.wait()  # a repair may bring one back
                 continue
+            self._stop_waiting(d)
             self.placement.decode[d] = servers
             await sleep_ns(cfg.recovery.decode_restart_ns)
             if not set(self.placement.decode[d]) & self.tainted:
@@ -443,6 +443,13 @@ class Failover(Elastic):
         self._decode_back.set()
         self._decode_back = anyio.Event()
         emit("failover", "back", te=f"D{d}")
+
+    def _stop_waiting(self, d: int) -> None:
+        """Decode TE ``d`` no longer waits for servers: Prefill TEs waiting behind it (they
+        give Decode priority) look again."""
+        if d in self._decode_waiting:
+            self._decode_waiting.discard(d)
+            self._free_servers()
 
     def _decode_servers(self, d: int, need: int) -> list[int] | None:
         """Decode TE ``d``'s healthy servers topped up from the spares, and if that is not

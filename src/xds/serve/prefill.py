@@ -254,10 +254,10 @@ class PrefillTE:
         """Step predictions per prompt size: the Job Executor's hot path skips building the
         step-cost memo's key (a tuple of every group's pieces)."""
         self._backlog: Backlog = (0, 0, 0)
-        self._orphans: set[int] = set()
-        """Requests cancelled during their step: their KV is freed when it ends."""
         """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
         at every step and added to as jobs join."""
+        self._orphans: set[int] = set()
+        """Requests cancelled during their step: their KV is freed when it ends."""
         self._wake = anyio.Event()
         self.steps = 0
         self.hung = False
@@ -323,7 +323,7 @@ class PrefillTE:
 
     def _with(self, backlog: Backlog, tokens: int) -> Backlog:
         longest, batched, sp_ns = backlog
-        if self._is_sp(tokens):  # a step of its own
+        if self._is_sp(tokens, tokens):  # a step of its own
             return longest, batched, sp_ns + self._predicted_step(tokens, sp=True)
         return max(longest, tokens), batched + tokens, sp_ns
 

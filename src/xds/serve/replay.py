@@ -87,8 +87,8 @@ MAX_DEPLOYMENT_DIES = 16 * 768
 
 
 REPLAY_GRACE_NS = 86_400 * S
-"""A replay's default virtual-time bound after its last arrival (one day): far beyond any drain,
-it only stops a model that hangs behind periodic tasks."""
+"""A replay's default virtual-time bound after its last arrival or scheduled fault end (one
+day): far beyond any drain, it only stops a model that hangs behind periodic tasks."""
 
 CONTEXT_FAILURE = "exceeds max_context_tokens"
 """The failure reason of a request longer than the model's context (every deployment of the
@@ -860,8 +860,8 @@ def replay(
     A replay never hangs: a model with nothing left to do raises
     :class:`~xds.errors.ModelDeadlock`, and one kept alive by periodic tasks (link probing)
     stops with :class:`~xds.errors.ModelTimeLimit` at ``time_limit_ns`` (default: one virtual
-    day after the last arrival), both naming what each task waits for (e.g. a ``kv_mover``
-    that never returns)."""
+    day after the last arrival or the end of the last scheduled fault, a link outage or a
+    repair), both naming what each task waits for (e.g. a ``kv_mover`` that never returns)."""
     cfg = check_pd_config(config)
     _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
@@ -917,8 +917,16 @@ def replay(
             )
         return await r.run()
 
-    if time_limit_ns is None:
-        time_limit_ns = max((r.arrival_ns for r in workload.requests), default=0) + REPLAY_GRACE_NS
+    if time_limit_ns is None:  # a day after the last arrival or scheduled fault end
+        last = max((r.arrival_ns for r in workload.requests), default=0)
+        for fault in faults:
+            if isinstance(fault, NodeFault):
+                last = max(last, fault.at_ns + fault.repair_ns)
+            elif isinstance(fault, DistFlowFault):
+                last = max(last, fault.at_ns + fault.duration_ns)
+            else:
+                last = max(last, fault.at_ns)
+        time_limit_ns = last + REPLAY_GRACE_NS
     runtime = Runtime(
         seed=seed,
         backend=backend,  # type: ignore[arg-type]
