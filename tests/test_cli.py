@@ -138,6 +138,41 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     assert str(tmp_path) not in sys.path
 
 
+def test_policy_plugs_your_function_into_replay_and_capacity(tmp_path, monkeypatch, capsys):
+    import json
+
+    (tmp_path / "mine.py").write_text(
+        "def first(eligible, dps, reserve):\n    return eligible[0]\n"
+        "def two(eligible, dps):\n    return eligible[0]\n"
+    )
+    (tmp_path / "small.toml").write_text(
+        "[prefill]\ntes = 2\nlong_pool_tes = 0\n"
+        "[decode]\ndies = 32\nbatch_per_die = 4\nshared_expert_dies = 4\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    replay = ["replay", "--deployment", "small.toml", "--synthetic", "30", "--rate", "4", "--json"]
+    assert main(replay) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main([*replay, "--policy", "decode_routing=mine:first"]) == 0
+    piled = json.loads(capsys.readouterr().out)  # every request on DP 0 until it is full
+    assert piled["tpot_ms"]["mean"] > base["tpot_ms"]["mean"]
+    assert main([*replay, "--policy", "decode_routing=mine.py:first"]) == 0
+    assert json.loads(capsys.readouterr().out) == piled  # a file works like a module
+    cap = ["capacity", "--deployment", "small.toml", "--window", "5", "--start", "8"]
+    assert main([*cap, "--bisections", "0", "--json", "--policy", "decode_routing=mine:first"]) == 0
+    assert json.loads(capsys.readouterr().out)["found"] is not None
+    for spec, says in (
+        ("decode_routing=mine:nope", "--policy decode_routing=mine:nope: mine has no 'nope'"),
+        ("routing=mine:first", "unknown slot 'routing'; one of decode_routing, "),
+        ("decode_routing", "write SLOT=MODULE:FUNCTION"),
+        ("decode_routing=gone:first", "--policy decode_routing=gone: no module named 'gone'"),
+        ("decode_routing=mine:two", "decode_routing policy 'two'(eligible, dps) must take 3"),
+    ):
+        assert main([*replay, "--policy", spec]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
     import json
 

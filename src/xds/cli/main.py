@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -46,6 +47,50 @@ _servers_option = click.option(
 )
 
 
+POLICY_SLOTS = (
+    "decode_routing",
+    "prefill_placement",
+    "prefill_te_selection",
+    "decode_te_selection",
+    "kv_mover",
+)
+"""What ``--policy SLOT=MODULE:FUNCTION`` plugs into a replay (the keywords of ``replay``)."""
+
+_policy_option = click.option(
+    "--policy",
+    "policy_specs",
+    multiple=True,
+    metavar="SLOT=MODULE:FUNCTION",
+    help="Plug in a function of yours: SLOT is one of " + ", ".join(POLICY_SLOTS) + "; MODULE "
+    "a module importable from the current directory or a .py file. Repeatable.",
+)
+
+
+def _policies(specs: tuple[str, ...]) -> dict[str, Any]:
+    """``--policy`` values as ``replay`` keywords, each function loaded from its module."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        slot, eq, target = spec.partition("=")
+        module_name, colon, function = target.rpartition(":")
+        if not eq or not colon or not module_name or not function:
+            raise click.UsageError(
+                f"--policy {spec}: write SLOT=MODULE:FUNCTION, e.g. "
+                "decode_routing=mypolicies:fewest_active"
+            )
+        if slot not in POLICY_SLOTS:
+            raise click.UsageError(
+                f"--policy {spec}: unknown slot {slot!r}; one of {', '.join(POLICY_SLOTS)}"
+            )
+        if slot in out:
+            raise click.UsageError(f"--policy {spec}: {slot} is given twice")
+        module = _import_plugin(module_name, option=f"--policy {slot}=")
+        fn = getattr(module, function, None)
+        if fn is None:
+            raise click.UsageError(f"--policy {spec}: {module_name} has no {function!r}")
+        out[slot] = fn
+    return out
+
+
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"]},
     invoke_without_command=False,
@@ -64,52 +109,55 @@ def app(imports: tuple[str, ...]) -> None:
         _import_plugin(name)
 
 
-def _import_plugin(name: str) -> None:
-    """Import ``name``: a module importable from the current directory, or a .py file (loaded
-    under a private module name, so it never replaces a module of the same name). The current
-    directory is on the import path only during the import."""
+def _import_plugin(name: str, option: str = "--import") -> Any:
+    """Import ``name`` and return the module: a module importable from the current directory,
+    or a .py file (loaded under a private module name, so it never replaces a module of the
+    same name). The current directory is on the import path only during the import. Errors
+    are one usage line starting with ``option``."""
     import importlib
     import importlib.util
     import traceback
     from pathlib import Path
 
+    option = option if option.endswith("=") else option + " "
     added = None
     module_name = name
     try:
         if name.endswith(".py"):
             path = Path(name)
             if not path.is_file():
-                raise click.UsageError(f"--import {name}: no such file")
+                raise click.UsageError(f"{option}{name}: no such file")
             module_name = f"_xds_import_{path.stem}"
             spec = importlib.util.spec_from_file_location(module_name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
             spec.loader.exec_module(module)
+            return module
         else:
             cwd = str(Path.cwd())
             if cwd not in sys.path and "" not in sys.path:
                 sys.path.append(cwd)
                 added = cwd
-            importlib.import_module(name)
+            return importlib.import_module(name)
     except click.UsageError:
         raise
     except Exception as exc:  # the user's module failed: say where, in one line
         sys.modules.pop(module_name, None)
         if isinstance(exc, SyntaxError):
             raise click.UsageError(
-                f"--import {name}: SyntaxError: {exc.msg} ({Path(exc.filename or name).name}, "
+                f"{option}{name}: SyntaxError: {exc.msg} ({Path(exc.filename or name).name}, "
                 f"line {exc.lineno})"
             ) from None
         elif isinstance(exc, ModuleNotFoundError) and exc.name == name.split(".")[0]:
             raise click.UsageError(
-                f"--import {name}: no module named {exc.name!r} here (a module in the current "
+                f"{option}{name}: no module named {exc.name!r} here (a module in the current "
                 "directory, an installed one, or a path to a .py file)"
             ) from None
         else:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             where = f"{Path(frame.filename).name}, line {frame.lineno}"
-        raise click.UsageError(f"--import {name}: {type(exc).__name__}: {exc} ({where})") from None
+        raise click.UsageError(f"{option}{name}: {type(exc).__name__}: {exc} ({where})") from None
     finally:
         if added is not None:
             sys.path.remove(added)
@@ -679,6 +727,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     help="How node faults are recovered (default: the deployment's, restart_world); "
     "scale_down: independent failover where a Decode TE drops the failed server's dies.",
 )
+@_policy_option
 def replay(
     trace: str | None,
     fmt: str | None,
@@ -699,6 +748,7 @@ def replay(
     fault_specs: tuple[str, ...] = (),
     probe: bool = False,
     recovery: str | None = None,
+    policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
@@ -709,6 +759,7 @@ def replay(
     from xds.trace import write
 
     _check_trace_options(trace, fmt, sort)
+    policies = _policies(policy_specs)
     if trace is not None:
         if unique_prompts:
             raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
@@ -757,7 +808,7 @@ def replay(
         def progress(t_ns: int, done: int, total: int) -> None:
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
-        result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults)
+        result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults, **policies)
     if out_dir is not None:
         write(out_dir, result.records, result.summary, csv=as_csv)
         if faults or result.probes:  # what the faults did, for scripts
@@ -1026,6 +1077,7 @@ def _ms(value: float, digits: int) -> str:
     "to 4). The points tried and the result do not depend on it.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_policy_option
 def capacity(
     trace: str | None,
     fmt: str | None,
@@ -1049,6 +1101,7 @@ def capacity(
     bisections: int,
     jobs: int,
     as_json: bool,
+    policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
 
@@ -1080,6 +1133,7 @@ def capacity(
     if criterion != "goodput" and _given("goodput_target"):
         raise click.UsageError("--goodput applies to --criterion goodput")
     configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
+    policies = _policies(policy_specs)
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
 
@@ -1131,6 +1185,7 @@ def capacity(
             seed=seed,
             on_point=show,
             jobs=jobs or default_jobs(),
+            **policies,
         )
         found.append((name, cfg.chips, res))
         if as_json:
