@@ -214,3 +214,25 @@ def test_the_default_bound_outlasts_scheduled_faults():
     ]  # a two-day outage, no probing: the transfer waits it out
     (rec,) = replay(Workload((Request(0, 0, 3000, 12),)), SMALL, faults=outage).records
     assert rec.outcome == "completed" and rec.finish_ns > 2 * day
+
+
+def test_a_decode_router_with_a_fourth_parameter_sees_the_request():
+    from xds.serve.routing import RouteRequest
+
+    seen: list[RouteRequest] = []
+
+    def by_length(eligible, dps, reserve_blocks, request):
+        seen.append(request)
+        long = request.input_tokens > 2_800  # long prompts to the upper half of the DPs
+        upper = [i for i in eligible if i >= len(dps) // 2]
+        lower = [i for i in eligible if i < len(dps) // 2]
+        return (upper if long and upper else lower or eligible)[0]
+
+    res = replay(WL, SMALL, decode_routing=by_length)
+    assert sorted(r.request_id for r in seen) == list(range(len(WL)))
+    for r in res.records:  # WL's prompts are 2500, 3000 and 3500 tokens
+        dp = int(r.decode_placement.split("/DP")[1])
+        assert (dp >= 16) == (r.input_tokens > 2_800)
+    assert {(s.input_tokens, s.output_tokens) for s in seen} == {
+        (q.input_tokens, q.output_tokens) for q in WL.requests
+    }

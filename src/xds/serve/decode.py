@@ -177,7 +177,7 @@ class DecodeInstance:
                     self._output_processor, dp, outbox[dp][1], name=f"output-processor-{dp}"
                 )
             for req in range(n_requests):  # the TE-shell touches each request once
-                dp = self.router.route(req, cfg.output_tokens)
+                dp = self.router.route(req, cfg.output_tokens, input_tokens=cfg.input_tokens)
                 assert isinstance(dp, int)  # capacity was checked above: never backpressure
                 inbox[dp][0].send_nowait(req)
             for send, _ in inbox:

@@ -256,7 +256,12 @@ class DecodeTE:
                 f"sequence of {tokens} tokens exceeds the usable KV of every decode DP of D"
                 f"{self.index} (memory faults masked part of it)"
             )
-        dp = self.router.route(record.request_id, record.output_tokens, exclude=too_small)
+        dp = self.router.route(
+            record.request_id,
+            record.output_tokens,
+            exclude=too_small,
+            input_tokens=record.input_tokens,
+        )
         if dp is BACKPRESSURE:
             return None
         assert isinstance(dp, int)

@@ -47,6 +47,22 @@ def require_callable(policy: object, field: str, *, arity: int | None = None) ->
         ) from None
 
 
+def takes_arguments(policy: object, n: int) -> bool:
+    """Whether ``policy`` is a plain function that can take exactly ``n`` positional arguments
+    (a policy with an optional extra parameter gets the extra information)."""
+    if not callable(policy) or inspect.iscoroutinefunction(policy):
+        return False
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
 def ask(policy: Callable[..., object], field: str, request: object, *args: object) -> object:
     """``policy(*args)``; an error it raises says which policy slot and request it was, and an
     awaitable answer (an async function slipped through) is refused."""

@@ -27,7 +27,7 @@ import msgspec
 
 from ..docfields import document_fields
 from ..errors import ConfigError
-from .policies import ask, offered_choice, require_callable
+from .policies import ask, offered_choice, require_callable, takes_arguments
 
 
 class _Backpressure:
@@ -50,10 +50,19 @@ class DPLoad(msgspec.Struct):
     """Output KV reserved for requests routed here whose blocks the DP has not taken yet."""
 
 
-DecodeRouting = Callable[[Sequence[int], Sequence[DPLoad], int], int]
-"""A decode routing policy: (eligible DP indices, every DP's load - copies: changing them
-changes nothing - and the request's KV reservation in blocks) -> the chosen DP, one of the
-eligible."""
+class RouteRequest(msgspec.Struct, frozen=True):
+    """The request being routed, for policies that take a fourth argument."""
+
+    request_id: object
+    input_tokens: int
+    """Prompt tokens (0 where the caller does not know them)."""
+    output_tokens: int
+
+
+DecodeRouting = Callable[..., int]
+"""A decode routing policy: ``(eligible DP indices, every DP's load, the request's KV
+reservation in blocks)`` or, with a fourth parameter, ``(..., RouteRequest)`` -> the chosen DP,
+one of the eligible. It sees copies: changing them changes nothing."""
 
 
 def lowest_kv(eligible: Sequence[int], dps: Sequence[DPLoad], reserve_blocks: int) -> int:
@@ -77,7 +86,9 @@ class DecodeRouter:
     ):
         if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
             raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
-        require_callable(routing, "decode_routing", arity=3)
+        self._with_request = takes_arguments(routing, 4)
+        if not self._with_request:
+            require_callable(routing, "decode_routing", arity=3)
         self.routing = routing
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
@@ -89,7 +100,12 @@ class DecodeRouter:
         return math.ceil(max(0, max_output_tokens) / self.block_tokens)
 
     def route(
-        self, request: object, max_output_tokens: int, *, exclude: Container[int] = ()
+        self,
+        request: object,
+        max_output_tokens: int,
+        *,
+        exclude: Container[int] = (),
+        input_tokens: int = 0,
     ) -> int | _Backpressure:
         """The DP for ``request`` (now pending there), or BACKPRESSURE. DPs in ``exclude``
         (e.g. too little KV left for this request) are never offered."""
@@ -108,7 +124,10 @@ class DecodeRouter:
             answer: object = lowest_kv(eligible, self.dps, reserve)
         else:  # a custom policy sees copies: it cannot change the router's bookkeeping
             loads = tuple(d.__copy__() for d in self.dps)
-            answer = ask(self.routing, "decode_routing", request, tuple(eligible), loads, reserve)
+            args: tuple[object, ...] = (tuple(eligible), loads, reserve)
+            if self._with_request:
+                args += (RouteRequest(request, input_tokens, max_output_tokens),)
+            answer = ask(self.routing, "decode_routing", request, *args)
         best = offered_choice(
             self.routing,
             answer,
