@@ -220,3 +220,63 @@ def test_reproduce_and_ma_decode_options_that_would_mislead_are_errors(tmp_path,
     )
     err = _one_line(capsys, ["ma-decode", "--deployment", str(small), "--iterations", "100"])
     assert "100 iterations from token 8 may run past the end of decode" in err
+
+
+def test_fourth_review_deployment_files_and_api_misuse_are_one_clear_error(tmp_path, capsys):
+    """Wrong-typed values are not coerced, efficiencies have a floor, and the MA, dataflow,
+    decode and EPLB entry points name what is wrong."""
+    dep = tmp_path / "d.toml"
+    dep.write_text('dies = 32\nshared_expert_dies = 0\nbatch_per_die = "8"\n')
+    assert "batch_per_die: Expected `int`, got `str`" in _one_line(
+        capsys, ["decode", "--deployment", str(dep)]
+    )
+    dep.write_text("dies = 32\nshared_expert_dies = 0\n[efficiency]\ngemm_compute = 1e-300\n")
+    assert "efficiency.gemm_compute: Expected `float` >= 0.001" in _one_line(
+        capsys, ["decode", "--deployment", str(dep)]
+    )
+    ma = tmp_path / "ma.toml"
+    ma.write_text("domains = 10\n")
+    assert "domains: 10 domains x 160 attention dies" in _one_line(
+        capsys, ["ma-decode", "--deployment", str(ma)]
+    )
+    assert "'--duplicates': 'nan' is not a finite number" in _one_line(
+        capsys, ["dataflow", "--duplicates", "nan"]
+    )
+    assert "--slow: attention:9: there are 4 attention workers" in _one_line(
+        capsys, ["dataflow", "--slow", "attention:9:200"]
+    )
+    from xds.serve.decode import DecodeInstance
+    from xds.serve.eplb import register_policy
+
+    with pytest.raises(ConfigError, match="must be a plain function taking"):
+        register_policy("two-args", lambda counts, layout: None)
+
+    from xds.serve.decode import CommCosts
+
+    async def zero():
+        cfg = DecodeConfig(dies=16, batch_per_die=1, shared_expert_dies=0)
+        comm = CommCosts(1, 10_000, 10_000)
+        await DecodeInstance(cfg, comm, comm).serve(16, max_iterations=0)
+
+    with pytest.raises(ConfigError) as err:
+        xds.run(zero)
+    assert err.value.field == "max_iterations"
+
+
+def test_an_ma_instance_measures_its_own_curve_when_given_none():
+    from xds.serve.ma_config import MADecodeConfig
+    from xds.serve.ma_decode import MADecodeInstance
+
+    cfg = MADecodeConfig(
+        domains=2,
+        attention_dies_per_domain=4,
+        expert_dies=16,
+        shared_expert_dies=0,
+        batch_per_die=4,
+        output_tokens=4,
+    )
+
+    async def main():
+        return await MADecodeInstance(cfg).serve()  # the A2E/E2A curve measured in a thread
+
+    assert xds.run(main).mean_iteration_ns > 0

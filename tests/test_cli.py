@@ -248,7 +248,7 @@ def test_dataflow_compares_the_modes(capsys):
     out = capsys.readouterr().out
     assert "tokens equal the dense reference" in out and "NO" not in out
     assert main(["dataflow", "--slow", "gpu:0:1"]) == 2
-    assert "--slow: component must be" in capsys.readouterr().err
+    assert "--slow gpu:0:1: component must be" in capsys.readouterr().err
 
 
 def test_out_of_range_fault_numbers_are_one_line_errors(capsys):

@@ -266,3 +266,45 @@ def test_waiting_for_outside_a_run_does_nothing():
         return sorted(ranks)
 
     assert anyio.run(main) == [0, 1]  # plain anyio: no xds run, no labels needed
+
+
+def test_a_task_swallowing_cancellation_in_a_spin_still_ends_the_run(xds_backend):
+    async def main() -> None:
+        async def poller() -> None:
+            while True:
+                try:
+                    await anyio.sleep(0)
+                except anyio.get_cancelled_exc_class():  # a bug of the model: it swallows
+                    pass  # the cancellation
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poller, name="poller")
+
+    with pytest.raises(ModelLivelock) as info:
+        xds.run(main, backend=xds_backend, livelock_limit=1000)
+    assert "poller: test_runtime_failures.py" in str(info.value)  # names the spinning task
+    assert any(t.name == "poller" for t in info.value.tasks)
+
+
+def test_a_barrier_party_cancelled_at_the_instant_of_release_has_passed():
+    from xds.runtime import Barrier
+
+    async def main() -> list[tuple[int, int]]:
+        barrier = Barrier(3)
+        passed: list[tuple[int, int]] = []
+
+        async def timed() -> None:
+            with anyio.move_on_after(10e-9):  # its deadline is the release instant
+                passed.append((0, await barrier.wait()))
+
+        async def late(i: int) -> None:
+            await xds.sleep_ns(10)
+            passed.append((i, await barrier.wait()))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(late, 1)
+            tg.start_soon(late, 2)
+            tg.start_soon(timed)
+        return sorted(passed)
+
+    assert xds.run(main) == [(0, 0), (1, 1), (2, 2)]  # nobody's rank is lost

@@ -91,7 +91,7 @@ def _merged(base: Any, update: Any) -> Any:
 def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:
     """msgspec conversion with validation, as a ConfigError naming the field."""
     try:
-        return msgspec.convert(data, kind, strict=False)
+        return msgspec.convert(data, kind, strict=True)  # "8" for an int is an error
     except msgspec.ValidationError as exc:
         raise _config_error(exc, source, kind) from None
     except ConfigError as exc:  # a __post_init__ check

@@ -158,11 +158,17 @@ class ModelLivelock(XdsError):
     Typically a task polls in a loop with zero-time checkpoints and never lets time advance.
     """
 
-    def __init__(self, t_ns: int, iterations: int):
+    def __init__(self, t_ns: int, iterations: int, tasks: Sequence[WaitingTask] = ()):
         self.t_ns = t_ns
         self.iterations = iterations
-        super().__init__(
+        self.tasks = tuple(tasks)
+        """Every task and where it was when the livelock was found (the spinning one among
+        them, at its zero-time checkpoint)."""
+        lines = [
             f"model livelock at t={t_ns} ns: {iterations} loop iterations without virtual time "
             "advancing (a task polls with zero-time checkpoints; sleep for a modelled poll "
             "interval instead, or raise xds.run(..., livelock_limit=...))"
-        )
+        ]
+        if self.tasks:
+            lines.append(f"  {len(self.tasks)} task(s), where each was:")
+        super().__init__("\n".join(lines + describe_waiting(self.tasks)))

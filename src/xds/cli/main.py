@@ -1407,7 +1407,7 @@ def faults(
 )
 @click.option(
     "--duplicates",
-    type=click.FloatRange(0, 1),
+    type=_Finite(0, 1),
     default=0.0,
     show_default=True,
     help="Probability that a link delivers a message twice.",
@@ -1443,13 +1443,21 @@ def dataflow(
             raise click.UsageError(
                 f"--slow {spec}: expected COMPONENT:EXTRA_US, e.g. attention:0:200"
             ) from None
-        delays.append(ComponentDelay(component=component, extra_ns=extra_ns))
-    base = DataflowConfig(
-        requests=requests,
-        queue_depth=queue_depth,
-        duplicate_probability=duplicates,
-        delays=tuple(delays),
-    )
+        try:
+            delays.append(ComponentDelay(component=component, extra_ns=extra_ns))
+        except ConfigError as exc:
+            raise click.UsageError(f"--slow {spec}: {exc.message}") from None
+    try:
+        base = DataflowConfig(
+            requests=requests,
+            queue_depth=queue_depth,
+            duplicate_probability=duplicates,
+            delays=tuple(delays),
+        )
+    except ConfigError as exc:
+        if (exc.field or "").startswith("delays"):
+            raise click.UsageError(f"--slow: {exc.message}") from None
+        raise
     reference = reference_tokens(base, seed=seed)
     results = {}
     for mode in ("sync", "dataflow"):
@@ -1492,6 +1500,7 @@ def dataflow(
 _FLAG_OF_FIELD = {
     "fault": "--fault",
     "component": "--slow",
+    "duplicate_probability": "--duplicates",
     "server": "--fault",
     "faults": "--fault",
     "rate_scale": "--rate-scale",

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import numbers
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -152,6 +153,10 @@ class Runtime:
     # -- running -----------------------------------------------------------------------------
     def run(self, main: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``main(*args)`` to completion in virtual time and return its result."""
+        __tracebackhide__ = True  # pytest: a model failure's report, not xds's frames
+        if _debris["pending"]:  # what an earlier, stopped trio run left behind
+            _debris["pending"] = False
+            _collect_quietly()
         if self._used:
             raise RuntimeError("a Runtime runs once; create a new one for another run")
         self._used = True
@@ -190,6 +195,7 @@ class Runtime:
         return result
 
     def _run_asyncio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        __tracebackhide__ = True
         determinism.install_ordered_cancel_scopes()
 
         def loop_factory() -> VirtualTimeEventLoop:
@@ -221,6 +227,7 @@ class Runtime:
                 self._loop._now_ns = end[0]
 
     def _run_trio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        __tracebackhide__ = True
         import trio
 
         from .trio_clock import LivelockInstrument, virtual_mock_clock
@@ -239,8 +246,15 @@ class Runtime:
                 backend_options={"clock": self._trio_clock, "instruments": [livelock]},
             )
         except trio.TrioInternalError as exc:
-            if isinstance(exc.__cause__, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):
-                raise exc.__cause__ from None
+            cause = exc.__cause__
+            if isinstance(cause, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):
+                # trio's run state, abandoned mid-loop, complains when collected: collect it
+                # now, quietly (the traceback into trio's loop says nothing about the model)
+                cause.__traceback__ = cause.__context__ = None
+                del exc
+                self._root_scope = None
+                _trio_debris()
+                raise cause from None
             raise
 
     # -- model failures ----------------------------------------------------------------------
@@ -297,10 +311,45 @@ class Runtime:
 
     def _on_livelock(self, t_ns: int, iterations: int) -> None:
         if self._failure is not None or self._root_scope is None:
+            # Still spinning after the root scope was cancelled: a task swallows cancellation.
             self._hard_stop = True
-            raise self._failure or ModelLivelock(t_ns, iterations)
-        self._failure = ModelLivelock(t_ns, iterations)
+            failure = self._failure or ModelLivelock(t_ns, iterations, self._waiting_tasks())
+            if self._trio_clock is not None:
+                # trio disables an instrument that raises; its run loop reads the clock next,
+                # and that read ends the run (trio.run raises TrioInternalError from it)
+                self._trio_clock._xds_stop = failure
+                return
+            raise failure
+        self._failure = ModelLivelock(t_ns, iterations, self._waiting_tasks())
         self._root_scope.cancel()
+
+
+_debris = {"pending": False, "atexit": False}
+
+
+def _trio_debris() -> None:
+    """A trio run was stopped from inside trio's loop: its abandoned run state complains
+    (unraisable-exception reports) when it is collected. Collect it quietly now, again before
+    the next run, and at exit."""
+    _debris["pending"] = True
+    _collect_quietly()
+    if not _debris["atexit"]:
+        import atexit
+
+        atexit.register(_collect_quietly)
+        _debris["atexit"] = True
+
+
+def _collect_quietly() -> None:
+    """Garbage-collect with unraisable-exception reports off."""
+    import gc
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def _running_loop() -> bool:

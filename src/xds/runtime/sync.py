@@ -42,9 +42,10 @@ class Barrier:
 
     ``await barrier.wait()`` returns, for each party, its arrival rank in this generation
     (0 = first, ``parties - 1`` = the one that released everyone). A waiter cancelled before
-    the release leaves the generation, and ranks are given out at release time, so they are
-    always ``0 .. parties - 1``. Works on both backends (on trio, waiters released together
-    resume in trio's seeded order).
+    the release leaves the generation; one cancelled at the instant of the release has passed
+    and returns its rank (its cancellation comes back at its next checkpoint). Ranks are given
+    out at release time, so they are always ``0 .. parties - 1``. Works on both backends (on
+    trio, waiters released together resume in trio's seeded order).
     """
 
     def __init__(self, parties: int):
@@ -81,8 +82,14 @@ class Barrier:
                 )
             ):
                 await release.wait()
-        except BaseException:
+        except anyio.get_cancelled_exc_class():
             if not release.is_set():
                 self._waiters.remove(token)  # a cancelled waiter leaves this generation
+                raise
+            # released at the instant it was cancelled: it passed (it was counted); the
+            # cancellation, level-triggered, comes back at its next checkpoint
+        except BaseException:
+            if not release.is_set():
+                self._waiters.remove(token)
             raise
         return ranks.pop(token)

@@ -26,8 +26,13 @@ def virtual_mock_clock(
     """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``
     and, instead of jumping past ``time_limit_ns``, calls ``on_time_limit``."""
     clock = MockClock(rate=0.0, autojump_threshold=0)
+    clock._xds_stop = None  # type: ignore[attr-defined]
 
     def current_time() -> float:
+        # A failure that must end the run (a livelock that survived cancellation): raised in
+        # trio's run loop, which reads the clock every iteration.
+        if clock._xds_stop is not None:  # type: ignore[attr-defined]
+            raise clock._xds_stop  # type: ignore[attr-defined]
         # rate is 0: virtual time is exactly the accumulated jumps (skip the wall-clock read).
         return clock._virtual_base
 

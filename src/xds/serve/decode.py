@@ -154,6 +154,15 @@ class DecodeInstance:
                 "admitted before decode starts",
                 field="requests",
             )
+        if max_iterations is not None and (
+            isinstance(max_iterations, bool)
+            or not isinstance(max_iterations, int)
+            or max_iterations < 1
+        ):
+            raise ConfigError(
+                f"must be a positive integer (or None), got {max_iterations!r}",
+                field="max_iterations",
+            )
         inbox = [
             anyio.create_memory_object_stream[int](max_buffer_size=float("inf")) for _ in range(n)
         ]

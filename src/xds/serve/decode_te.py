@@ -15,7 +15,6 @@ time.
 from __future__ import annotations
 
 import bisect
-import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from ..hw.topology import PodConfig
 from ..runtime import emit, now_ns, rng, sleep_ns
+from ..runtime.nested import run_nested
 from ..trace.metrics import RequestRecord
 from .decode import (
     CommCosts,
@@ -65,21 +65,7 @@ def comm_grid_blocking(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts
     """:func:`comm_grid` from inside a running replay (a Decode scale-down needs the smaller
     TE's costs): the measurements are virtual-time runs of their own, so they run in a helper
     thread while this one waits for them, and the replay's virtual time does not move."""
-    out: dict[str, list[CommCosts]] = {}
-    failed: list[BaseException] = []
-
-    def measure() -> None:
-        try:
-            out["grid"] = comm_grid(config, seed=seed)
-        except BaseException as exc:  # re-raised in the caller's thread
-            failed.append(exc)
-
-    worker = threading.Thread(target=measure, name="xds-comm-grid")
-    worker.start()
-    worker.join()
-    if failed:
-        raise failed[0]
-    return out["grid"]
+    return run_nested(lambda: comm_grid(config, seed=seed), name="xds-comm-grid")
 
 
 def interpolate(grid: list[CommCosts], tokens: float) -> CommCosts:

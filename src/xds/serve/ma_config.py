@@ -134,10 +134,13 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         pod_dies = CloudMatrix384().n_pod_dies
         if dies > pod_dies:
             raise ConfigError(
-                f"{self.attention_dies} attention + {self.expert_dies} expert dies = {dies}, "
-                f"more than the pod's {pod_dies}",
+                f"{self.domains} domains x {self.attention_dies_per_domain} attention dies + "
+                f"{self.expert_dies} expert dies = {dies}, more than the pod's {pod_dies}",
                 field="expert_dies"
                 if self.attention_dies < pod_dies // 2
+                else "domains"  # of the two, the one grown past its default
+                if self.domains > _DEFAULT_DOMAINS
+                and self.attention_dies_per_domain <= _DEFAULT_ATTENTION_DIES
                 else "attention_dies_per_domain",
             )
         if self.mode == "trampoline" and self.attention_dies_per_domain > self.expert_dies:
@@ -278,3 +281,7 @@ def measure_ae(
 
 
 document_fields(MADecodeConfig, AECosts)
+
+
+_DEFAULT_DOMAINS = MADecodeConfig().domains
+_DEFAULT_ATTENTION_DIES = MADecodeConfig().attention_dies_per_domain

@@ -49,6 +49,8 @@ from ..errors import ConfigError, ProtocolError
 from ..fabric.xccl.moe import ExpertMap
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
+from ..runtime.nested import run_nested
+from ..runtime.sync import task_group_raising_single
 from .decode_model import KernelTimes
 from .ma_config import AECosts, MADecodeConfig, measure_ae
 from .mtp import tokens_per_step
@@ -487,7 +489,9 @@ class MADecodeInstance:
             precision=config.precision,
             efficiency=config.efficiency,
         )
-        self.curve = curve or ae_curve(config, seed=seed)
+        if curve is None:  # measured now: runs of their own, outside this run's time
+            curve = run_nested(lambda: ae_curve(config, seed=seed), name="xds-ae-curve")
+        self.curve = curve
         self.pool = MoEPool(config, self.times, self.curve, record=record)
         self._stage: list[int] = []
         self._mtp_pass: list[int] = []
@@ -521,9 +525,9 @@ class MADecodeInstance:
         self._served = True
         start = now_ns()
         runs = [DomainRun() for _ in range(cfg.domains)]
-        async with anyio.create_task_group() as tg:
+        async with task_group_raising_single() as tg:  # one failure arrives as itself
             tg.start_soon(self.pool.run, name="expert dies")
-            async with anyio.create_task_group() as domains:
+            async with task_group_raising_single() as domains:
                 for d in range(cfg.domains):
                     domains.start_soon(
                         self._domain,

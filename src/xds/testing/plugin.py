@@ -92,6 +92,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker(MARKER)
     if marker is None or not _is_async_test(pyfuncitem.obj):
         return None
+    __tracebackhide__ = True  # a model failure is the test's failure: show the report
     options = _options(pyfuncitem)
     funcargs = pyfuncitem.funcargs
     kwargs = {name: funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
@@ -159,6 +160,12 @@ def _check_markers(item: pytest.Function) -> None:
     if bad is not None:
         _fail(f"got a bad value: {bad}")
     own = any(marker.name == MARKER for marker in item.own_markers)
+    inner = getattr(getattr(item.obj, "hypothesis", None), "inner_test", None)
+    if own and inner is not None and _is_async_test(inner):
+        _fail(
+            "cannot drive a Hypothesis @given test (each example would need its own xds.run); "
+            "write a plain `def` test with @given that calls xds.run(...) per example",
+        )
     if own and not _is_async_test(item.obj):
         _fail(
             "needs an `async def` test, but this is a plain function; "

@@ -347,9 +347,32 @@ def register_policy(name: str, fn: Policy | PlanFunction, *, replace: bool = Fal
             field="fn",
         )
     plan = getattr(fn, "plan", None)
-    registered = FunctionPolicy(name, plan if callable(plan) else fn)  # type: ignore[arg-type]
+    target = plan if callable(plan) else fn
+    if not _plan_signature_ok(target):
+        raise ConfigError(
+            f"EPLB policy {name!r}: {getattr(target, '__name__', target)!r} must be a plain "
+            "function taking (counts, layout, budget)",
+            field="fn",
+        )
+    registered = FunctionPolicy(name, target)  # type: ignore[arg-type]
     _REGISTERED[name] = registered
     return registered
+
+
+def _plan_signature_ok(fn: object) -> bool:
+    """A plain function that can take (counts, layout, budget); one without a signature we
+    can read (a builtin) gets the benefit of the doubt."""
+    import inspect
+
+    if inspect.iscoroutinefunction(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(1, 2, 3)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def unregister_policy(name: str) -> None:
