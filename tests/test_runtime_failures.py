@@ -308,3 +308,15 @@ def test_a_barrier_party_cancelled_at_the_instant_of_release_has_passed():
         return sorted(passed)
 
     assert xds.run(main) == [(0, 0), (1, 1), (2, 2)]  # nobody's rank is lost
+
+
+def test_a_cancelled_timer_does_not_move_virtual_time(xds_backend):
+    async def main() -> None:
+        handle = xds.runtime.call_at_ns(10**9, lambda: None)
+        await xds.sleep_ns(5)
+        handle.cancel()
+        await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    assert info.value.t_ns == 5  # on trio too: the cancelled timer held no deadline

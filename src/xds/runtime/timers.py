@@ -22,16 +22,26 @@ from typing import Any
 class TimerHandle:
     """A scheduled callback; ``cancel()`` stops it from running."""
 
-    __slots__ = ("args", "callback", "cancelled", "when_ns")
+    __slots__ = ("_wheel", "args", "callback", "cancelled", "when_ns")
 
-    def __init__(self, when_ns: int, callback: Callable[..., object], args: tuple[Any, ...]):
+    def __init__(
+        self,
+        when_ns: int,
+        callback: Callable[..., object],
+        args: tuple[Any, ...],
+        wheel: TrioTimerWheel | None = None,
+    ):
         self.when_ns = when_ns
         self.callback = callback
         self.args = args
         self.cancelled = False
+        self._wheel = wheel
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            if self._wheel is not None:
+                self._wheel._cancelled(self)
 
 
 class TrioTimerWheel:
@@ -48,7 +58,7 @@ class TrioTimerWheel:
     def call_at_ns(self, when_ns: int, callback: Callable[..., object], *args: Any) -> TimerHandle:
         import trio
 
-        handle = TimerHandle(when_ns, callback, args)
+        handle = TimerHandle(when_ns, callback, args, self)
         heapq.heappush(self._heap, (when_ns, next(self._seq), handle))
         if not self._started:
             self._started = True
@@ -56,6 +66,15 @@ class TrioTimerWheel:
         elif self._scope is not None and self._heap[0][2] is handle:
             self._scope.deadline = when_ns / 1e9  # an earlier head: wake sooner
         return handle
+
+    def _cancelled(self, handle: TimerHandle) -> None:
+        """``handle`` was cancelled: if it held the wheel's deadline, the next live timer's
+        takes over (a cancelled timer must not move virtual time)."""
+        if self._scope is None or not self._heap or self._heap[0][2] is not handle:
+            return
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
+        self._scope.deadline = self._heap[0][0] / 1e9 if self._heap else math.inf
 
     async def _serve(self) -> None:
         import trio
