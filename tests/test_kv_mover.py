@@ -158,7 +158,7 @@ def test_policies_must_be_plain_functions_of_the_right_arity():
     with pytest.raises(ConfigError, match="decode_routing policy 'async_router' is async") as err:
         replay(WL, SMALL, decode_routing=async_router)
     assert err.value.field == "decode_routing"
-    with pytest.raises(ConfigError, match="must take 3 positional arguments") as err:
+    with pytest.raises(ConfigError, match="must take 3 or 4 positional arguments") as err:
         replay(WL, SMALL, decode_routing=lambda eligible, dps: eligible[0])  # type: ignore[arg-type]
     assert err.value.field == "decode_routing"
     with pytest.raises(ConfigError, match=r"prefill_placement policy .* must take 2") as err:

@@ -300,15 +300,8 @@ class DistFlow:
         """Move the KV and post the completion (or stall, or fail). If the request's task is
         cancelled meanwhile (it failed elsewhere), :meth:`recv` ends the transfer cancelled
         without a completion: its owner frees the blocks itself."""
-        if not self._gate.is_set():  # a downed link stalls the transfer silently
-            self.stalled += 1
-            try:
-                await self._gate.wait()
-            finally:
-                self.stalled -= 1
-            if self.failed:  # declared failed while stalled: nothing moved
-                self._finish(transfer, TransferState.FAILED)
-                return
+        if not self._gate.is_set() and not await self._stall(transfer):
+            return  # a downed link stalled it, then the pair was declared failed
         if self.mover is not None and self.xccl is None:
             if await self._custom_move(transfer, decode_dp):
                 self._finish(
@@ -333,18 +326,26 @@ class DistFlow:
             if not wire.cancelled_caught:
                 break
             parts = self._unbook(srcs, decode_dp, parts, ends)  # the bytes not yet sent
-            self.stalled += 1
-            try:
-                await self._gate.wait()
-            finally:
-                self.stalled -= 1
-            if self.failed:  # declared failed while stalled: the rest never arrives
-                self._finish(transfer, TransferState.FAILED)
+            if not await self._stall(transfer):
                 return
             # the rest goes through the ports again: a fresh DMA start-up, behind what others
             # booked meanwhile
             ends = self._book(srcs, decode_dp, parts)
         self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
+
+    async def _stall(self, transfer: Transfer) -> bool:
+        """Hold ``transfer`` while the link is down; True when it may go on, False if the pair
+        was declared failed meanwhile (the transfer then ends failed: what was left never
+        arrives)."""
+        self.stalled += 1
+        try:
+            await self._gate.wait()
+        finally:
+            self.stalled -= 1
+        if self.failed:
+            self._finish(transfer, TransferState.FAILED)
+            return False
+        return True
 
     async def _custom_move(self, transfer: Transfer, decode_dp: int) -> bool:
         """A mover of the user's on the closed-form tier: a link going down cancels it; it
@@ -361,13 +362,7 @@ class DistFlow:
             for srcs, ends in move.bookings:  # its bookings end here: the ports are free
                 self._unbook(srcs, decode_dp, [0.0] * len(srcs), ends)
             emit("distflow", "move-interrupted", transfer=transfer.transfer_id, pair=self.pair)
-            self.stalled += 1
-            try:
-                await self._gate.wait()
-            finally:
-                self.stalled -= 1
-            if self.failed:
-                self._finish(transfer, TransferState.FAILED)
+            if not await self._stall(transfer):
                 return False
 
     async def _run_mover(self, move: KVMove) -> None:

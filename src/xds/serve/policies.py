@@ -20,9 +20,24 @@ def policy_name(policy: object) -> str:
     return repr(getattr(policy, "__name__", policy))
 
 
-def require_callable(policy: object, field: str, *, arity: int | None = None) -> None:
+def binds(fn: object, n: int) -> bool | None:
+    """Whether ``fn`` can be called with ``n`` positional arguments; None when its signature
+    cannot be read (a builtin)."""
+    try:
+        inspect.signature(fn).bind(*range(n))  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    except ValueError:
+        return None
+    return True
+
+
+def require_callable(
+    policy: object, field: str, *, arity: int | tuple[int, ...] | None = None
+) -> None:
     """A policy argument must be a function (named ``field`` in the error) taking ``arity``
-    positional arguments; synchronous unless ``arity`` is None (a KV mover is async)."""
+    positional arguments (one of them, for a tuple); synchronous unless ``arity`` is None (a
+    KV mover is async). A signature that cannot be read is tried at the call."""
     if not callable(policy):
         raise ConfigError(f"{field} must be a function, got {policy!r}", field=field)
     if arity is None:
@@ -33,34 +48,21 @@ def require_callable(policy: object, field: str, *, arity: int | None = None) ->
             "xds calls inline where the decision is made (drop the `async`)",
             field=field,
         )
-    try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):  # a builtin without a signature: try it at the call
+    counts = (arity,) if isinstance(arity, int) else arity
+    if any(binds(policy, n) is not False for n in counts):
         return
-    try:
-        signature.bind(*range(arity))
-    except TypeError:
-        raise ConfigError(
-            f"{field} policy {policy_name(policy)}{signature} must take {arity} positional "
-            "arguments",
-            field=field,
-        ) from None
+    takes = " or ".join(map(str, counts))
+    raise ConfigError(
+        f"{field} policy {policy_name(policy)}{inspect.signature(policy)} must take {takes} "  # type: ignore[arg-type]
+        "positional arguments",
+        field=field,
+    )
 
 
 def takes_arguments(policy: object, n: int) -> bool:
-    """Whether ``policy`` is a plain function that can take exactly ``n`` positional arguments
-    (a policy with an optional extra parameter gets the extra information)."""
-    if not callable(policy) or inspect.iscoroutinefunction(policy):
-        return False
-    try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):
-        return False
-    try:
-        signature.bind(*range(n))
-    except TypeError:
-        return False
-    return True
+    """Whether ``policy`` is a plain function that can take ``n`` positional arguments (a
+    policy with an optional extra parameter gets the extra information)."""
+    return callable(policy) and not inspect.iscoroutinefunction(policy) and binds(policy, n) is True
 
 
 def ask(policy: Callable[..., object], field: str, request: object, *args: object) -> object:

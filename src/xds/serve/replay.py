@@ -55,7 +55,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .kv import kv_capacity_blocks
-from .policies import require_callable, takes_arguments
+from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
@@ -268,9 +268,8 @@ class Replay(Failover):
             ("prefill_te_selection", prefill_te_selection),
             ("decode_te_selection", decode_te_selection),
         ):
-            if name == "decode_routing" and takes_arguments(policy, 4):
-                continue  # the routing policy that also takes the request
-            require_callable(policy, name, arity=3 if name == "decode_routing" else 2)
+            # decode routing may take the request as a fourth argument
+            require_callable(policy, name, arity=(3, 4) if name == "decode_routing" else 2)
         if kv_mover is not None:
             require_callable(kv_mover, "kv_mover")
         self._kv_mover = kv_mover

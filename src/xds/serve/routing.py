@@ -86,9 +86,8 @@ class DecodeRouter:
     ):
         if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
             raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
+        require_callable(routing, "decode_routing", arity=(3, 4))
         self._with_request = takes_arguments(routing, 4)
-        if not self._with_request:
-            require_callable(routing, "decode_routing", arity=3)
         self.routing = routing
         self.block_tokens = block_tokens
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]

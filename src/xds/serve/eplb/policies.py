@@ -29,6 +29,7 @@ a :class:`~xds.errors.ProtocolError` naming the policy, the layer and the expert
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import operator
 from collections.abc import Callable
@@ -38,6 +39,7 @@ import msgspec
 import numpy as np
 
 from ...errors import ConfigError, ProtocolError
+from ..policies import binds
 
 
 class Plan(msgspec.Struct):
@@ -348,7 +350,7 @@ def register_policy(name: str, fn: Policy | PlanFunction, *, replace: bool = Fal
         )
     plan = getattr(fn, "plan", None)
     target = plan if callable(plan) else fn
-    if not _plan_signature_ok(target):
+    if inspect.iscoroutinefunction(target) or binds(target, 3) is False:
         raise ConfigError(
             f"EPLB policy {name!r}: {getattr(target, '__name__', target)!r} must be a plain "
             "function taking (counts, layout, budget)",
@@ -357,22 +359,6 @@ def register_policy(name: str, fn: Policy | PlanFunction, *, replace: bool = Fal
     registered = FunctionPolicy(name, target)  # type: ignore[arg-type]
     _REGISTERED[name] = registered
     return registered
-
-
-def _plan_signature_ok(fn: object) -> bool:
-    """A plain function that can take (counts, layout, budget); one without a signature we
-    can read (a builtin) gets the benefit of the doubt."""
-    import inspect
-
-    if inspect.iscoroutinefunction(fn):
-        return False
-    try:
-        inspect.signature(fn).bind(1, 2, 3)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    except ValueError:
-        return True
-    return True
 
 
 def unregister_policy(name: str) -> None:
