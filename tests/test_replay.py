@@ -970,11 +970,11 @@ def test_first_token_estimates_read_the_pool_as_it_stands(monkeypatch):
     original = PrefillTE.predicted_first_token_ns
     seen = {"calls": 0, "queued": 0}
 
-    def checked(self, new_tokens, now):
+    def checked(self, new_tokens, now, input_tokens=None):
         assert self._backlog == self.backlog_of(job.input_tokens for job, _ in self.pool)
         seen["calls"] += 1
         seen["queued"] = max(seen["queued"], len(self.pool))
-        return original(self, new_tokens, now)
+        return original(self, new_tokens, now, input_tokens)
 
     monkeypatch.setattr(PrefillTE, "predicted_first_token_ns", checked)
     res = replay(production_workload(80, rate_per_s=40.0, seed=3), SMALL)
@@ -1096,3 +1096,22 @@ def test_a_sequence_parallel_prompt_first_in_line_is_not_starved_by_later_short_
     # with room everywhere it runs alone, and the short ones wait for the next step
     te, groups, placed = _one_step([40_000, 1_000, 2_000], balance=True, kv_blocks=1_000)
     assert [job.request_id for job, _ in placed] == [0] and placed[0][0].alone
+
+
+def test_the_first_token_estimate_runs_a_too_long_cached_prompt_sequence_parallel():
+    """A prompt with more KV than one group holds runs sequence-parallel however much of it is
+    cached; the Job Executor's estimate prices it so (a step of its own), not as batched."""
+    from xds.serve.prefill import PrefillTE
+
+    cfg = PrefillConfig(balance_split=False)  # a batched prompt runs on one group
+    te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=500)  # 64K tokens per group
+    one_group = 500 * cfg.block_tokens
+    new, total = 2_000, one_group + 10_000  # few uncached tokens: batched by that count alone
+    assert te._is_sp(new, total) and not te._is_sp(new, new)
+    alone = te.predicted_first_token_ns(new, 0, total)
+    assert alone == te._predicted_step(new, sp=True)
+    assert te.predicted_first_token_ns(new, 0) > alone  # the old reading: batched, one group
+    # a prompt that fits one group is read as before, with or without its total
+    assert te.predicted_first_token_ns(new, 0, one_group // 2) == te.predicted_first_token_ns(
+        new, 0
+    )

@@ -295,13 +295,18 @@ class PrefillTE:
             return 0
         return max(c.hit_blocks(hashes) for c in self.cache) * self.config.prefix_block_tokens
 
-    def predicted_first_token_ns(self, new_tokens: int, now: int) -> int:
-        """The Job Executor's estimate of when a job with ``new_tokens`` uncached tokens would
-        get its first token here: the running step's end, then as many steps as the pool's
-        backlog fills, each as long as a step holding the longest pending prompt (lockstep
-        groups wait for their longest input, P096) - spread over every group when the leader
-        balances its steps, but never shorter than the backlog's per-group share."""
-        longest, backlog, sp_ns = self._with(self._backlog, new_tokens)
+    def predicted_first_token_ns(
+        self, new_tokens: int, now: int, input_tokens: int | None = None
+    ) -> int:
+        """The Job Executor's estimate of when a job with ``new_tokens`` uncached tokens (of
+        ``input_tokens`` in all; default: none cached) would get its first token here: the
+        running step's end, then as many steps as the pool's backlog fills, each as long as a
+        step holding the longest pending prompt (lockstep groups wait for their longest
+        input, P096) - spread over every group when the leader balances its steps, but never
+        shorter than the backlog's per-group share. A prompt that will run sequence-parallel
+        (more uncached tokens than ``sp_threshold``, or more KV than one group holds, however
+        much of it is cached) adds a step of its own instead."""
+        longest, backlog, sp_ns = self._with(self._backlog, new_tokens, input_tokens)
         capacity = self.config.dps_per_te * self.config.max_tokens_per_dp
         steps = -(-backlog // capacity)
         if self.config.balance_split:  # the leader spreads a step's work over every group
@@ -321,9 +326,10 @@ class PrefillTE:
             backlog = self._with(backlog, tokens)
         return backlog
 
-    def _with(self, backlog: Backlog, tokens: int) -> Backlog:
+    def _with(self, backlog: Backlog, tokens: int, input_tokens: int | None = None) -> Backlog:
+        """``backlog`` plus a prompt of ``tokens`` uncached tokens (``input_tokens`` in all)."""
         longest, batched, sp_ns = backlog
-        if self._is_sp(tokens, tokens):  # a step of its own
+        if self._is_sp(tokens, tokens if input_tokens is None else input_tokens):  # alone
             return longest, batched, sp_ns + self._predicted_step(tokens, sp=True)
         return max(longest, tokens), batched + tokens, sp_ns
 

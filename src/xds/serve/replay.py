@@ -379,7 +379,7 @@ class Replay(Failover):
             offer.append(
                 PrefillTEView(
                     te.index,
-                    te.predicted_first_token_ns(req.input_tokens - cached, now),
+                    te.predicted_first_token_ns(req.input_tokens - cached, now, req.input_tokens),
                     cached,
                     te.queued_tokens,
                     self._picked[te.index],
