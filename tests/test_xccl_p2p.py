@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 import xds
-from xds.errors import ConfigError, ProtocolError, XdsError
+from xds.errors import ConfigError, ModelDeadlock, ProtocolError, XdsError
 from xds.fabric import UBFabric
 from xds.fabric.xccl import XCCL, AppBuffer
 from xds.hw import CloudMatrix384
@@ -509,3 +509,124 @@ async def test_cancelling_an_async_send_mid_message_fails_the_receiver(xds_backe
         assert (await x.completion_queue(0).receive()).error == "cancelled"
         x.reset_pair(0, 20)
         await transfer(x, 0, 20, 64 * KiB, event_id=8)
+
+
+# -- after the communicator closed -------------------------------------------------------------
+@pytest.mark.xds
+async def test_completions_are_drained_after_exit_in_order_then_the_queue_ends(xds_backend):
+    async with XCCL(fabric()) as x:
+        queue = x.completion_queue(0)
+        sends = [x.send_async(0, 20, AppBuffer(i * KiB, KiB), 10 + i) for i in range(4)]
+        for i in range(4):
+            x.receive_async(20, 0, AppBuffer(i * KiB, KiB), 10 + i)
+        first = await queue.receive()  # one read while open, the rest after exit
+    assert first == sends[0].completion
+    assert x.completion_queue(0) is queue
+    assert [c async for c in queue] == [h.completion for h in sends[1:]]
+    with pytest.raises(anyio.EndOfStream, match="completion queue of die 0: XCCL has closed"):
+        await queue.receive()
+    with pytest.raises(anyio.EndOfStream, match="4 completions were posted to it"):
+        queue.receive_nowait()
+    received = [c async for c in x.completion_queue(20)]  # never read while open
+    assert [c.event_id for c in received] == [10, 11, 12, 13]
+    assert all(c.op == "receive" and c.ok for c in received)
+
+
+@pytest.mark.xds
+async def test_a_reader_waiting_on_a_queue_ends_when_xccl_exits(xds_backend):
+    got = []
+    async with anyio.create_task_group() as tg:
+        async with XCCL(fabric()) as x:
+
+            async def collect() -> None:
+                async for c in x.completion_queue(0):
+                    got.append(c.event_id)
+
+            tg.start_soon(collect)
+            for i in range(3):
+                x.send_async(0, 20, AppBuffer(0, KiB), 5 + i)
+                x.receive_async(20, 0, AppBuffer(0, KiB), 5 + i)
+        end = xds.now_ns()
+    assert got == [5, 6, 7]  # the reader got them all, then its loop ended (no deadlock)
+    assert xds.now_ns() == end
+
+
+@pytest.mark.xds
+async def test_queue_of_a_die_without_async_operations_is_empty_after_exit(xds_backend):
+    async with XCCL(fabric()) as x:
+        await transfer(x, 0, 20, KiB)  # synchronous: nothing on any queue
+        early = x.completion_queue(20)
+    for queue in (early, x.completion_queue(5)):
+        with pytest.raises(anyio.EndOfStream, match="no completion was posted to it"):
+            await queue.receive()
+        assert [c async for c in queue] == []
+
+
+@pytest.mark.xds
+async def test_the_queue_of_a_die_that_does_not_exist_is_a_clear_error(xds_backend):
+    async with XCCL(fabric()) as x:
+        with pytest.raises(ConfigError, match="die 64 does not exist"):
+            x.completion_queue(64)
+    with pytest.raises(ConfigError, match="die 64 does not exist"):
+        x.completion_queue(64)
+    with pytest.raises(ConfigError, match="die must be an integer die index, got '0'"):
+        x.completion_queue("0")
+
+
+@pytest.mark.xds
+async def test_sending_posting_or_reentering_after_exit_is_a_clear_error(xds_backend):
+    async with XCCL(fabric()) as x:
+        await transfer(x, 0, 20, KiB)
+    t = xds.now_ns()
+    buf = AppBuffer(0, KiB)
+    with pytest.raises(XdsError, match=r"XCCL has closed: send_async\(\) after"):
+        x.send_async(0, 20, buf, 2)
+    with pytest.raises(XdsError, match=r"XCCL has closed: receive_async\(\) after"):
+        x.receive_async(20, 0, buf, 2)
+    with pytest.raises(XdsError, match=r"XCCL has closed: send\(\) after"):
+        await x.send(0, 20, buf, 2)
+    with pytest.raises(XdsError, match=r"XCCL has closed: receive\(\) after"):
+        await x.receive(20, 0, buf, 2)
+    with pytest.raises(XdsError, match="an XCCL is entered once"):
+        async with x:
+            pass
+    assert xds.now_ns() == t  # refused at once, nothing waited
+    async with XCCL(x.fabric, protocol=x.p2p) as again:  # the way to go on
+        await transfer(again, 0, 20, KiB, event_id=3)
+        assert again.monitor is x.monitor
+
+
+@pytest.mark.xds
+async def test_an_xccl_cannot_be_entered_twice_at_once(xds_backend):
+    async with XCCL(fabric()) as x:
+        with pytest.raises(XdsError, match="already open"):
+            async with x:
+                pass
+        await transfer(x, 0, 20, KiB)  # the open one is unharmed
+
+
+def test_waits_behind_a_previous_operation_on_the_pair_say_so():
+    """A second send on a pair waits for the first (one message at a time), a send for AIVs,
+    an async receive for the one posted before it, and a handle's wait for its operation: a
+    deadlock names each."""
+
+    async def main():
+        async with XCCL(fabric()) as x, anyio.create_task_group() as tg:
+            tg.start_soon(lambda: x.send(0, 20, AppBuffer(0, KiB), 1, n_aiv=48))  # all its AIVs
+            await xds.sleep_ns(1)
+            tg.start_soon(x.send, 0, 20, AppBuffer(0, KiB), 2)
+            tg.start_soon(x.send, 0, 36, AppBuffer(0, KiB), 5)
+            x.receive_async(17, 0, AppBuffer(0, KiB), 3)
+            handle = x.receive_async(17, 0, AppBuffer(0, KiB), 4)
+            await handle.wait()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main)
+    notes = " | ".join(w.waiting_for for w in info.value.waiting)
+    assert "send eventID 2, die 0 -> die 20: the previous send on this pair" in notes
+    assert "send eventID 5, die 0 -> die 36: 2 AIVs of die 0 (0 of 48 free)" in notes
+    assert (
+        "async receive of die 17 (from 0, eventID 4): async receive of die 17 (from 0, eventID "
+        "3) posted before it to finish" in notes
+    )
+    assert "async receive of die 17 (from 0, eventID 4) to complete" in notes

@@ -1,33 +1,48 @@
 """XCCL: memory-semantic communication over the UB fabric (SPEC 3-5).
 
 ``XCCL`` is the library a serving engine calls: point-to-point ``send``/``receive`` (sync), their
-async variants whose completions arrive on a per-die completion queue (an anyio memory object
+async variants whose completions arrive on a per-die completion queue (an anyio object receive
 stream), and the invariant monitor. Use it as an async context manager so async operations have
 a task group to run in::
 
     async with XCCL(fabric) as xccl:
         await xccl.send(0, 17, AppBuffer(0, 4096), event_id=7, n_aiv=2)
+
+Leaving the ``async with`` closes the communicator: completions already posted can still be read
+(then each queue ends with ``anyio.EndOfStream``, as a memory object stream does once its
+senders closed); sending, posting or entering again raises :class:`~xds.errors.XdsError`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from types import TracebackType
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ...errors import ProtocolError, XdsError
-from ...runtime import now_ns
+from ...runtime import now_ns, waiting_for
 from ...runtime.sync import leaf_exceptions
 from ..ub import Engine, UBFabric
 from .aiv import AivPool
 from .monitor import P2PMonitor
 from .p2p import P2P, AppBuffer, Message
 
-__all__ = ["P2P", "XCCL", "AivPool", "AppBuffer", "Completion", "Handle", "Message", "P2PMonitor"]
+__all__ = [
+    "P2P",
+    "XCCL",
+    "AivPool",
+    "AppBuffer",
+    "Completion",
+    "CompletionQueue",
+    "Handle",
+    "Message",
+    "P2PMonitor",
+]
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -44,10 +59,100 @@ class Completion(msgspec.Struct, frozen=True):
     error: str = ""
 
 
+class CompletionQueue(anyio.abc.ObjectReceiveStream[Completion]):
+    """The completion queue of one die: completions in the order they were posted.
+
+    While the XCCL is open, :meth:`receive` waits for the next completion (``receive_nowait``
+    raises ``anyio.WouldBlock`` if there is none yet). Once the XCCL has closed, the completions
+    posted before are still delivered, in order, and then the queue ends: ``receive`` raises
+    ``anyio.EndOfStream`` (saying so) and ``async for`` stops. Closing it (``aclose``) is the
+    reader's choice: later reads raise ``anyio.ClosedResourceError`` and later completions of
+    the die are dropped.
+    """
+
+    def __init__(self, die: int) -> None:
+        self.die = die
+        self._items: deque[Completion] = deque()
+        self._posted = 0
+        self._running = 0  # async operations of the die whose completion is still to come
+        self._ended = False
+        self._closed = False
+        self._arrived: anyio.Event | None = None  # made by a waiting reader (needs a loop)
+
+    def _post(self, completion: Completion) -> None:
+        self._posted += 1
+        if not self._closed:
+            self._items.append(completion)
+        self._wake()
+
+    def _end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
+    def receive_nowait(self) -> Completion:
+        """The next completion, or ``anyio.WouldBlock`` (none yet) / ``anyio.EndOfStream``
+        (the XCCL has closed and every completion posted to the queue has been received)."""
+        if self._closed:
+            raise anyio.ClosedResourceError(
+                f"completion queue of die {self.die} was closed by its reader"
+            )
+        if self._items:
+            return self._items.popleft()
+        if self._ended:
+            posted = (
+                "no completion was posted to it"
+                if not self._posted
+                else f"{self._posted} completion{' was' if self._posted == 1 else 's were'} "
+                "posted to it and all have been received"
+            )
+            raise anyio.EndOfStream(
+                f"completion queue of die {self.die}: XCCL has closed; {posted}"
+            )
+        raise anyio.WouldBlock
+
+    async def receive(self) -> Completion:
+        await anyio.lowlevel.checkpoint()
+        while True:
+            try:
+                return self.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            if self._arrived is None:
+                self._arrived = anyio.Event()
+            with waiting_for(
+                lambda: (
+                    f"completion queue of die {self.die}: the next completion "
+                    + (
+                        f"({self._running} async operation(s) of die {self.die} still running)"
+                        if self._running
+                        else f"(no async operation of die {self.die} is running; has one been "
+                        "posted?)"
+                    )
+                )
+            ):
+                await self._arrived.wait()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading: drop what is buffered; later reads raise ``ClosedResourceError``."""
+        self._closed = True
+        self._items.clear()
+        self._wake()
+
+
 class Handle:
     """An async operation in flight; ``await handle.wait()`` returns its completion."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "an async XCCL operation") -> None:
+        self.what = what
+        """What the operation is, as error messages and deadlock reports name it."""
         self._done = anyio.Event()
         self._scope: anyio.CancelScope | None = None
         self._cancel_requested = False
@@ -71,7 +176,8 @@ class Handle:
             self._scope.cancel()
 
     async def wait(self) -> Completion:
-        await self._done.wait()
+        with waiting_for(f"{self.what} to complete"):
+            await self._done.wait()
         if self.error is not None:
             raise self.error
         assert self.completion is not None
@@ -92,9 +198,8 @@ class XCCL:
         self.fabric = fabric
         self.p2p = protocol or P2P(fabric)
         self._tg: anyio.abc.TaskGroup | None = None
-        self._cq: dict[
-            int, tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]
-        ] = {}
+        self._state: Literal["new", "open", "closed"] = "new"
+        self._cq: dict[int, CompletionQueue] = {}
         self._last_posted: dict[tuple[str, int, int], Handle] = {}
         """Per (op, die, peer): the latest async operation posted, which the next one waits
         for, so operations on a pair run in posting order on every backend."""
@@ -104,9 +209,24 @@ class XCCL:
         return self.p2p.monitor
 
     async def __aenter__(self) -> XCCL:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        if self._state == "open":
+            raise XdsError("this XCCL is already open: 'async with' it once, not nested")
+        if self._state == "closed":
+            raise XdsError(
+                "XCCL has closed: an XCCL is entered once; to go on with the same pairs, AIVs "
+                "and monitor, open XCCL(xccl.fabric, protocol=xccl.p2p)"
+            )
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg, self._state = tg, "open"
         return self
+
+    def _check_open(self, call: str) -> None:
+        if self._state == "closed":
+            raise XdsError(
+                f"XCCL has closed: {call} after 'async with XCCL(...)' exited; open a new "
+                "XCCL(xccl.fabric, protocol=xccl.p2p) to go on"
+            )
 
     async def __aexit__(
         self,
@@ -122,10 +242,9 @@ class XCCL:
                 raise exc from None  # the body's own error, not wrapped again by XCCL's tasks
             raise
         finally:
-            self._tg = None
-            for send, receive in self._cq.values():
-                send.close()
-                receive.close()
+            self._tg, self._state = None, "closed"
+            for queue in self._cq.values():
+                queue._end()  # readers drain what was posted, then see the end
 
     # -- synchronous ---------------------------------------------------------------------------
     async def send(
@@ -143,6 +262,7 @@ class XCCL:
         ``n_aiv`` AIVs move the chunks with MTE (``engine="mte"``); with ``engine="dma"``
         (NPU-Direct URMA) the AIVs only submit, and the chunks spread over ``min(n_aiv, the
         die's DMA engines)`` queues (4 on a 910C die), so more AIVs do not add bandwidth."""
+        self._check_open("send()")
         return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
 
     def reset_pair(self, src: int, dst: int) -> int:
@@ -168,22 +288,23 @@ class XCCL:
         engine: Engine = "mte",
     ) -> int:
         """Receive the next message from ``src`` into ``buf``; return when copied and ACKed."""
+        self._check_open("receive()")
         return await self.p2p.receive(dst, src, buf, event_id, n_aiv=n_aiv, engine=engine)
 
     # -- asynchronous --------------------------------------------------------------------------
-    def completion_queue(self, die: int) -> MemoryObjectReceiveStream[Completion]:
-        """The completion queue of ``die``: async operations post their completions here."""
-        return self._queue(die)[1]
+    def completion_queue(self, die: int) -> CompletionQueue:
+        """The completion queue of ``die``: async operations post their completions here.
+        After the XCCL has closed it still delivers what was posted, then ends
+        (``anyio.EndOfStream``)."""
+        return self._queue(die)
 
-    def _queue(
-        self, die: int
-    ) -> tuple[MemoryObjectSendStream[Completion], MemoryObjectReceiveStream[Completion]]:
+    def _queue(self, die: int) -> CompletionQueue:
         q = self._cq.get(die)
         if q is None:
             self.fabric.pod.check_die(die)
-            q = self._cq[die] = anyio.create_memory_object_stream[Completion](
-                max_buffer_size=float("inf")
-            )
+            q = self._cq[die] = CompletionQueue(die)
+            if self._state == "closed":
+                q._end()  # nothing can be posted to it any more
         return q
 
     def send_async(
@@ -228,18 +349,30 @@ class XCCL:
         fn: Any,
         kwargs: dict[str, Any],
     ) -> Handle:
+        self._check_open(f"{op}_async()")
         if self._tg is None:
             raise XdsError(
                 "async XCCL operations need a running XCCL: use 'async with XCCL(fabric) as xccl:'"
             )
         self.p2p._check(die, peer, buf, event_id, kwargs["n_aiv"], kwargs["engine"])
-        handle = Handle()
-        send_cq = self._queue(die)[0]
+        what = (
+            f"async {op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, "
+            f"eventID {event_id})"
+        )
+        handle = Handle(what)
+        queue = self._queue(die)
+        queue._running += 1
         key = (op, die, peer)
         before = self._last_posted.get(key)
         self._last_posted[key] = handle
 
         async def run() -> None:
+            try:
+                await operation()
+            finally:
+                queue._running -= 1
+
+        async def operation() -> None:
             start = now_ns()
             ok, error = True, ""
             with anyio.CancelScope() as scope:
@@ -248,7 +381,11 @@ class XCCL:
                     scope.cancel()
                 try:
                     if before is not None and not before.done:
-                        await before._done.wait()  # posting order on the pair
+                        with waiting_for(
+                            f"{what}: {before.what} posted before it to finish (posting order "
+                            "on the pair)"
+                        ):
+                            await before._done.wait()
                     await fn(die, peer, buf, event_id, hold_aivs=False, posted_ns=start, **kwargs)
                 except XdsError as exc:  # a protocol failure: reported, the run goes on
                     ok, error = False, str(exc)
@@ -262,17 +399,14 @@ class XCCL:
                     raise
             if scope.cancelled_caught:
                 ok, error = False, "cancelled"
-                handle.error = ProtocolError(
-                    f"async {op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, "
-                    f"eventID {event_id}) was cancelled"
-                )
+                handle.error = ProtocolError(f"{what} was cancelled")
             handle.completion = Completion(
                 op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
             )
             handle._done.set()
             if self._last_posted.get(key) is handle:
                 del self._last_posted[key]
-            send_cq.send_nowait(handle.completion)
+            queue._post(handle.completion)
 
         self._tg.start_soon(run, name=f"xccl-{op}-{die}-{peer}-{event_id}")
         return handle
@@ -289,7 +423,7 @@ def _complete_failed(
     exc: BaseException,
 ) -> None:
     """Complete ``handle`` for an operation torn down by XCCL's exit or killed by a bug (no
-    queue entry: the queue closes with XCCL)."""
+    queue entry: XCCL is closing, and its queues end)."""
     handle.error = exc
     handle.completion = Completion(
         op, die, peer, event_id, buf.nbytes, start, now_ns(), False, f"{type(exc).__name__}: {exc}"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import numbers
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -110,10 +112,31 @@ class _Pair:
         if visible_ns > self.quiescent_ns:
             self.quiescent_ns = visible_ns
 
-    async def wait_ready(self) -> None:
+    async def wait_ready(self, who: str) -> None:
         """Wait until a deferred re-initialisation (:meth:`P2P.reset_pair`) has happened."""
         if self.ready is not None:
-            await self.ready.wait()
+            with waiting_for(
+                f"{who}: the pair's re-initialisation (reset_pair) at t={self.ready_ns} ns"
+            ):
+                await self.ready.wait()
+
+
+@asynccontextmanager
+async def _holding(lock: anyio.Lock, what: str) -> AsyncIterator[None]:
+    """Hold ``lock``; a wait for it is labelled ``what`` in deadlock reports."""
+    with waiting_for(what):
+        await lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+async def _acquire_aivs(pool: AivPool, n: int, who: str) -> None:
+    with waiting_for(
+        lambda: f"{who}: {n} AIVs of die {pool.die} ({pool.free} of {pool.total} free)"
+    ):
+        await pool.acquire(n)
 
 
 class P2P:
@@ -190,12 +213,15 @@ class P2P:
         # end to end, as P037 measures: queueing for the pair and AIVs counts
         start = now_ns() if posted_ns is None else posted_ns
         pair = self.pair(src, dst)
-        async with pair.send_lock:
-            await pair.wait_ready()
+        who = f"send eventID {event_id}, die {src} -> die {dst}"
+        async with _holding(
+            pair.send_lock, f"{who}: the previous send on this pair to finish (one at a time)"
+        ):
+            await pair.wait_ready(who)
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(src)
-            await pool.acquire(n_aiv)
+            await _acquire_aivs(pool, n_aiv, who)
             held = True
             try:
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
@@ -409,14 +435,17 @@ class P2P:
         self._check(dst, src, buf, event_id, n_aiv, engine)
         start = now_ns() if posted_ns is None else posted_ns
         pair = self.pair(src, dst)
-        async with pair.recv_lock:
-            await pair.wait_ready()
+        who = f"receive eventID {event_id} at die {dst} from die {src}"
+        async with _holding(
+            pair.recv_lock, f"{who}: the previous receive on this pair to finish (one at a time)"
+        ):
+            await pair.wait_ready(who)
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(dst)
             if not hold_aivs:  # async mode: no AIV is held while waiting for the sender
                 await self._await_descriptor(pair)
-            await pool.acquire(n_aiv)
+            await _acquire_aivs(pool, n_aiv, who)
             held = True
             try:
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
