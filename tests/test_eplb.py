@@ -572,3 +572,65 @@ def test_forward_latency_refuses_plans_for_another_deployment():
     wide[3].copies[255] = 2
     with pytest.raises(ConfigError, match=r"plans\[3\]: uses die 299, but config\.dies is 288"):
         forward_latency(cfg, wide, np.ones((2, 58, 256)))
+
+
+def _online_eplb(policy_name: str, spare: int) -> OnlineEPLB:
+    return OnlineEPLB(
+        OnlineEPLBConfig(policy=policy_name, window_ns=10, spare_slots=spare),
+        layers=2,
+        experts=16,
+        dies=20,
+        shared_dies=0,
+        gen=np.random.default_rng(0),
+    )
+
+
+@pytest.mark.parametrize("name", ["xds-greedy", "deepseek-eplb"])
+def test_without_redundant_slots_online_eplb_collects_but_never_rebalances(name):
+    """spare_slots=0: no replica can be placed and primaries never move, so a window has
+    nothing to change; it used to hand the decode loop primaries-only plans, counted as a
+    rebalance that published two mapping versions for nothing."""
+    online = _online_eplb(name, spare=0)
+    before = online.popularity.copy()
+    for window in range(1, 4):
+        online.busiest_die_tokens(64, 2)
+        assert online.window_plans(10 * window) is None
+    assert len(online.collector.reports) == 3  # collected and reported every window
+    assert online.collector.reports[0].sum() == 2 * 64 * 2  # 2 layers x 64 tokens x top-2
+    assert not np.array_equal(online.popularity, before)  # routing still drifts
+
+
+def test_without_redundant_slots_a_decode_run_reports_no_rebalance():
+    res, eplb = _online("xds-greedy", spare=0, iterations=14)
+    assert len(eplb.collector.reports) >= 2  # windows closed
+    assert res.rebalances == eplb.reconfigurations == 0
+    assert eplb.table.current.version == 0 and len(eplb.table.history) == 1
+    assert set(eplb.versions_used) == {0}
+
+
+def test_a_window_whose_plans_move_nothing_is_no_rebalance():
+    """The same placement as the one installed (or being installed) is not a rebalance."""
+
+    def fixed(counts, layout, budget):  # expert 0 always gets one replica on die 19
+        dies = [[int(d)] for d in layout.primary_die]
+        dies[0].append(19)
+        return Plan(np.array([len(d) for d in dies]), dies)
+
+    register_policy("test-fixed", fixed)
+    try:
+        online = _online_eplb("test-fixed", spare=1)
+        online.busiest_die_tokens(64, 2)
+        plans = online.window_plans(10)
+        assert plans is not None and plans[0].replica_dies[0] == [0, 19]
+        online.busiest_die_tokens(64, 2)
+        assert online.window_plans(20) is None  # unchanged: nothing to swap
+        assert len(online.collector.reports) == 2
+    finally:
+        unregister_policy("test-fixed")
+    # a policy that does change the placement keeps rebalancing
+    greedy = _online_eplb("xds-greedy", spare=1)
+    started = 0
+    for window in range(1, 4):
+        greedy.busiest_die_tokens(256, 2)
+        started += greedy.window_plans(10 * window) is not None
+    assert started >= 2
