@@ -217,13 +217,13 @@ class _Slots:
                 for d in ordered:
                     came_to[d] = x
                 end = next((d for d in ordered if self.free[d] > 0), None)
-                if end is not None:
-                    moves = []
+                if end is not None:  # walk back: each mover leaves the die the next one takes
+                    moves: list[tuple[int, int, int]] = []
                     dst = end
                     while dst >= 0:
-                        x = came_to[dst]
-                        moves.append((x, came_from[x], dst))
-                        dst = came_from[x]
+                        mover = came_to[dst]
+                        moves.append((mover, came_from[mover], dst))
+                        dst = came_from[mover]
                     return moves
                 for d in ordered:
                     for f in self.guests[d]:
