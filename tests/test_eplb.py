@@ -325,9 +325,10 @@ def test_every_malformed_plan_is_a_clear_error_naming_policy_layer_and_expert(ki
 
 
 def test_malformed_plans_are_caught_in_scoring_and_online_alike():
-    counts = np.random.default_rng(0).integers(1, 100, (4, 3, 16))
+    counts = np.random.default_rng(0).integers(1, 100, (4, 58, 256))
+    layout = Layout.one_expert_per_die(256, 288)
     with pytest.raises(ProtocolError, match=r"EPLB policy 'bad', layer 0: .* out of range"):
-        score(_Bad("negative_die"), counts[:2], counts[2:], LAYOUT, 4, DecodeConfig())
+        score(_Bad("negative_die"), counts[:2], counts[2:], layout, 4, DecodeConfig())
     register_policy("bad-online", _Bad("same_die_twice"))
     try:
         online = OnlineEPLB(
@@ -493,3 +494,143 @@ def test_a_policy_gets_copies_of_its_inputs():
     plans = plan_layers(scribbler, counts, layout, 288)
     assert len(plans) == 2
     assert np.array_equal(counts, before) and np.array_equal(layout.primary_die, primaries)
+
+
+@pytest.mark.parametrize(
+    ("layout", "layers", "config", "message"),
+    [
+        (
+            Layout.one_expert_per_die(16, 20),
+            58,
+            DecodeConfig(),
+            r"layout\.primary_die: 16 experts, but config\.model \(DeepSeek-V3/R1\) has 256 "
+            "routed experts",
+        ),
+        (
+            Layout.one_expert_per_die(256, 260),
+            58,
+            DecodeConfig(),
+            r"layout\.n_dies: 260 dies, but config\.dies is 288",
+        ),
+        (
+            Layout.one_expert_per_die(256, 288),
+            3,
+            DecodeConfig(),
+            r"fit: has 3 MoE layers, but config\.model \(DeepSeek-V3/R1\) has 58",
+        ),
+        (
+            Layout.one_expert_per_die(256, 288, spare_slots=1),
+            58,
+            DecodeConfig(eplb=OnlineEPLBConfig(spare_slots=2)),
+            r"layout\.spare_slots: 1 redundant slot per die, but config\.eplb\.spare_slots is 2",
+        ),
+        (
+            Layout.one_expert_per_die(256, 288),
+            58,
+            None,
+            r"config: must be a DecodeConfig, got NoneType",
+        ),
+        (
+            {"primary_die": [0, 1]},
+            58,
+            DecodeConfig(),
+            r"layout: must be a Layout, got dict",
+        ),
+    ],
+    ids=["experts", "dies", "layers", "spare_slots", "config_type", "layout_type"],
+)
+def test_score_refuses_a_layout_or_counts_that_do_not_match_the_config(
+    layout, layers, config, message
+):
+    """score used to plan and price a layout for another deployment without a word (a
+    16-expert layout came out as a 240 ms MoE time for DeepSeek-R1)."""
+    n_e = len(layout.primary_die) if isinstance(layout, Layout) else 256
+    counts = np.random.default_rng(0).integers(1, 100, (4, layers, n_e))
+    with pytest.raises(ConfigError, match=message):
+        score("xds-greedy", counts[:2], counts[2:], layout, 8, config)
+
+
+def test_plan_layers_checks_the_shared_expert_dies():
+    counts = np.ones((2, 1, 16))
+    counts[:, :, 0] = 1000  # one hot expert, one replica
+    with pytest.raises(ConfigError, match=r"shared_dies: must be an integer in 0\.\.19 .*got 20"):
+        plan_layers("deepseek-eplb", counts, LAYOUT, 1, shared_dies=20)
+    # the empty dies 16..19 take it, unless they carry the shared expert's load
+    assert plan_layers("deepseek-eplb", counts, LAYOUT, 1)[0].replica_dies[0] == [0, 16]
+    shared = plan_layers("deepseek-eplb", counts, LAYOUT, 1, shared_dies=4)
+    assert shared[0].replica_dies[0] == [0, 1]
+
+
+def test_forward_latency_refuses_plans_for_another_deployment():
+    cfg = DecodeConfig()
+    counts = np.ones((2, 58, 16))
+    small = plan_layers("none", counts, Layout.one_expert_per_die(16, 20), 0)
+    with pytest.raises(ConfigError, match=r"plans\[0\]: places 16 experts, but config\.model"):
+        forward_latency(cfg, small, np.ones((2, 58, 256)))
+    wide = plan_layers("none", np.ones((2, 58, 256)), Layout.one_expert_per_die(256, 300), 0)
+    wide[3].replica_dies[255] = [255, 299]
+    wide[3].copies[255] = 2
+    with pytest.raises(ConfigError, match=r"plans\[3\]: uses die 299, but config\.dies is 288"):
+        forward_latency(cfg, wide, np.ones((2, 58, 256)))
+
+
+def _online_eplb(policy_name: str, spare: int) -> OnlineEPLB:
+    return OnlineEPLB(
+        OnlineEPLBConfig(policy=policy_name, window_ns=10, spare_slots=spare),
+        layers=2,
+        experts=16,
+        dies=20,
+        shared_dies=0,
+        gen=np.random.default_rng(0),
+    )
+
+
+@pytest.mark.parametrize("name", ["xds-greedy", "deepseek-eplb"])
+def test_without_redundant_slots_online_eplb_collects_but_never_rebalances(name):
+    """spare_slots=0: no replica can be placed and primaries never move, so a window has
+    nothing to change; it used to hand the decode loop primaries-only plans, counted as a
+    rebalance that published two mapping versions for nothing."""
+    online = _online_eplb(name, spare=0)
+    before = online.popularity.copy()
+    for window in range(1, 4):
+        online.busiest_die_tokens(64, 2)
+        assert online.window_plans(10 * window) is None
+    assert len(online.collector.reports) == 3  # collected and reported every window
+    assert online.collector.reports[0].sum() == 2 * 64 * 2  # 2 layers x 64 tokens x top-2
+    assert not np.array_equal(online.popularity, before)  # routing still drifts
+
+
+def test_without_redundant_slots_a_decode_run_reports_no_rebalance():
+    res, eplb = _online("xds-greedy", spare=0, iterations=14)
+    assert len(eplb.collector.reports) >= 2  # windows closed
+    assert res.rebalances == eplb.reconfigurations == 0
+    assert eplb.table.current.version == 0 and len(eplb.table.history) == 1
+    assert set(eplb.versions_used) == {0}
+
+
+def test_a_window_whose_plans_move_nothing_is_no_rebalance():
+    """The same placement as the one installed (or being installed) is not a rebalance."""
+
+    def fixed(counts, layout, budget):  # expert 0 always gets one replica on die 19
+        dies = [[int(d)] for d in layout.primary_die]
+        dies[0].append(19)
+        return Plan(np.array([len(d) for d in dies]), dies)
+
+    register_policy("test-fixed", fixed)
+    try:
+        online = _online_eplb("test-fixed", spare=1)
+        online.busiest_die_tokens(64, 2)
+        plans = online.window_plans(10)
+        assert plans is not None and plans[0].replica_dies[0] == [0, 19]
+        online.busiest_die_tokens(64, 2)
+        assert online.window_plans(20) is None  # unchanged: nothing to swap
+        assert len(online.collector.reports) == 2
+    finally:
+        unregister_policy("test-fixed")
+    # a policy that does change the placement keeps rebalancing
+    greedy = _online_eplb("xds-greedy", spare=1)
+    started = 0
+    for window in range(1, 4):
+        greedy.busiest_die_tokens(256, 2)
+        started += greedy.window_plans(10 * window) is not None
+    assert started >= 2

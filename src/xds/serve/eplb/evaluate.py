@@ -10,6 +10,8 @@ on the collective tier with the skewed routing and the replicas in the expert ma
 
 from __future__ import annotations
 
+import numbers
+
 import msgspec
 import numpy as np
 
@@ -48,6 +50,38 @@ def _counts(name: str, counts: np.ndarray, n_experts: int) -> np.ndarray:
     return counts
 
 
+def _is(value: object, kind: type, field: str) -> None:
+    if not isinstance(value, kind):
+        raise ConfigError(
+            f"must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}", field=field
+        )
+
+
+def _matches(layout: Layout, config: DecodeConfig) -> None:
+    """``layout`` is one MoE layer of the deployment ``config`` describes: the same routed
+    experts, dies and (with online EPLB configured) redundant slots per die."""
+    _is(config, DecodeConfig, "config")
+    _is(layout, Layout, "layout")
+    m = config.spec
+    n_e = len(layout.primary_die)
+    if n_e != m.routed_experts:
+        raise ConfigError(
+            f"{n_e} experts, but config.model ({m.name}) has {m.routed_experts} routed experts",
+            field="layout.primary_die",
+        )
+    if layout.n_dies != config.dies:
+        raise ConfigError(
+            f"{layout.n_dies} dies, but config.dies is {config.dies}", field="layout.n_dies"
+        )
+    if config.eplb is not None and layout.spare_slots != config.eplb.spare_slots:
+        n = layout.spare_slots
+        raise ConfigError(
+            f"{n} redundant slot{'s' if n != 1 else ''} per die, but config.eplb.spare_slots "
+            f"is {config.eplb.spare_slots}",
+            field="layout.spare_slots",
+        )
+
+
 def plan_layers(
     policy: str | Policy | PlanFunction,
     fit: np.ndarray,
@@ -62,6 +96,17 @@ def plan_layers(
     :class:`~xds.serve.eplb.policies.Policy` or a ``(counts, layout, budget) -> Plan``
     function."""
     pol = resolve_policy(policy)
+    _is(layout, Layout, "layout")
+    if (
+        isinstance(shared_dies, bool)
+        or not isinstance(shared_dies, numbers.Integral)
+        or not 0 <= shared_dies < layout.n_dies
+    ):
+        raise ConfigError(
+            f"must be an integer in 0..{layout.n_dies - 1} (dies carrying a shared-expert "
+            f"instance, fewer than the layout's {layout.n_dies}), got {shared_dies!r}",
+            field="shared_dies",
+        )
     fit = _counts("fit", fit, len(layout.primary_die))
     plans = []
     for layer in range(fit.shape[1]):
@@ -93,14 +138,25 @@ def score(
     budget: int,
     config: DecodeConfig,
 ) -> tuple[PolicyScore, list[Plan]]:
-    """Plan on ``fit`` and score on ``evaluation`` (both ``[time_slice, layer, expert]``,
-    the same layers); ``policy`` is a name, a Policy or a plan function."""
+    """Plan on ``fit`` and score on ``evaluation`` (both ``[time_slice, layer, expert]``
+    over every MoE layer of ``config``'s model); ``policy`` is a name, a Policy or a plan
+    function. ``layout`` must be the deployment's: ``config``'s routed experts and dies (and
+    its online EPLB's redundant slots per die, when it has one); a mismatch is a
+    :class:`~xds.errors.ConfigError` naming the field and both values."""
     pol = resolve_policy(policy)
+    _matches(layout, config)
     fit = _counts("fit", fit, len(layout.primary_die))
     evaluation = _counts("evaluation", evaluation, len(layout.primary_die))
     if evaluation.shape[1] != fit.shape[1]:
         raise ConfigError(
             f"has {evaluation.shape[1]} layers but fit has {fit.shape[1]}", field="evaluation"
+        )
+    m = config.spec
+    if fit.shape[1] != m.moe_layers:
+        raise ConfigError(
+            f"has {fit.shape[1]} MoE layers, but config.model ({m.name}) has {m.moe_layers} "
+            "(the score sums the busiest die's expert time over every MoE layer of the model)",
+            field="fit",
         )
     plans = plan_layers(pol, fit, layout, budget, config.shared_expert_dies)
     load = evaluation.sum(axis=0)
@@ -148,6 +204,20 @@ def forward_latency(
             f"{len(plans)} plans for the {m.moe_layers} MoE layers of {m.name} (one per layer)",
             field="plans",
         )
+    for layer, plan in enumerate(plans):
+        _is(plan, Plan, f"plans[{layer}]")
+        if len(plan.replica_dies) != m.routed_experts:
+            raise ConfigError(
+                f"places {len(plan.replica_dies)} experts, but config.model ({m.name}) has "
+                f"{m.routed_experts} routed experts",
+                field=f"plans[{layer}]",
+            )
+        top = max(max(dies) for dies in plan.replica_dies)
+        if top >= n:
+            raise ConfigError(
+                f"uses die {top}, but config.dies is {n} (dies 0..{n - 1})",
+                field=f"plans[{layer}]",
+            )
     shares = die_shares(plans, evaluation, n)
     load = evaluation.sum(axis=0).astype(np.float64)
     # dispatch/combine on the layer with the median imbalance, replicas in the expert map

@@ -34,7 +34,8 @@ class OnlineEPLBConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     window_ns: Annotated[int, Meta(gt=0)] = 60 * S
     spare_slots: Annotated[int, Meta(ge=0)] = 1
     """Redundant slots per die and MoE layer (the budget is ``dies x spare_slots`` replicas
-    per layer)."""
+    per layer). 0: no replica can be placed and primaries never move, so EPLB only collects
+    and reports load (no window rebalances)."""
     sigma: Annotated[float, Meta(ge=0)] = SIGMA_20_PERCENT_ABOVE_MEAN
     drift_rho: Annotated[float, Meta(ge=0, le=1)] = 0.95
     """Correlation of an expert's log-popularity from one window to the next."""
@@ -84,7 +85,10 @@ class OnlineEPLB:
         self._version = -1
         self.last_report_ns = 0
         self.reconfigurations = 0
-        """Rebalances started (one per window with new plans; counted by the decode loop)."""
+        """Rebalances started (one per window whose plans change the placement; counted by
+        the decode loop)."""
+        self._target = self._placement([[[int(d)] for d in self.layout.primary_die]] * layers)
+        """The placement of the plans last handed out (primaries only at the start)."""
         self.versions_used: list[int] = []
 
     def _popularity(self) -> np.ndarray:
@@ -139,16 +143,30 @@ class OnlineEPLB:
             plans.append(plan_layer(self.policy, counts, lay, budget, layer=layer))
         return plans
 
+    @staticmethod
+    def _placement(replica_dies: list[list[list[int]]]) -> list[list[tuple[int, ...]]]:
+        """Per layer and expert: primary, then the set of redundant dies (their order only
+        sets the rotation, and a reconfiguration keeps a replica that stays in its slot)."""
+        return [[(dies[0], *sorted(dies[1:])) for dies in layer] for layer in replica_dies]
+
     def window_plans(self, now_ns: int) -> list[Plan] | None:
-        """At a window boundary: the TE-shell's report and new plans (None otherwise)."""
+        """At a window boundary: the TE-shell's report and, when they change the placement,
+        new plans to install (None otherwise). Plans that move nothing are no rebalance: with
+        ``spare_slots=0`` that is every window (there is no redundant slot, and primaries
+        never move), so the policy is not even asked."""
         if not self.collector.window_due(now_ns, self.last_report_ns):
             return None
         self.last_report_ns = now_ns
         window = self.collector.close_window()
         self._drift()
-        if self.config.policy == "none":
+        if self.config.policy == "none" or self.config.spare_slots == 0:
             return None
-        return self.plans_for(window)
+        plans = self.plans_for(window)
+        placement = self._placement([p.replica_dies for p in plans])
+        if placement == self._target:
+            return None  # the same placement as installed (or being installed)
+        self._target = placement
+        return plans
 
 
 document_fields(OnlineEPLBConfig)

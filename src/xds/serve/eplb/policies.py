@@ -15,6 +15,15 @@ counts every time (the A12 fix).
   packing (largest first onto the least-loaded die with room).
 * :class:`NoBalancing` - primaries only.
 
+Both select only replicas that fit. When several experts share a primary die, a free slot is
+not free for everyone (the experts living on that die cannot use it), so a replica fits when
+some placement holds it with those already chosen; an expert that no longer fits is passed over
+(the next candidate gets the replica). Placement then puts each replica on the least-loaded die
+that can take it; when none can, earlier replicas move along the shortest chain that frees a
+slot for it (such a chain exists whenever the replicas fit), so the built-ins never fail on a
+valid layout and use ``min(budget, slots the layout can fill)`` replicas when any expert may
+take one (``deepseek-eplb``).
+
 Users implement :class:`Policy` (one method), or write a plain function
 ``(counts, layout, budget) -> Plan``, to try their own: pass it to
 :func:`~xds.serve.eplb.evaluate.score`, or :func:`register_policy` it under a name that
@@ -82,11 +91,13 @@ class Layout(msgspec.Struct, frozen=True):
         primary = np.asarray(self.primary_die)
         if (
             primary.ndim != 1
-            or (primary.size and not np.issubdtype(primary.dtype, np.integer))
-            or (primary.size and not 0 <= primary.min() <= primary.max() < self.n_dies)
+            or primary.size == 0
+            or not np.issubdtype(primary.dtype, np.integer)
+            or not 0 <= primary.min() <= primary.max() < self.n_dies
         ):
             raise ConfigError(
-                f"primary_die must list one integer die in 0..{self.n_dies - 1} per expert",
+                f"primary_die must list one integer die in 0..{self.n_dies - 1} per expert "
+                "(at least one expert)",
                 field="primary_die",
             )
         if self.base_load is not None:
@@ -117,12 +128,128 @@ PlanFunction = Callable[[np.ndarray, Layout, int], Plan]
 """A policy as a plain function: ``(counts[e, t], layout, budget) -> Plan``."""
 
 
+class _Slots:
+    """The redundant slots of one layer as they fill: which dies hold a copy of which expert
+    and how many slots each die has left.
+
+    A die can take a replica of ``e`` when it has a free slot and holds no copy of ``e``. On
+    layouts where several experts share a primary die, a slot that is free is not free for
+    everyone, so one more replica of ``e`` may still fit when no die can take it directly:
+    another expert's replica moves out of the way, perhaps making a third one move, and so on
+    until the chain ends at a die with a free slot. :meth:`room` searches for the shortest such
+    chain (breadth first, an augmenting path of the flow from experts to dies); when there is
+    none, no assignment of the replicas placed so far plus this one exists at all (max-flow
+    min-cut), so the replica does not fit (and never will as more are added)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        die_load: np.ndarray | None = None,
+        share: np.ndarray | None = None,
+    ):
+        """``die_load``: each die's load so far (updated as replicas land and move);
+        ``share``: the load one replica of each expert adds to its die."""
+        primary = np.asarray(layout.primary_die, dtype=np.int64)
+        self.n_dies = layout.n_dies
+        self.dies: list[list[int]] = [[int(d)] for d in primary]  # primary first
+        self.holds = np.zeros((len(primary), layout.n_dies), dtype=bool)
+        self.holds[np.arange(len(primary)), primary] = True
+        self.free = np.full(layout.n_dies, layout.spare_slots, dtype=np.int64)
+        self.open = layout.n_dies if layout.spare_slots else 0
+        """Dies with a free slot."""
+        self.guests: list[list[int]] = [[] for _ in range(layout.n_dies)]
+        """Per die, the experts whose redundant replicas sit there (placement order)."""
+        self.die_load = np.zeros(layout.n_dies) if die_load is None else die_load
+        self.share = np.zeros(len(primary)) if share is None else share
+
+    def open_dies(self, e: int) -> np.ndarray:
+        """Dies that can take a replica of ``e`` as they are."""
+        return (self.free > 0) & ~self.holds[e]
+
+    def takes(self, e: int) -> bool:
+        """Whether some die can take a replica of ``e`` as it is (more dies with a free slot
+        than ``e`` has copies settles it without a look at the dies)."""
+        return self.open > len(self.dies[e]) or bool(self.open_dies(e).any())
+
+    def _move(self, e: int, src: int, dst: int) -> None:
+        """Replica of ``e`` from ``src`` (-1: a new replica) to ``dst``."""
+        if src < 0:
+            self.dies[e].append(dst)
+        else:
+            self.dies[e][self.dies[e].index(src)] = dst
+            self.holds[e, src] = False
+            self.guests[src].remove(e)
+            self.open += self.free[src] == 0
+            self.free[src] += 1
+            self.die_load[src] -= self.share[e]
+        self.holds[e, dst] = True
+        self.guests[dst].append(e)
+        self.free[dst] -= 1
+        self.open -= self.free[dst] == 0
+        self.die_load[dst] += self.share[e]
+
+    def _by_load(self, dies: np.ndarray) -> list[int]:
+        """``dies`` least loaded first, ties to the lowest die."""
+        return [int(d) for d in dies[np.lexsort((dies, self.die_load[dies]))]]
+
+    def room(self, e: int) -> list[tuple[int, int, int]] | None:
+        """The moves that fit one more replica of ``e``, as ``(expert, from die or -1 for
+        the new replica, to die)``: the least-loaded die that can take it as it is (ties to
+        the lowest die), else the shortest chain of other replicas moving out of the way;
+        None if it cannot fit. Changes nothing."""
+        ok = self.open_dies(e)
+        if ok.any():
+            return [(e, -1, int(np.argmin(np.where(ok, self.die_load, np.inf))))]
+        # breadth first from e: die d is reachable from expert x when x holds no copy on d;
+        # a full die leads on to the experts whose redundant replicas could leave it
+        came_to: dict[int, int] = {}  # die -> expert that would move there
+        came_from: dict[int, int] = {e: -1}  # expert -> die it would leave (-1: new replica)
+        seen = np.zeros(self.n_dies, dtype=bool)
+        frontier = [e]
+        while frontier:
+            nxt: list[int] = []
+            for x in frontier:
+                reach = ~self.holds[x] & ~seen
+                if not reach.any():
+                    continue
+                seen |= reach
+                ordered = self._by_load(np.nonzero(reach)[0])
+                for d in ordered:
+                    came_to[d] = x
+                end = next((d for d in ordered if self.free[d] > 0), None)
+                if end is not None:  # walk back: each mover leaves the die the next one takes
+                    moves: list[tuple[int, int, int]] = []
+                    dst = end
+                    while dst >= 0:
+                        mover = came_to[dst]
+                        moves.append((mover, came_from[mover], dst))
+                        dst = came_from[mover]
+                    return moves
+                for d in ordered:
+                    for f in self.guests[d]:
+                        if f not in came_from:
+                            came_from[f] = d
+                            nxt.append(f)
+            frontier = nxt
+        return None
+
+    def put(self, e: int) -> bool:
+        """Place one more replica of ``e`` (:meth:`room`); False if it cannot fit."""
+        moves = self.room(e)
+        if moves is None:
+            return False
+        for x, src, dst in moves:
+            self._move(x, src, dst)
+        return True
+
+
 def _place(order: list[int], copies: np.ndarray, load: np.ndarray, layout: Layout) -> Plan:
     """Largest first onto the least-loaded die with a free slot (no two replicas of one
     expert on a die); ties to the lowest die. A die starts with the summed load of its
-    primary expert plus its base load (A26)."""
+    primary expert plus its base load (A26). When no die that could take a replica has a free
+    slot, earlier replicas move along the shortest chain that frees one (:class:`_Slots`), so
+    any ``copies`` that some placement can hold gets placed."""
     e_count = len(copies)
-    replica_dies = [[int(layout.primary_die[e])] for e in range(e_count)]
     die_load = (
         np.zeros(layout.n_dies)
         if layout.base_load is None
@@ -130,50 +257,44 @@ def _place(order: list[int], copies: np.ndarray, load: np.ndarray, layout: Layou
     )
     for e in range(e_count):
         die_load[layout.primary_die[e]] += load[e]
-    free = np.full(layout.n_dies, layout.spare_slots)
+    share = np.asarray(load, dtype=np.float64) / np.asarray(copies, dtype=np.float64)
+    slots = _Slots(layout, die_load, share)
     for e in order:
-        ok = free > 0
-        ok[replica_dies[e]] = False
-        if not ok.any() and not _make_room(e, replica_dies, free, die_load, load, copies):
-            raise ConfigError("no free redundant slot left for a replica", field="budget")
-        ok = free > 0
-        ok[replica_dies[e]] = False
-        cand = np.where(ok, die_load, np.inf)
-        d = int(np.argmin(cand))
-        replica_dies[e].append(d)
-        free[d] -= 1
-        die_load[d] += load[e] / copies[e]
-    return Plan(copies.astype(np.int64), replica_dies)
+        if not slots.put(e):
+            raise ConfigError(
+                f"expert {e}: no die can hold another replica of it (every die without a copy "
+                f"of it has its {layout.spare_slots} redundant slot(s) taken, by replicas that "
+                "cannot move elsewhere)",
+                field="layout",
+            )
+    return Plan(copies.astype(np.int64), slots.dies)
 
 
-def _make_room(
-    e: int,
-    replica_dies: list[list[int]],
-    free: np.ndarray,
-    die_load: np.ndarray,
-    load: np.ndarray,
-    copies: np.ndarray,
-) -> bool:
-    """The only free slots are on dies that already hold ``e``: move another expert's
-    redundant replica from a die without ``e`` to one of those free slots (a die that expert
-    does not use yet), freeing a slot ``e`` can take. Least-loaded source die first."""
-    holds_e = set(replica_dies[e])
-    targets = [int(d) for d in np.nonzero(free > 0)[0]]
-    for src in sorted((d for d in range(len(free)) if d not in holds_e), key=die_load.__getitem__):
-        for f, dies in enumerate(replica_dies):
-            if src not in dies[1:]:  # only redundant replicas move; primaries stay
-                continue
-            dst = next((d for d in targets if d not in dies), None)
-            if dst is None:
-                continue
-            dies[dies.index(src)] = dst
-            free[src] += 1
-            free[dst] -= 1
-            share = load[f] / copies[f]
-            die_load[src] -= share
-            die_load[dst] += share
+class _Fit:
+    """Which experts can still take one more replica, given those selected so far: selection
+    keeps a placement of its replicas (:class:`_Slots`) as proof that they fit. Once an expert
+    does not fit, it never will (more replicas only take room), so it is marked ``full``."""
+
+    def __init__(self, layout: Layout):
+        self.slots = _Slots(layout)
+        self.full = np.zeros(len(layout.primary_die), dtype=bool)
+
+    def add(self, e: int) -> bool:
+        """Select one more replica of ``e`` if it fits; False (and ``full[e]``) if not."""
+        if self.full[e]:
+            return False
+        if self.slots.put(e):
             return True
-    return False
+        self.full[e] = True
+        return False
+
+    def can_add(self, e: int) -> bool:
+        """Whether one more replica of ``e`` fits (without selecting it)."""
+        if self.full[e] or self.slots.takes(e):
+            return not self.full[e]
+        if self.slots.room(e) is None:
+            self.full[e] = True
+        return not self.full[e]
 
 
 def load_counts(counts: object, field: str = "counts") -> np.ndarray:
@@ -221,7 +342,7 @@ class XdsGreedy:
         counts = counts.astype(np.float64)
         n_e = counts.shape[0]
         copies = np.ones(n_e)
-        max_copies = 1 + min(layout.spare_slots * layout.n_dies, layout.n_dies - 1)
+        fits = _Fit(layout)
         chosen: list[int] = []
         for _ in range(budget):
             per_replica = counts / copies[:, None]  # always from the original counts (A12)
@@ -230,7 +351,7 @@ class XdsGreedy:
             candidates = sorted({int(e) for e in np.nonzero(per_replica == hottest)[0]})
             best, best_score = -1, np.inf
             for c in candidates:
-                if copies[c] + 1 > max_copies:
+                if not fits.can_add(c):
                     continue
                 trial = per_replica.copy()
                 trial[c] = counts[c] / (copies[c] + 1)
@@ -238,7 +359,8 @@ class XdsGreedy:
                 if score < best_score:  # ties go to the lower expert id (sorted order)
                     best, best_score = c, score
             if best < 0:
-                break  # no feasible candidate
+                break  # no candidate can take another replica
+            fits.add(best)
             copies[best] += 1
             chosen.append(best)
         total = counts.sum(axis=1)
@@ -256,11 +378,14 @@ class DeepSeekEPLB:
         budget = _check(counts, layout, budget)
         w = counts.sum(axis=1).astype(np.float64)
         copies = np.ones(len(w))
-        max_copies = 1 + min(layout.spare_slots * layout.n_dies, layout.n_dies - 1)
+        fits = _Fit(layout)
         chosen: list[int] = []
         for _ in range(budget):
-            per = np.where(copies < max_copies, w / copies, -np.inf)
+            per = np.where(fits.full, -np.inf, w / copies)
             e = int(np.argmax(per))  # first index on ties
+            while per[e] != -np.inf and not fits.add(e):
+                per[e] = -np.inf  # no room for another replica of e: the next heaviest
+                e = int(np.argmax(per))
             if per[e] == -np.inf:
                 break
             copies[e] += 1

@@ -12,6 +12,7 @@ knob. Popularity drifts between slices as a stationary AR(1) process in log spac
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -57,63 +58,165 @@ def uniform_counts(
     )
 
 
+MAX_CELLS = 2**27
+"""Largest ``[time_slice, layer, expert]`` array a counts file may describe (1 GiB of int64;
+DeepSeek-R1 over a day of one-minute slices is ~21 M cells)."""
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_FIELDS = ("time_slice", "layer", "expert", "count")
+
+
 def load_counts(path: str | Path) -> np.ndarray:
     """A ``[time_slice, layer, expert]`` token-count array from ``.npy`` or from a CSV with
-    columns ``time_slice,layer,expert,count`` (one row per nonzero count)."""
+    columns ``time_slice,layer,expert,count`` (one row per nonzero count; rows for the same
+    cell add up). Any other suffix is read as CSV.
+
+    Counts are whole numbers >= 0 (a ``.npy`` may hold them as integers or as whole-valued
+    floats). A file that cannot be read, is truncated or corrupt, or holds anything else is a
+    :class:`~xds.errors.TraceError` naming the file, and for CSV the line and field."""
     path = Path(path)
     if not path.exists():
         raise TraceError("file not found", path=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise TraceError(f"cannot read: {err.strerror or err}", path=str(path)) from None
     if path.suffix == ".npy":
-        arr = np.load(path)
-        if arr.ndim != 3:
+        return _npy_counts(data, str(path))
+    return _csv_counts(data, str(path))
+
+
+def _npy_counts(data: bytes, where: str) -> np.ndarray:
+    if not data:
+        raise TraceError("empty file (expected a .npy array)", path=where)
+    if data.startswith(b"PK\x03\x04"):
+        raise TraceError(
+            "an .npz archive, not one .npy array (save the counts with numpy.save)", path=where
+        )
+    if not data.startswith(b"\x93NUMPY"):
+        raise TraceError(
+            "not a .npy file (it lacks the .npy header; counts files are .npy, or CSV)",
+            path=where,
+        )
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as err:
+        if "pickle" in str(err):
             raise TraceError(
-                f"expected a [time_slice, layer, expert] array, got shape {arr.shape}",
-                path=str(path),
-            )
-        if (arr < 0).any() or not np.issubdtype(arr.dtype, np.integer):
-            raise TraceError("counts must be non-negative integers", path=str(path))
-        return arr.astype(np.int64)
-    rows: list[tuple[int, int, int, int]] = []
-    with path.open() as f:
-        header = f.readline().strip().split(",")
-        want = ["time_slice", "layer", "expert", "count"]
-        if header != want:
+                "holds Python objects, not numbers (save an integer array)", path=where
+            ) from None
+        raise TraceError(_unreadable(err), path=where) from None
+    except (EOFError, OSError) as err:
+        raise TraceError(_unreadable(err), path=where) from None
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number):
+        raise TraceError(f"counts must be numbers, got {arr.dtype} values", path=where)
+    if arr.ndim != 3:
+        raise TraceError(
+            f"expected a [time_slice, layer, expert] array, got shape {arr.shape}", path=where
+        )
+    if arr.size == 0:
+        raise TraceError(f"no counts (shape {arr.shape})", path=where)
+    if np.issubdtype(arr.dtype, np.complexfloating):
+        raise TraceError(f"counts must be real numbers, got {arr.dtype} values", path=where)
+
+    def at(mask: np.ndarray) -> tuple[str, object]:
+        index = np.unravel_index(int(np.argmax(mask)), arr.shape)
+        return f"count at [{', '.join(str(int(i)) for i in index)}]", arr[index]
+
+    if np.issubdtype(arr.dtype, np.floating):
+        whole = np.isfinite(arr) & (arr == np.floor(arr))
+        if not whole.all():
+            cell, value = at(~whole)
+            raise TraceError(f"{cell} is {value}, not a whole number", path=where)
+    if (arr < 0).any():
+        cell, value = at(arr < 0)
+        raise TraceError(f"{cell} is {value}, must be >= 0", path=where)
+    if (arr > _INT64_MAX).any():
+        cell, value = at(arr > _INT64_MAX)
+        raise TraceError(f"{cell} is {value}, too large (at most {_INT64_MAX})", path=where)
+    return arr.astype(np.int64)
+
+
+def _unreadable(err: BaseException) -> str:
+    detail = " ".join(str(err).split()) or type(err).__name__
+    return f"not a readable .npy array (truncated or corrupt: {detail})"
+
+
+def _csv_counts(data: bytes, where: str) -> np.ndarray:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise TraceError(
+            f"not UTF-8 text (byte {data[err.start]:#04x}); counts files are .npy, or CSV",
+            path=where,
+            line=line,
+        ) from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if not text.strip():
+        raise TraceError(
+            f"empty file (expected the header {','.join(_FIELDS)})", path=where, line=1
+        )
+    header = [h.strip() for h in lines[0].split(",")]
+    if header != list(_FIELDS):
+        shown = lines[0] if len(lines[0]) <= 60 else lines[0][:57] + "..."
+        raise TraceError(
+            f"header must be {','.join(_FIELDS)}, got {shown} (counts files are .npy, or CSV "
+            "with that header)",
+            path=where,
+            line=1,
+        )
+    cells: dict[tuple[int, int, int], int] = {}
+    extent = [0, 0, 0]
+    widest = [0, 0, 0]  # the line that last grew each dimension
+    for line_no, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        parts = line.split(",")
+        if len(parts) != 4:
+            raise TraceError(f"expected 4 fields, got {len(parts)}", path=where, line=line_no)
+        vals = []
+        for name, part in zip(_FIELDS, parts, strict=True):
+            p = part.strip()
+            digits = p[1:] if p.startswith("-") else p
+            if not (digits.isascii() and digits.isdigit()):
+                raise TraceError("not an integer", path=where, line=line_no, field=name)
+            if p.startswith("-"):
+                raise TraceError(f"must be >= 0, got {p}", path=where, line=line_no, field=name)
+            if len(digits.lstrip("0")) > 19 or int(digits) > _INT64_MAX:
+                raise TraceError(
+                    f"{p} is too large (at most {_INT64_MAX})", path=where, line=line_no, field=name
+                )
+            vals.append(int(digits))
+        t, layer, e, count = vals
+        for i, v in enumerate((t, layer, e)):
+            if v + 1 > extent[i]:
+                extent[i], widest[i] = v + 1, line_no
+        size = extent[0] * extent[1] * extent[2]
+        if size > MAX_CELLS:  # the line that grew the array past the limit names the index
+            k = max((k for k in range(3) if widest[k] == line_no), key=vals.__getitem__)
             raise TraceError(
-                f"header must be {','.join(want)}, got {','.join(header)}", path=str(path), line=1
+                f"{vals[k]} would make a counts array of {size:,} cells (at most "
+                f"{MAX_CELLS:,}); indices count from 0",
+                path=where,
+                line=line_no,
+                field=_FIELDS[k],
             )
-        for line_no, line in enumerate(f, start=2):
-            if not line.strip():
-                continue
-            parts = line.strip().split(",")
-            if len(parts) != 4:
-                raise TraceError(
-                    f"expected 4 fields, got {len(parts)}", path=str(path), line=line_no
-                )
-            try:
-                vals = tuple(int(p) for p in parts)
-            except ValueError:
-                bad = next(
-                    n
-                    for n, p in zip(want, parts, strict=True)
-                    if not p.strip().lstrip("-").isdigit()
-                )
-                raise TraceError(
-                    "not an integer", path=str(path), line=line_no, field=bad
-                ) from None
-            if min(vals) < 0:
-                raise TraceError(
-                    "must be non-negative",
-                    path=str(path),
-                    line=line_no,
-                    field=want[int(np.argmin(vals))],
-                )
-            rows.append(vals)  # type: ignore[arg-type]
-    if not rows:
-        raise TraceError("no counts", path=str(path))
-    shape = tuple(max(r[i] for r in rows) + 1 for i in range(3))
-    out = np.zeros(shape, dtype=np.int64)
-    for t, layer, e, c in rows:
-        out[t, layer, e] += c
+        key = (t, layer, e)
+        total = cells.get(key, 0) + count
+        if total > _INT64_MAX:
+            raise TraceError(
+                f"the counts for {key} add up to more than {_INT64_MAX}",
+                path=where,
+                line=line_no,
+                field="count",
+            )
+        cells[key] = total
+    if not cells:
+        raise TraceError("no counts", path=where)
+    out = np.zeros(tuple(extent), dtype=np.int64)
+    for key, count in cells.items():
+        out[key] = count
     return out
 
 
