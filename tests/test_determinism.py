@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
+from xds.errors import ModelTimeStepLimit
+from xds.runtime import Runtime
 from xds.runtime.determinism import OrderedSet, ordered_cancel_scopes_installed
-from xds.testing.scenarios import run_scenario
+from xds.testing.scenarios import determinism_scenario, run_scenario
 
 
 def _scenario_in_fresh_process(backend: str, *, hash_seed: str, perturb: bool) -> tuple[str, ...]:
@@ -49,6 +51,24 @@ def test_scenario_ends_at_the_same_virtual_time_on_both_backends():
     _, n_trio, end_trio = run_scenario("trio", 3)
     assert end_asyncio == end_trio
     assert n_asyncio == n_trio
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_time_step_limit_changes_nothing_until_it_is_reached(backend):
+    digest, n, end = run_scenario(backend, 3)
+    rt = Runtime(seed=3, backend=backend)  # type: ignore[arg-type]
+    assert rt.run(determinism_scenario) == end
+    steps = rt.time_steps
+    assert steps > 10
+    exact = Runtime(seed=3, backend=backend, time_step_limit=steps)  # type: ignore[arg-type]
+    assert exact.run(determinism_scenario) == end
+    assert (exact.events.digest(), len(exact.events)) == (digest, n)
+    # one step short: the run stops, and its log so far is the prefix of the full one
+    short = Runtime(seed=3, backend=backend, time_step_limit=steps - 1)  # type: ignore[arg-type]
+    with pytest.raises(ModelTimeStepLimit):
+        short.run(determinism_scenario)
+    assert list(short.events) == list(rt.events)[: len(short.events)]
+    assert all(e.t_ns < end for e in short.events)
 
 
 def test_trio_schedule_seed_sweep():
@@ -98,3 +118,35 @@ def test_ordered_set_behaves_like_a_set_in_insertion_order():
     with pytest.raises(KeyError):
         s.remove(5)
     assert s.pop() == 9 and not s
+
+
+def test_the_process_wide_patches_are_made_by_runs_not_by_import_and_can_be_undone():
+    """What the README's "Process-wide patches" says, in a fresh process (without Hypothesis,
+    whose import switches trio's deterministic mode on by itself)."""
+    code = """
+import anyio, xds
+import trio._core._run as trio_run
+from anyio._backends._asyncio import CancelScope
+from xds.runtime.determinism import ordered_cancel_scopes_installed as ordered
+
+async def main():
+    pass
+
+async def scope_kind():
+    with anyio.CancelScope() as scope:
+        return type(scope._tasks).__name__
+
+seen = [ordered(), trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
+xds.run(main)
+seen += [ordered(), trio_run._ALLOW_DETERMINISTIC_SCHEDULING, anyio.run(scope_kind)]
+xds.run(main, backend="trio")
+seen += [trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
+CancelScope.__init__ = CancelScope.__init__.__wrapped__
+trio_run._ALLOW_DETERMINISTIC_SCHEDULING = False
+seen += [ordered(), anyio.run(scope_kind)]
+print(seen)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == str([False, False, True, False, "OrderedSet", True, False, "set"])

@@ -28,6 +28,7 @@ def test_marker_keywords_are_the_runtimes():
         "schedule_seed",
         "livelock_limit",
         "time_limit_ns",
+        "time_step_limit",
     )
 
 
@@ -311,3 +312,86 @@ async def test_float_limit():
         ]
     )
     assert "Traceback" not in result.stdout.str()
+
+
+def test_a_time_step_limit_in_the_marker_stops_a_poll_on_both_backends(pytester):
+    """A time-step limit in the marker ends a fine-grained poll loop (days of wall time before
+    the one-day virtual limit) on each backend, with the time limit's report."""
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds(time_step_limit=20_000)
+async def test_poll(xds_backend):
+    ready = anyio.Event()
+
+    async def poll():
+        while not ready.is_set():  # nobody ever sets it
+            await xds.sleep_ns(1_000)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poll, name="poller")
+        await ready.wait()
+""",
+    )
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*ModelTimeStepLimit: time-step limit of 20000 reached at t=20000000 ns*",
+            "*poller: test_a_time_step_limit_in_the_marker_stops_a_poll_on_both_backends.py:*",
+        ]
+    )
+    assert "asyncio" in result.stdout.str() and "trio" in result.stdout.str()
+
+
+@pytest.mark.slow
+def test_the_markers_default_time_step_limit_stops_a_microsecond_poll(pytester):
+    """The default itself (a million steps), end to end, on the reference backend: a 1 us poll
+    would take days of wall time to reach the default one-day limit."""
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds
+async def test_poll():
+    assert xds.current_runtime().time_step_limit == 1_000_000
+    assert xds.current_runtime().time_limit_ns == 86_400 * 10**9
+
+    async def poll():
+        while True:
+            await xds.sleep_ns(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(poll, name="poller")
+""",
+        "--durations=1",
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*time-step limit of 1000000 reached at t=1000000 ns*"])
+
+
+def test_a_marked_test_within_its_time_step_limit_passes_and_none_lifts_it(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(time_step_limit=100)
+async def test_exactly_at_the_limit(xds_backend):
+    for _ in range(100):
+        await xds.sleep_ns(7)
+    assert xds.now_ns() == 700 and xds.current_runtime().time_steps == 100
+
+@pytest.mark.xds(time_step_limit=None)
+async def test_lifted():
+    assert xds.current_runtime().time_step_limit is None
+
+@pytest.mark.xds(time_step_limit=0)
+async def test_zero():
+    pass
+""",
+    )
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*@pytest.mark.xds got a bad value: time_step_limit: time_step_limit must be a positive*"]
+    )

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 import xds
-from xds.errors import ModelDeadlock, ModelLivelock, ModelTimeLimit
+from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, ModelTimeLimit, ModelTimeStepLimit
 
 
 def test_deadlock_names_every_waiting_task(xds_backend):
@@ -177,6 +177,100 @@ def test_a_model_within_its_time_limit_is_unaffected(xds_backend):
         xds.run(main, time_limit_ns=-1)
     with pytest.raises(ModelDeadlock):  # a real deadlock is still one, before the limit
         xds.run(anyio.Event().wait, backend=xds_backend, time_limit_ns=10**12)
+
+
+def _poll_forever(period_ns: int, cleaned: list[str] | None = None):
+    """A model whose poller checks every ``period_ns`` for an event nobody sets."""
+
+    async def main() -> None:
+        ready = anyio.Event()
+
+        async def poll() -> None:
+            try:
+                while not ready.is_set():
+                    xds.emit("poller", "poll")
+                    await xds.sleep_ns(period_ns)
+            finally:
+                if cleaned is not None:
+                    cleaned.append("poller")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll, name="poller")
+            with xds.waiting_for("the ready flag"):
+                await ready.wait()
+
+    return main
+
+
+def test_a_fine_grained_poll_stops_at_the_time_step_limit(xds_backend):
+    """A 1 us poll would take days of wall time to reach a one-day limit; the time-step limit
+    ends it after so many jumps of the clock, with the time limit's report."""
+    cleaned: list[str] = []
+    with pytest.raises(ModelTimeStepLimit) as info:
+        xds.run(
+            _poll_forever(1_000, cleaned),
+            backend=xds_backend,
+            time_limit_ns=86_400 * 10**9,
+            time_step_limit=5_000,
+        )
+    err = info.value
+    assert isinstance(err, ModelTimeLimit)  # one of the run's limits, caught as such
+    assert (err.t_ns, err.step_limit, err.limit_ns) == (5_000_000, 5_000, 86_400 * 10**9)
+    assert {w.name for w in err.waiting} == {"poller", "main"}
+    assert next(w for w in err.waiting if w.name == "main").waiting_for == "the ready flag"
+    assert str(err).startswith("time-step limit of 5000 reached at t=5000000 ns")
+    assert "poller: test_runtime_failures.py" in str(err)
+    assert cleaned == ["poller"]  # the model unwound at the instant the limit was reached
+
+
+def test_the_time_step_limit_counts_jumps_of_the_clock_not_timers(xds_backend):
+    """Timers due at one nanosecond are one step; a run takes exactly its limit and no more,
+    and the count is the same on both backends."""
+
+    async def main() -> int:
+        async def sleeper(i: int) -> None:
+            for _ in range(10):
+                await xds.sleep_ns(100)  # eight tasks, ten shared instants
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(sleeper, i)
+        return xds.current_runtime().time_steps
+
+    rt = xds.Runtime(backend=xds_backend, time_step_limit=10)
+    assert rt.run(main) == 10 and rt.time_steps == 10 and rt.end_ns == 1_000
+    with pytest.raises(ModelTimeStepLimit) as info:
+        xds.run(main, backend=xds_backend, time_step_limit=9)
+    assert info.value.t_ns == 900  # the tenth jump, to 1000 ns, was refused
+    assert xds.run(main, backend=xds_backend) == 10  # no limit by default
+
+
+def test_a_poll_that_keeps_polling_in_a_shield_still_stops_at_the_step_limit(xds_backend):
+    async def main() -> None:
+        with anyio.CancelScope(shield=True):
+            while True:
+                await xds.sleep_ns(1)
+
+    with pytest.raises(ModelTimeStepLimit, match="time-step limit of 50 reached at t=50 ns"):
+        xds.run(main, backend=xds_backend, time_step_limit=50)
+
+
+def test_a_time_step_limit_report_is_deterministic():
+    def report(backend: str) -> tuple[str, str]:
+        rt = xds.Runtime(seed=3, backend=backend, time_step_limit=777)
+        with pytest.raises(ModelTimeStepLimit) as info:
+            rt.run(_poll_forever(1_000))
+        return str(info.value), rt.events.digest()
+
+    assert report("asyncio") == report("asyncio")
+    assert report("trio") == report("trio")
+    assert report("asyncio")[0] == report("trio")[0]  # the same instant on both backends
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1000", 10**6 + 0.0])
+def test_a_bad_time_step_limit_is_a_config_error(bad):
+    with pytest.raises(ConfigError, match=r"^time_step_limit: time_step_limit must be a positive"):
+        xds.run(_poll_forever(1), time_step_limit=bad)
 
 
 def test_a_wait_inside_xds_names_the_users_call_too():

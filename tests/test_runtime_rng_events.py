@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
+import msgspec
 import numpy as np
 import pytest
 import structlog
@@ -75,6 +79,120 @@ def test_disabled_event_log_records_nothing():
     rt = xds.Runtime(event_log=False)
     rt.run(main)
     assert len(rt.events) == 0
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("fields", "named", "says"),
+    [
+        ({"die": 3, "ratio": 1 + 2j}, "ratio", "got complex (1+2j), which the event log cannot"),
+        ({"peer": _Opaque()}, "peer", "got _Opaque <"),
+        (
+            {"ranks": [0, 1, _Opaque()]},
+            "ranks",
+            "got list [0, 1, <*, holding _Opaque <test_runtime_rng_events._Opaque *, which the",
+        ),
+        ({"by": {(0, 1): 2}}, "by", "holding tuple (0, 1), which the event log cannot encode"),
+        ({"ids": {1, "a"}}, "ids", "cannot record in one order (it sorts sets: '<' not"),
+        ({"cb": print}, "cb", "got builtin_function_or_method <built-in function print>"),
+    ],
+)
+def test_emit_refuses_a_field_the_log_cannot_encode_at_the_call(fields, named, says):
+    """Not when the log is written, far from the call: at the call, naming field and event."""
+    import fnmatch
+
+    async def main() -> None:
+        xds.emit("router", "picked", **fields)
+
+    rt = xds.Runtime()
+    with pytest.raises(xds.errors.ConfigError) as info:
+        rt.run(main)
+    err = info.value
+    assert err.field == named and "\n" not in str(err)
+    assert str(err).startswith(f"{named}: emit('router', 'picked') got ")
+    assert fnmatch.fnmatchcase(str(err), f"*{says}*"), str(err)
+    assert len(rt.events) == 0  # nothing half-recorded
+
+
+def test_emit_refuses_a_component_or_event_that_is_not_a_str():
+    log = xds.runtime.EventLog(lambda: 0)
+    with pytest.raises(xds.errors.ConfigError, match=r"^component: emit\(\) takes the compo"):
+        log.emit(3, "picked")  # type: ignore[arg-type]
+    with pytest.raises(xds.errors.ConfigError, match=r"^event: emit\(\) takes the event as"):
+        log.emit("router", None)  # type: ignore[arg-type]
+    assert len(log) == 0
+
+
+def test_emit_takes_every_encodable_field_and_records_sets_sorted(tmp_path):
+    class Pick(msgspec.Struct):
+        te: int
+
+    log = xds.runtime.EventLog(lambda: 5)
+    log.emit(
+        "router",
+        "picked",
+        n=np.int32(3),
+        x=np.float32(0.5),
+        arr=np.arange(3),
+        pick=Pick(2),
+        by_dp={0: [1, 2], 1: ()},
+        ids={"d", "b", "c", "a"},
+        nested=[frozenset({3, 1, 2}), {"k": {9, 8}}],
+        none=None,
+        big=2**70,
+    )
+    fields = log[0].fields
+    assert fields["ids"] == ["a", "b", "c", "d"]  # a set is recorded as its sorted list
+    assert fields["nested"] == [[1, 2, 3], {"k": [8, 9]}]
+    assert fields["pick"] == Pick(2) and fields["by_dp"] == {0: [1, 2], 1: ()}
+    path = tmp_path / "log.jsonl"
+    log.write_jsonl(path)
+    assert json.loads(path.read_text())["fields"] == {
+        "n": 3,
+        "x": 0.5,
+        "arr": [0, 1, 2],
+        "pick": {"te": 2},
+        "by_dp": {"0": [1, 2], "1": []},
+        "ids": ["a", "b", "c", "d"],
+        "nested": [[1, 2, 3], {"k": [8, 9]}],
+        "none": None,
+        "big": 2**70,
+    }
+    plain = {"te": 1, "dp": 2}
+    log.emit("decode", "step", **plain)
+    assert log[1].fields == plain  # plain fields are recorded as passed
+
+
+def test_an_event_log_with_sets_is_identical_under_any_hash_seed():
+    """A set of strings iterates in hash order, which changes from process to process."""
+    code = (
+        "import xds\n"
+        "async def main():\n"
+        "    xds.emit('pool', 'members', names={f'die-{i}' for i in range(40)})\n"
+        "rt = xds.Runtime(); rt.run(main); print(rt.events.digest())\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, PYTHONHASHSEED=seed),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1 and len(digests.pop().strip()) == 64
+
+
+def test_a_disabled_event_log_checks_nothing():
+    """A disabled log costs one attribute test, so it does not look at the fields either."""
+    log = xds.runtime.EventLog(lambda: 0, enabled=False)
+    log.emit("router", "picked", peer=_Opaque())
+    assert len(log) == 0
 
 
 def test_rng_inside_a_run_is_seeded_by_the_run():

@@ -152,6 +152,26 @@ class ModelTimeLimit(XdsError):
         super().__init__("\n".join(lines + describe_waiting(self.waiting)))
 
 
+class ModelTimeStepLimit(ModelTimeLimit):
+    """The run used up its time-step budget (``xds.run(..., time_step_limit=...)``) before
+    ``main`` returned: virtual time stepped forward (jumped to the next pending timer) that
+    many times. A fine-grained poll loop kept alive past its purpose, bounded in wall time
+    rather than virtual time. A :class:`ModelTimeLimit` (``limit_ns`` is the run's
+    virtual-time limit, not reached); names each task still waiting and where it waits."""
+
+    def __init__(self, t_ns: int, step_limit: int, limit_ns: int, waiting: Sequence[WaitingTask]):
+        self.t_ns = t_ns
+        self.step_limit = step_limit
+        self.limit_ns = limit_ns
+        self.waiting = tuple(waiting)
+        lines = [
+            f"time-step limit of {step_limit} reached at t={t_ns} ns: virtual time stepped "
+            f"forward {step_limit} times (a fine-grained poll loop that never ends? raise it, "
+            f"or lift it with time_step_limit=None): {len(self.waiting)} task(s) still waiting"
+        ]
+        XdsError.__init__(self, "\n".join(lines + describe_waiting(self.waiting)))
+
+
 class ModelLivelock(XdsError):
     """The model kept running at one virtual instant for too many loop iterations.
 

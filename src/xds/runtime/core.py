@@ -21,7 +21,14 @@ import anyio
 import msgspec
 import numpy as np
 
-from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, ModelTimeLimit, WaitingTask
+from xds.errors import (
+    ConfigError,
+    ModelDeadlock,
+    ModelLivelock,
+    ModelTimeLimit,
+    ModelTimeStepLimit,
+    WaitingTask,
+)
 
 from . import determinism
 from .diagnose import interrupt_blocked_trio_tasks, waiting_asyncio_tasks, waiting_trio_tasks
@@ -53,7 +60,8 @@ def _check_count(value: object, field: str, what: str) -> None:
 class Runtime:
     """One simulation run: its clock, random streams and event log.
 
-    Create it, call :meth:`run` once, then read ``events``, ``end_ns`` and ``rng`` afterwards.
+    Create it, call :meth:`run` once, then read ``events``, ``end_ns``, ``time_steps`` and
+    ``rng`` afterwards.
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class Runtime:
         schedule_seed: int | None = None,
         livelock_limit: int = 1_000_000,
         time_limit_ns: int | None = None,
+        time_step_limit: int | None = None,
     ):
         if backend not in BACKENDS:
             why = (
@@ -84,6 +93,16 @@ class Runtime:
         ):
             raise ConfigError("livelock_limit must be a positive integer", field="livelock_limit")
         livelock_limit = int(livelock_limit)
+        if time_step_limit is not None and (
+            isinstance(time_step_limit, bool)
+            or not isinstance(time_step_limit, numbers.Integral)
+            or time_step_limit < 1
+        ):
+            raise ConfigError(
+                "time_step_limit must be a positive integer (how many times virtual time may "
+                f"step forward) or None for no limit, got {time_step_limit!r}",
+                field="time_step_limit",
+            )
         _check_count(time_limit_ns, "time_limit_ns", "integer number of nanoseconds")
         _check_count(
             schedule_seed,
@@ -91,6 +110,8 @@ class Runtime:
             "integer (it seeds trio's scheduler; asyncio ignores it)",
         )
         self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
+        self.time_step_limit = None if time_step_limit is None else int(time_step_limit)
+        self._time_steps = 0
         self.rng = RngStreams(seed)
         self.seed = self.rng.seed
         self.backend: Backend = backend
@@ -116,6 +137,17 @@ class Runtime:
         if self._trio_clock is not None:
             return round(self._trio_clock._virtual_base * 1e9)
         return 0 if self.end_ns is None else self.end_ns
+
+    @property
+    def time_steps(self) -> int:
+        """How many times virtual time has stepped forward in this run so far (each jump of
+        the clock to the next pending timer is one step, however many timers fall due then):
+        what ``time_step_limit`` bounds."""
+        if self._loop is not None:
+            return self._loop.time_steps
+        if self._trio_clock is not None:
+            return int(self._trio_clock._xds_steps)
+        return self._time_steps
 
     async def sleep_until_ns(self, t_ns: int) -> None:
         """Sleep until virtual time ``t_ns`` (a checkpoint even if it already passed)."""
@@ -178,6 +210,7 @@ class Runtime:
         finally:
             _current.reset(token)
             self.end_ns = self.now_ns()
+            self._time_steps = self.time_steps
             self._loop = None
             self._trio_clock = None
 
@@ -206,6 +239,8 @@ class Runtime:
                 livelock_limit=self.livelock_limit,
                 time_limit_ns=self.time_limit_ns,
                 on_time_limit=self._on_time_limit,
+                time_step_limit=self.time_step_limit,
+                on_time_step_limit=self._on_time_step_limit,
             )
             return self._loop
 
@@ -234,7 +269,11 @@ class Runtime:
 
         determinism.seed_trio_scheduler(self.schedule_seed)
         self._trio_clock = virtual_mock_clock(
-            self._on_deadlock, self.time_limit_ns, self._on_time_limit
+            self._on_deadlock,
+            self.time_limit_ns,
+            self._on_time_limit,
+            self.time_step_limit,
+            self._on_time_step_limit,
         )
         livelock = LivelockInstrument(self._trio_clock, self.livelock_limit, self._on_livelock)
         try:
@@ -289,6 +328,29 @@ class Runtime:
     def _on_time_limit(self) -> None:
         """The next event is due after the virtual-time limit: fail the run there, naming the
         waiting tasks (as a deadlock does)."""
+        self._stop_at_limit(
+            lambda: ModelTimeLimit(
+                self.now_ns(), effective_limit_ns(self.time_limit_ns), self._waiting_tasks()
+            )
+        )
+
+    def _on_time_step_limit(self) -> None:
+        """Virtual time would step forward once more than ``time_step_limit`` allows: fail the
+        run at the current instant, naming the waiting tasks (as the time limit does)."""
+        step_limit = self.time_step_limit
+        assert step_limit is not None
+        self._stop_at_limit(
+            lambda: ModelTimeStepLimit(
+                self.now_ns(),
+                step_limit,
+                effective_limit_ns(self.time_limit_ns),
+                self._waiting_tasks(),
+            )
+        )
+
+    def _stop_at_limit(self, make_failure: Callable[[], ModelTimeLimit]) -> None:
+        """A run limit stops the clock: cancel the root scope so the model unwinds at this
+        instant; if it is still stuck when the clock would move again, stop hard."""
         if self._failure is not None and self._trio_clock is not None and not self._hard_stop:
             self._hard_stop = True  # still stuck after cancelling: interrupt the shielded waits
             failure = self._failure
@@ -296,12 +358,8 @@ class Runtime:
             return
         if self._failure is not None or self._root_scope is None:
             self._hard_stop = True
-            raise self._failure or ModelTimeLimit(
-                self.now_ns(), effective_limit_ns(self.time_limit_ns), self._waiting_tasks()
-            )
-        self._failure = ModelTimeLimit(
-            self.now_ns(), effective_limit_ns(self.time_limit_ns), self._waiting_tasks()
-        )
+            raise self._failure or make_failure()
+        self._failure = make_failure()
         self._root_scope.cancel()
 
     def _on_callback_error(self, exc: BaseException) -> None:
@@ -382,6 +440,7 @@ def run(
     schedule_seed: int | None = None,
     livelock_limit: int = 1_000_000,
     time_limit_ns: int | None = None,
+    time_step_limit: int | None = None,
 ) -> T:
     """Run ``main(*args)`` in virtual time and return its result.
 
@@ -390,7 +449,10 @@ def run(
     scheduling seeded with ``schedule_seed``, default ``seed``). Raises
     :class:`xds.errors.ModelDeadlock` if the model can make no further progress, and
     :class:`xds.errors.ModelTimeLimit` if ``time_limit_ns`` is given and the next event is due
-    after it (a hang kept alive by periodic tasks); both name the waiting tasks.
+    after it (a hang kept alive by periodic tasks), and :class:`xds.errors.ModelTimeStepLimit`
+    (a ``ModelTimeLimit``) if ``time_step_limit`` is given and virtual time would step forward
+    (jump to the next pending timer) more often than that: a bound in wall time rather than
+    virtual time, for fine-grained poll loops. All three name the waiting tasks.
     """
     rt = Runtime(
         seed=seed,
@@ -399,6 +461,7 @@ def run(
         schedule_seed=schedule_seed,
         livelock_limit=livelock_limit,
         time_limit_ns=time_limit_ns,
+        time_step_limit=time_step_limit,
     )
     return rt.run(main, *args)
 

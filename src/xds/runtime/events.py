@@ -4,6 +4,13 @@ Components append :class:`Event` records (virtual time, component, event, fields
 :meth:`EventLog.emit`. Appending is one list append of a ``msgspec.Struct``; a disabled log costs
 one attribute test. The log can be written as JSON Lines and hashed: two runs of the same model
 and seed give byte-identical logs, which is how determinism is tested.
+
+``emit`` checks its arguments at the call, so a field the log cannot encode fails there, naming
+the field and the event, rather than when the log is written. Plain values (ints, floats, strs,
+bools, None, numpy numbers) pass one type test each; anything else is encoded once on the spot.
+A set's iteration order depends on the process's hash seed, so a set (also inside a list, tuple
+or dict field) is recorded as a sorted list, its JSON form; a set whose elements do not sort
+together is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from typing import IO, Any
 import msgspec
 import numpy as np
 
+from xds.errors import ConfigError
+
 
 class Event(msgspec.Struct, frozen=True, gc=False):
     """One record of the event log."""
@@ -26,18 +35,105 @@ class Event(msgspec.Struct, frozen=True, gc=False):
     fields: dict[str, Any] = {}
 
 
+def _short(obj: Any, width: int = 60) -> str:
+    """``repr(obj)``, cut to ``width`` characters."""
+    text = repr(obj)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+class _Unencodable(NotImplementedError):
+    """A value JSON cannot carry (``obj``), found while encoding the log."""
+
+    def __init__(self, obj: Any):
+        super().__init__(f"cannot encode {type(obj).__name__} {_short(obj)} in the event log")
+        self.obj = obj
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__} in the event log")
+    raise _Unencodable(obj)
 
 
 _encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
 _decoder = msgspec.json.Decoder(Event)
+
+_PLAIN: frozenset[type] = frozenset(
+    {int, float, str, bool, type(None), np.bool_, np.float16, np.float32, np.float64}
+    | {np.dtype(f"{kind}{size}").type for kind in "iu" for size in (1, 2, 4, 8)}
+)
+"""Field types that always encode: ``emit`` checks nothing else about them."""
+
+
+def _sets_sorted(value: Any) -> Any:
+    """``value`` with every set in it (through lists, tuples and dict values) replaced by a
+    sorted list; ``value`` itself if it holds none. Raises TypeError if a set does not sort."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is set or kind is frozenset:
+        return sorted(value)
+    if kind is list or kind is tuple:
+        for v in value:
+            if type(v) not in _PLAIN:
+                break
+        else:
+            return value  # the common case: a list of numbers or strings
+        items = [_sets_sorted(v) for v in value]
+        if any(a is not b for a, b in zip(items, value, strict=True)):
+            return items if kind is list else tuple(items)
+        return value
+    if kind is dict:
+        for v in value.values():
+            if type(v) not in _PLAIN:
+                break
+        else:
+            return value
+        entries = {k: _sets_sorted(v) for k, v in value.items()}
+        if any(entries[k] is not v for k, v in value.items()):
+            return entries
+    return value
+
+
+def _checked_fields(component: object, event: object, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` as the log records them (sets sorted); raises
+    :class:`~xds.errors.ConfigError` naming the argument the log could not encode."""
+    if not isinstance(component, str) or not isinstance(event, str):
+        name, value = (
+            ("component", component) if not isinstance(component, str) else ("event", event)
+        )
+        raise ConfigError(
+            f"emit() takes the {name} as a str, got {type(value).__name__} {_short(value)}",
+            field=name,
+        )
+    for name, value in fields.items():
+        if type(value) in _PLAIN:
+            continue
+        try:
+            recorded = _sets_sorted(value)
+            _encoder.encode(recorded)
+        except _Unencodable as exc:  # a type JSON cannot carry, maybe deep inside
+            inner = exc.obj
+            problem = "which the event log cannot encode"
+            if inner is not value and not (isinstance(value, np.generic) and inner == value):
+                problem = f"holding {type(inner).__name__} {_short(inner, 40)}, {problem}"
+        except TypeError as exc:  # a set whose elements do not compare
+            problem = f"which the event log cannot record in one order (it sorts sets: {exc})"
+        except (ValueError, OverflowError) as exc:
+            problem = f"which the event log cannot encode ({exc})"
+        else:
+            if recorded is not value:
+                fields[name] = recorded
+            continue
+        raise ConfigError(
+            f"emit({component!r}, {event!r}) got {type(value).__name__} {_short(value)}, "
+            f"{problem}; fields take numbers, strs, bools, None, numpy scalars and arrays, "
+            "msgspec Structs, and lists, tuples, sets and dicts of those",
+            field=name,
+        )
+    return fields
 
 
 class EventLog:
@@ -49,8 +145,18 @@ class EventLog:
         self._events: list[Event] = []
 
     def emit(self, component: str, event: str, **fields: Any) -> None:
-        """Append an event at the current virtual time (no-op when the log is disabled)."""
+        """Append an event at the current virtual time (no-op when the log is disabled).
+
+        Raises :class:`~xds.errors.ConfigError` naming the field (or ``component``/``event``)
+        if the log could not encode it.
+        """
         if self.enabled:
+            if type(component) is not str or type(event) is not str:
+                fields = _checked_fields(component, event, fields)
+            for value in fields.values():
+                if type(value) not in _PLAIN:  # hot path: plain values pass this test only
+                    fields = _checked_fields(component, event, fields)
+                    break
             self._events.append(Event(self._clock(), component, event, fields))
 
     def __len__(self) -> int:

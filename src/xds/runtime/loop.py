@@ -14,7 +14,10 @@ armed always finds it reached.
 
 When nothing is runnable and no timer is pending the model is deadlocked; the loop reports it to
 its owner (``on_deadlock``) instead of blocking forever. With a ``time_limit_ns`` it reports
-(``on_time_limit``) instead of jumping past the limit. When the loop spins at one instant for
+(``on_time_limit``) instead of jumping past the limit, and with a ``time_step_limit`` it reports
+(``on_time_step_limit``) instead of stepping virtual time forward once more than that: each jump
+of the clock to the next pending timer is one time step, however many timers fall due at that
+nanosecond (``time_steps`` counts them). When the loop spins at one instant for
 ``livelock_limit`` iterations it reports a livelock.
 
 Horizon: deadlines travel through asyncio (and trio) as float seconds, which resolve half a
@@ -95,6 +98,11 @@ class _VirtualSelector(selectors.SelectSelector):
             loop._report_time_limit()
             return []
         if head._when_ns > loop._now_ns:
+            limit = loop.time_step_limit
+            if limit is not None and loop.time_steps >= limit:
+                loop._report_time_step_limit()
+                return []
+            loop.time_steps += 1
             loop._now_ns = head._when_ns
         loop._time_s = max(loop._time_s, head._when, loop._now_ns / 1e9)
         loop._spins = 0
@@ -123,8 +131,14 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         livelock_limit: int = 1_000_000,
         time_limit_ns: int | None = None,
         on_time_limit: Callable[[], None] | None = None,
+        time_step_limit: int | None = None,
+        on_time_step_limit: Callable[[], None] | None = None,
     ):
         self._now_ns = 0
+        self.time_steps = 0
+        """How many times virtual time has stepped forward (jumped to the next timer)."""
+        self.time_step_limit = time_step_limit
+        self._on_time_step_limit = on_time_step_limit
         self.time_limit_ns = time_limit_ns
         self._on_time_limit = on_time_limit
         self._time_s = 0.0
@@ -199,6 +213,16 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
 
             raise ModelTimeLimit(self._now_ns, effective_limit_ns(self.time_limit_ns), [])
         self._on_time_limit()
+
+    def _report_time_step_limit(self) -> None:
+        if self._on_time_step_limit is None:
+            from xds.errors import ModelTimeStepLimit
+
+            assert self.time_step_limit is not None
+            raise ModelTimeStepLimit(
+                self._now_ns, self.time_step_limit, effective_limit_ns(self.time_limit_ns), []
+            )
+        self._on_time_step_limit()
 
     def _report_livelock(self) -> None:
         if self._on_livelock is None:

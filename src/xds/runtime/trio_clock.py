@@ -22,11 +22,16 @@ def virtual_mock_clock(
     on_deadlock: Callable[[], None],
     time_limit_ns: int | None = None,
     on_time_limit: Callable[[], None] | None = None,
+    time_step_limit: int | None = None,
+    on_time_step_limit: Callable[[], None] | None = None,
 ) -> MockClock:
     """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``
-    and, instead of jumping past ``time_limit_ns``, calls ``on_time_limit``."""
+    and, instead of jumping past ``time_limit_ns``, calls ``on_time_limit``. It counts its
+    jumps (time steps, ``clock._xds_steps``) and, instead of jumping once more than
+    ``time_step_limit``, calls ``on_time_step_limit``."""
     clock = MockClock(rate=0.0, autojump_threshold=0)
     clock._xds_stop = None  # type: ignore[attr-defined]
+    clock._xds_steps = 0  # type: ignore[attr-defined]
 
     def current_time() -> float:
         # A failure that must end the run (a livelock that survived cancellation): raised in
@@ -48,6 +53,12 @@ def virtual_mock_clock(
                 if on_time_limit is not None:
                     on_time_limit()
                 return
+            steps: int = clock._xds_steps  # type: ignore[attr-defined]
+            if time_step_limit is not None and steps >= time_step_limit:
+                if on_time_step_limit is not None:
+                    on_time_step_limit()
+                return
+            clock._xds_steps = steps + 1  # type: ignore[attr-defined]
             clock.jump(jump)
 
     clock.current_time = current_time  # type: ignore[method-assign]

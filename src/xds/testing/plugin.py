@@ -37,6 +37,14 @@ TEST_TIME_LIMIT_NS = 86_400 * 10**9
 periodic task ends as ``ModelTimeLimit`` in seconds; ``time_limit_ns=None`` in the marker lifts
 it."""
 
+TEST_TIME_STEP_LIMIT = 1_000_000
+"""A marked test's default ``time_step_limit``: virtual time may step forward (jump to the next
+pending timer) a million times. The one-day limit takes ~12 wall minutes to reach behind a 1 ms
+heartbeat and days behind a 1 us poll; a million steps take ~10 s of wall time on asyncio
+(~30 s on trio) for a single poller, and match the day at a 100 ms period. Existing marked
+tests take at most 86,400 steps (a 1 s heartbeat for a day). ``time_step_limit=None`` in the
+marker lifts it."""
+
 MARKER = "xds"
 FIXTURE = "xds_backend"
 #: The marker's keywords: those of :class:`xds.Runtime`.
@@ -51,8 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "xds(seed=0, backend='asyncio', event_log=True, schedule_seed=None, "
-        "livelock_limit=1000000, time_limit_ns=86400e9): run this async def test in xds virtual "
-        "time "
+        "livelock_limit=1000000, time_limit_ns=86400e9, time_step_limit=1000000): run this "
+        "async def test in xds virtual time "
         "(keywords only; the xds_backend fixture parametrises over the backends)",
     )
 
@@ -99,6 +107,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = funcargs.get(FIXTURE) or options.pop("backend", None) or "asyncio"
     options.pop("backend", None)  # the fixture's value, itself parametrised from the marker
     options.setdefault("time_limit_ns", TEST_TIME_LIMIT_NS)  # a periodic task cannot hang it
+    options.setdefault("time_step_limit", TEST_TIME_STEP_LIMIT)  # nor can a fine-grained poll
     result = Runtime(backend=backend, **options).run(functools.partial(pyfuncitem.obj, **kwargs))
     if result is not None:
         warnings.warn(
