@@ -120,33 +120,31 @@ def test_ordered_set_behaves_like_a_set_in_insertion_order():
     assert s.pop() == 9 and not s
 
 
-def test_the_process_wide_patches_are_made_by_runs_not_by_import_and_can_be_undone():
-    """What the README's "Process-wide patches" says, in a fresh process (without Hypothesis,
-    whose import switches trio's deterministic mode on by itself)."""
+def test_the_library_patches_hold_only_during_xds_runs():
+    """What the README's "Scheduling patches" says, in a fresh process (without Hypothesis,
+    whose import switches trio's deterministic mode on by itself): importing xds changes
+    nothing; during a run anyio's asyncio cancel scopes keep insertion order and trio schedules
+    deterministically; after it, both libraries behave as shipped (trio's RNG state too)."""
     code = """
 import anyio, xds
 import trio._core._run as trio_run
-from anyio._backends._asyncio import CancelScope
-from xds.runtime.determinism import ordered_cancel_scopes_installed as ordered
-
-async def main():
-    pass
+from xds.runtime.determinism import ordered_cancel_scopes_installed as installed
 
 async def scope_kind():
     with anyio.CancelScope() as scope:
         return type(scope._tasks).__name__
 
-seen = [ordered(), trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
-xds.run(main)
-seen += [ordered(), trio_run._ALLOW_DETERMINISTIC_SCHEDULING, anyio.run(scope_kind)]
-xds.run(main, backend="trio")
-seen += [trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
-CancelScope.__init__ = CancelScope.__init__.__wrapped__
-trio_run._ALLOW_DETERMINISTIC_SCHEDULING = False
-seen += [ordered(), anyio.run(scope_kind)]
+async def flag():
+    return trio_run._ALLOW_DETERMINISTIC_SCHEDULING
+
+seen = [installed(), trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
+seen += [xds.run(scope_kind), installed(), anyio.run(scope_kind)]
+state = trio_run._r.getstate()
+seen += [xds.run(flag, backend="trio"), trio_run._ALLOW_DETERMINISTIC_SCHEDULING]
+seen += [trio_run._r.getstate() == state]
 print(seen)
 """
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert out.stdout.strip() == str([False, False, True, False, "OrderedSet", True, False, "set"])
+    assert out.stdout.strip() == str([False, False, "OrderedSet", True, "set", True, False, True])

@@ -229,7 +229,6 @@ class Runtime:
 
     def _run_asyncio(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
         __tracebackhide__ = True
-        determinism.install_ordered_cancel_scopes()
 
         def loop_factory() -> VirtualTimeEventLoop:
             self._loop = VirtualTimeEventLoop(
@@ -253,9 +252,10 @@ class Runtime:
                 end.append(self.now_ns())
 
         try:
-            return anyio.run(
-                root, backend="asyncio", backend_options={"loop_factory": loop_factory}
-            )
+            with determinism.asyncio_run_scope():
+                return anyio.run(
+                    root, backend="asyncio", backend_options={"loop_factory": loop_factory}
+                )
         finally:
             # The loop is closed after anyio.run returns; keep the time the model ended at.
             if end and self._loop is not None:
@@ -267,7 +267,6 @@ class Runtime:
 
         from .trio_clock import LivelockInstrument, virtual_mock_clock
 
-        determinism.seed_trio_scheduler(self.schedule_seed)
         self._trio_clock = virtual_mock_clock(
             self._on_deadlock,
             self.time_limit_ns,
@@ -277,13 +276,14 @@ class Runtime:
         )
         livelock = LivelockInstrument(self._trio_clock, self.livelock_limit, self._on_livelock)
         try:
-            return anyio.run(
-                self._root,
-                main,
-                args,
-                backend="trio",
-                backend_options={"clock": self._trio_clock, "instruments": [livelock]},
-            )
+            with determinism.trio_run_scope(self.schedule_seed):
+                return anyio.run(
+                    self._root,
+                    main,
+                    args,
+                    backend="trio",
+                    backend_options={"clock": self._trio_clock, "instruments": [livelock]},
+                )
         except trio.TrioInternalError as exc:
             cause = exc.__cause__
             if isinstance(cause, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):

@@ -13,11 +13,16 @@ Two measured traps, each fixed here and checked by tests:
    its Hypothesis plugin use) sorts each batch by task creation order before a *seeded* shuffle,
    which makes both irrelevant. :func:`seed_trio_scheduler` turns it on and seeds it; sweeping
    that seed is a cheap schedule fuzzer.
+
+Both fixes hold only while an xds run is on (:func:`asyncio_run_scope`, :func:`trio_run_scope`):
+outside runs anyio's cancel scopes and trio's scheduler behave as the libraries ship them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -68,10 +73,14 @@ class OrderedSet(Generic[T]):
 
 
 _PATCHED_ATTR = "__xds_ordered__"
+_runs = threading.local()
+"""``depth``: xds asyncio runs on in this thread (a run's loop runs in the thread that called
+it; a nested measurement runs in a helper thread of its own)."""
 
 
 def install_ordered_cancel_scopes() -> None:
-    """Make anyio's asyncio cancel scopes iterate their tasks in insertion order (idempotent)."""
+    """Make anyio's asyncio cancel scopes created during an xds run (:func:`asyncio_run_scope`)
+    iterate their tasks in insertion order; others are anyio's own (idempotent)."""
     from anyio._backends import _asyncio
 
     scope_cls: Any = _asyncio.CancelScope
@@ -81,8 +90,9 @@ def install_ordered_cancel_scopes() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self._tasks = OrderedSet()
-        self._child_scopes = OrderedSet()
+        if getattr(_runs, "depth", 0):
+            self._tasks = OrderedSet()
+            self._child_scopes = OrderedSet()
 
     setattr(__init__, _PATCHED_ATTR, True)
     __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -90,10 +100,27 @@ def install_ordered_cancel_scopes() -> None:
 
 
 def ordered_cancel_scopes_installed() -> bool:
-    """True if new anyio asyncio cancel scopes use :class:`OrderedSet` (checked by tests)."""
+    """True if anyio's asyncio cancel scopes are patched (checked by tests); they use
+    :class:`OrderedSet` only while an xds run is on (:func:`ordered_cancel_scopes_active`)."""
     from anyio._backends import _asyncio
 
     return bool(getattr(_asyncio.CancelScope.__init__, _PATCHED_ATTR, False))
+
+
+def ordered_cancel_scopes_active() -> bool:
+    """True if cancel scopes created now, in this thread, keep their tasks in order."""
+    return ordered_cancel_scopes_installed() and bool(getattr(_runs, "depth", 0))
+
+
+@contextmanager
+def asyncio_run_scope() -> Iterator[None]:
+    """While an xds asyncio run is on: anyio cancel scopes it creates keep insertion order."""
+    install_ordered_cancel_scopes()
+    _runs.depth = getattr(_runs, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _runs.depth -= 1
 
 
 def seed_trio_scheduler(seed: int) -> None:
@@ -102,3 +129,19 @@ def seed_trio_scheduler(seed: int) -> None:
 
     _run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
     _run._r.seed(seed)
+
+
+@contextmanager
+def trio_run_scope(seed: int) -> Iterator[None]:
+    """While an xds trio run is on: trio's deterministic scheduling, seeded with ``seed``.
+    Leaving restores the flag and the scheduler RNG's state as they were (so a nested run, in a
+    helper thread while the outer run waits, leaves the outer run's schedule as it was)."""
+    from trio._core import _run
+
+    flag, state = _run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()
+    seed_trio_scheduler(seed)
+    try:
+        yield
+    finally:
+        _run._ALLOW_DETERMINISTIC_SCHEDULING = flag  # type: ignore[misc]
+        _run._r.setstate(state)
