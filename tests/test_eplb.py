@@ -634,3 +634,52 @@ def test_a_window_whose_plans_move_nothing_is_no_rebalance():
         greedy.busiest_die_tokens(256, 2)
         started += greedy.window_plans(10 * window) is not None
     assert started >= 2
+
+
+@pytest.mark.parametrize("empty", ["fit", "evaluation"])
+@pytest.mark.parametrize("how", ["no slices", "no tokens"])
+def test_score_refuses_an_empty_window(empty, how):
+    """An evaluation window with nothing in it used to score 'none' as perfectly balanced
+    (balancedness 1.0, 0 ms of MoE); an empty fit window planned no replica, silently."""
+    layout = Layout.one_expert_per_die(256, 288)
+    counts = np.random.default_rng(0).integers(1, 100, (4, 58, 256))
+    windows = {"fit": counts[:2], "evaluation": counts[2:]}
+    windows[empty] = counts[4:] if how == "no slices" else np.zeros_like(counts[:2])
+    with pytest.raises(ConfigError, match=r"holds no (time slice|routed token)") as err:
+        score("none", windows["fit"], windows["evaluation"], layout, 8, DecodeConfig())
+    assert err.value.field == empty
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"experts": 0}, "experts"),
+        ({"slices": 1.5}, "slices"),
+        ({"tokens_per_slice": -1}, "tokens_per_slice"),
+        ({"layers": True}, "layers"),
+        ({"rng": 7}, "rng"),
+    ],
+)
+def test_routing_generators_name_a_bad_argument(kwargs, field):
+    args = {"slices": 2, "layers": 1, "experts": 8, "tokens_per_slice": 10}
+    kwargs = dict(kwargs)
+    rng = kwargs.pop("rng", np.random.default_rng(0))
+    args.update(kwargs)
+    for make in (skewed_counts, uniform_counts):
+        with pytest.raises(ConfigError) as err:
+            make(rng, **args)
+        assert err.value.field == field
+
+
+@pytest.mark.parametrize(("name", "value"), [("sigma", float("nan")), ("drift_rho", 1.5)])
+def test_the_skewed_generator_names_a_bad_shape_parameter(name, value):
+    with pytest.raises(ConfigError) as err:
+        skewed_counts(
+            np.random.default_rng(0),
+            slices=2,
+            layers=1,
+            experts=8,
+            tokens_per_slice=10,
+            **{name: value},
+        )
+    assert err.value.field == name

@@ -215,3 +215,27 @@ def test_without_mitigations_the_dispatch_barrier_sees_stalls_over_100ms():
     on = JitterConfig(enabled=True)
     assert worst(off) > 100_000_000
     assert worst(on) < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [((0, 4), "n_dp"), ((4, 0), "batch_limit"), ((2.5, 2), "n_dp"), ((2, True), "batch_limit")],
+)
+def test_decode_router_arguments_are_checked_one_by_one(args, field):
+    with pytest.raises(ConfigError) as err:
+        DecodeRouter(*args)
+    assert err.value.field == field
+
+
+def test_a_kv_snapshot_must_be_counts_of_blocks():
+    router = DecodeRouter(2, 4)
+    with pytest.raises(ConfigError) as err:
+        router.snapshot_kv([-5, 10])
+    assert err.value.field == "used_blocks[0]"
+    with pytest.raises(ConfigError) as err:
+        router.snapshot_kv([1.5, 10])
+    assert err.value.field == "used_blocks[0]"
+    with pytest.raises(ConfigError, match="one KV figure per DP group: 2, got 3"):
+        router.snapshot_kv([1, 2, 3])
+    router.snapshot_kv([np.int64(3), 7])
+    assert [d.kv_used_blocks for d in router.dps] == [3, 7]

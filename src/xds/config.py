@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import re
 import tomllib
 from contextvars import ContextVar
@@ -147,6 +148,20 @@ class _FieldsChecked(Exception):
 def _plain(value: Any) -> Any:
     """numpy scalars as Python numbers (a sweep over ``np.arange`` builds configs too)."""
     return value.item() if isinstance(value, np.generic) else value
+
+
+def require_int(value: object, field: str, *, low: int = 0, high: int | None = None) -> int:
+    """``value`` as an int if it is an integer (numpy ones too; not a bool) in
+    ``low..high``; else one ConfigError naming ``field``."""
+    bounds = f">= {low}" if high is None else f"in {low}..{high}"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        raise ConfigError(f"must be an integer {bounds}, got {value!r:.40}", field=field)
+    return int(value)
 
 
 def check_fields(struct: msgspec.Struct) -> None:

@@ -274,7 +274,7 @@ class DecodeTE:
             await self._wait_capacity()
         self.kv[dp].admit(record.request_id, tokens)
         self.router.kv_taken(record.request_id)
-        self.router.snapshot_kv([k.used for k in self.kv])
+        self.router._kv_used([k.used for k in self.kv])
 
     def enqueue(self, dp: int, record: RequestRecord) -> None:
         """The DP dequeued the transfer's completion: the sequence joins the batch."""
@@ -296,7 +296,7 @@ class DecodeTE:
             return  # a scale-down dropped the DP group, or a memory fault the request
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
-            self.router.snapshot_kv([k.used for k in self.kv])
+            self.router._kv_used([k.used for k in self.kv])
         self.router.finished(record.request_id)
         self.done.pop(record.request_id).set()
         self._signal_capacity()
@@ -346,7 +346,7 @@ class DecodeTE:
             self.kv[dp].release(req)
             self.router.finished(req)
             self.done.pop(req)
-        self.router.snapshot_kv([k.used for k in self.kv])
+        self.router._kv_used([k.used for k in self.kv])
         emit("decode-te", "kv-masked", te=self.index, dp=dp, first=first_block, blocks=blocks)
         self._signal_capacity()
         return victims
@@ -400,7 +400,7 @@ class DecodeTE:
         self.model = _ReplayDecodeModel(
             config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
         )
-        self.router.snapshot_kv([k.used for k in self.kv])
+        self.router._kv_used([k.used for k in self.kv])
         emit("decode-te", event, te=self.index, server=server, dies=config.dies)
         self._signal_capacity()
 
@@ -490,7 +490,7 @@ class DecodeTE:
         rec.finish_ns = t
         self.kv[dp].release(req)
         self.router.finished(req)
-        self.router.snapshot_kv([k.used for k in self.kv])
+        self.router._kv_used([k.used for k in self.kv])
         emit("decode-te", "finished", request=req, dp=dp)
         self.done.pop(req).set()
         self._signal_capacity()

@@ -25,6 +25,7 @@ from typing import Final
 
 import msgspec
 
+from ..config import require_int
 from ..docfields import document_fields
 from ..errors import ConfigError
 from .policies import ask, offered_choice, require_callable, takes_arguments
@@ -84,8 +85,9 @@ class DecodeRouter:
         block_tokens: int = 128,
         routing: DecodeRouting = lowest_kv,
     ):
-        if n_dp < 1 or batch_limit < 1 or block_tokens < 1:
-            raise ConfigError("n_dp, batch_limit and block_tokens must be positive", field="n_dp")
+        n_dp = require_int(n_dp, "n_dp", low=1)
+        batch_limit = require_int(batch_limit, "batch_limit", low=1)
+        block_tokens = require_int(block_tokens, "block_tokens", low=1)
         require_callable(routing, "decode_routing", arity=(3, 4))
         self._with_request = takes_arguments(routing, 4)
         self.routing = routing
@@ -195,9 +197,16 @@ class DecodeRouter:
     def snapshot_kv(self, used_blocks: list[int]) -> None:
         """The KV metric collection (P059: periodic in the paper; callers choose when)."""
         if len(used_blocks) != len(self.dps):
-            raise ConfigError("one KV figure per DP group", field="used_blocks")
-        for dp, used in zip(self.dps, used_blocks, strict=True):
-            dp.kv_used_blocks = used
+            raise ConfigError(
+                f"one KV figure per DP group: {len(self.dps)}, got {len(used_blocks)}",
+                field="used_blocks",
+            )
+        self._kv_used([require_int(u, f"used_blocks[{i}]") for i, u in enumerate(used_blocks)])
+
+    def _kv_used(self, used_blocks: list[int]) -> None:
+        """:meth:`snapshot_kv` from the TE-shell's own block managers (figures known good)."""
+        for dp, blocks in zip(self.dps, used_blocks, strict=True):
+            dp.kv_used_blocks = blocks
 
     def _key(self, request: object) -> object:
         if request not in self._reservations:

@@ -47,6 +47,10 @@ def _counts(name: str, counts: np.ndarray, n_experts: int) -> np.ndarray:
             f"{counts.shape}",
             field=name,
         )
+    if counts.shape[0] == 0 or not counts.any():
+        what = "no time slice" if counts.shape[0] == 0 else "no routed token"
+        use = "plan from" if name == "fit" else "score on"
+        raise ConfigError(f"holds {what}: there is nothing to {use}", field=name)
     return counts
 
 

@@ -13,11 +13,13 @@ knob. Popularity drifts between slices as a stationary AR(1) process in log spac
 from __future__ import annotations
 
 import io
+import numbers
 from pathlib import Path
 
 import numpy as np
 
-from ...errors import TraceError
+from ...config import require_int
+from ...errors import ConfigError, TraceError
 
 SIGMA_20_PERCENT_ABOVE_MEAN = 2 * 0.8416
 
@@ -34,6 +36,16 @@ def skewed_counts(
 ) -> np.ndarray:
     """``counts[t, l, e]``: skewed, drifting routing of ``tokens_per_slice`` expert copies per
     layer and slice."""
+    _check_shape(rng, slices=slices, layers=layers, experts=experts, tokens=tokens_per_slice)
+    for name, value, low, high in (("sigma", sigma, 0.0, 10.0), ("drift_rho", drift_rho, 0.0, 1.0)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not low <= float(value) <= high
+        ):
+            raise ConfigError(
+                f"must be a number in {low:g}..{high:g}, got {value!r:.40}", field=name
+            )
     z = rng.standard_normal((layers, experts))
     out = np.zeros((slices, layers, experts), dtype=np.int64)
     for t in range(slices):
@@ -49,6 +61,9 @@ def skewed_counts(
 def uniform_counts(
     rng: np.random.Generator, *, slices: int, layers: int, experts: int, tokens_per_slice: int
 ) -> np.ndarray:
+    """``counts[t, l, e]``: ``tokens_per_slice`` expert copies per layer and slice, every
+    expert equally likely."""
+    _check_shape(rng, slices=slices, layers=layers, experts=experts, tokens=tokens_per_slice)
     p = np.full(experts, 1.0 / experts)
     return np.stack(
         [
@@ -56,6 +71,28 @@ def uniform_counts(
             for _ in range(slices)
         ]
     )
+
+
+def _check_shape(rng: object, *, slices: int, layers: int, experts: int, tokens: int) -> None:
+    """The generators' arguments: a numpy Generator, at least one slice, layer and expert,
+    a non-negative token count per slice, and at most :data:`MAX_CELLS` cells."""
+    if not isinstance(rng, np.random.Generator):
+        raise ConfigError(
+            f"must be a numpy Generator (xds.rng(name) or numpy.random.default_rng(seed)), got "
+            f"{type(rng).__name__}",
+            field="rng",
+        )
+    for name, value, low in (
+        ("slices", slices, 1),
+        ("layers", layers, 1),
+        ("experts", experts, 1),
+        ("tokens_per_slice", tokens, 0),
+    ):
+        require_int(value, name, low=low)
+    if slices * layers * experts > MAX_CELLS:
+        raise ConfigError(
+            f"{slices} x {layers} x {experts} counts exceed {MAX_CELLS:,} cells", field="slices"
+        )
 
 
 MAX_CELLS = 2**27
