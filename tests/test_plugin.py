@@ -395,3 +395,195 @@ async def test_zero():
     result.stdout.fnmatch_lines(
         ["*@pytest.mark.xds got a bad value: time_step_limit: time_step_limit must be a positive*"]
     )
+
+
+LIBRARY_TEXT = (
+    "Run the given coroutine function",  # anyio.run's docstring
+    "anyio/_core/_eventloop.py",
+    "anyio/_backends",
+    "asyncio/runners.py",
+    "xds/runtime/core.py",
+    "async def _root",
+)
+
+
+def _failure_section(result: pytest.RunResult, name: str) -> str:
+    """The text of ``name``'s entry in the FAILURES section."""
+    text = result.stdout.str()
+    start = text.index(f" {name} ")
+    ends = [text.find(mark, start + 1) for mark in ("\n___", "\n===")]
+    return text[start : min(e for e in ends if e != -1)]
+
+
+def test_a_model_failure_report_is_not_buried_in_library_frames(pytester):
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds
+async def test_deadlock(xds_backend):
+    await anyio.Event().wait()
+
+@pytest.mark.xds(time_step_limit=100)
+async def test_poll():
+    while True:
+        await xds.sleep_ns(5)
+
+@pytest.mark.xds(livelock_limit=1000)
+async def test_spin():
+    while True:
+        await anyio.lowlevel.checkpoint()
+
+@pytest.mark.xds
+async def test_cleanup_raises(xds_backend):
+    try:
+        await anyio.Event().wait()
+    finally:
+        raise RuntimeError("cleanup failed")
+""",
+    )
+    result.assert_outcomes(failed=6)
+    for name, report in (
+        ("test_deadlock[asyncio]", "ModelDeadlock: model deadlock at t=0 ns"),
+        ("test_deadlock[trio]", "ModelDeadlock: model deadlock at t=0 ns"),
+        ("test_poll", "ModelTimeStepLimit: time-step limit of 100 reached at t=500 ns"),
+        ("test_spin", "ModelLivelock: model livelock at t=0 ns: 1000 loop iterations"),
+    ):
+        section = _failure_section(result, name)
+        assert report in section, section
+        assert "- main: test_a_model_failure_report_is_not_buried_in_library_frames.py:" in section
+        for text in LIBRARY_TEXT:
+            assert text not in section, (text, section)
+        assert len(section.splitlines()) <= 8, section
+    for backend in ("asyncio", "trio"):
+        # an error while the model unwinds is the report's cause, shown from the user's line;
+        # the cancellation the runtime delivered to stop the model is left out
+        section = _failure_section(result, f"test_cleanup_raises[{backend}]")
+        assert '>           raise RuntimeError("cleanup failed")' in section
+        assert "The above exception was the direct cause" in section
+        assert "ModelDeadlock: model deadlock at t=0 ns" in section
+        assert "Cancel" not in section and "During handling" not in section, section
+        for text in LIBRARY_TEXT:
+            assert text not in section, (text, section)
+
+
+def test_a_failed_assertion_in_a_marked_test_still_shows_the_users_line(pytester):
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds
+async def test_assert(xds_backend):
+    x = 1
+    await xds.sleep_ns(5)
+    assert x == 2
+
+@pytest.mark.xds
+async def test_in_a_child_task():
+    async def child():
+        await xds.sleep_ns(5)
+        assert xds.now_ns() == 6, "child's check"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(child)
+
+@pytest.mark.xds
+async def test_in_a_timer_callback():
+    def callback():
+        raise KeyError("from the callback")
+
+    xds.current_runtime().call_at_ns(5, callback)
+    await xds.sleep_ns(10)
+
+@pytest.mark.xds
+async def test_bad_argument():
+    with xds.waiting_for(3):
+        pass
+""",
+    )
+    result.assert_outcomes(failed=5)
+    for backend in ("asyncio", "trio"):
+        section = _failure_section(result, f"test_assert[{backend}]")
+        assert ">       assert x == 2" in section and "E       assert 1 == 2" in section
+        assert "_shows_the_users_line.py:10: AssertionError" in section
+        assert "Run the given coroutine function" not in section
+    section = _failure_section(result, "test_in_a_child_task")
+    assert "assert xds.now_ns() == 6" in section and "child's check" in section
+    section = _failure_section(result, "test_in_a_timer_callback")
+    assert 'raise KeyError("from the callback")' in section
+    for text in LIBRARY_TEXT:
+        assert text not in section, (text, section)
+    # a bad argument ends at the line that passed it, not inside xds or contextlib
+    section = _failure_section(result, "test_bad_argument")
+    assert ">       with xds.waiting_for(3):" in section
+    assert "E       xds.errors.ConfigError: what: what must be text" in section
+    assert "contextlib" not in section and "_check_note" not in section, section
+
+
+def test_full_trace_still_shows_every_frame(pytester):
+    result = run(
+        pytester,
+        """
+import anyio
+
+@pytest.mark.xds
+async def test_deadlock():
+    await anyio.Event().wait()
+""",
+        "--full-trace",
+    )
+    result.assert_outcomes(failed=1)
+    section = _failure_section(result, "test_deadlock")
+    assert "ModelDeadlock: model deadlock at t=0 ns" in section
+    assert "xds/runtime/core.py" in section
+
+
+def test_stacked_markers_that_conflict_are_an_error_naming_the_test(pytester):
+    result = run(
+        pytester,
+        """
+@pytest.mark.xds(seed=1)
+@pytest.mark.xds(seed=2)
+async def test_two_seeds():
+    pass
+
+@pytest.mark.xds(seed=1, backend="trio")
+@pytest.mark.xds(backend="asyncio")
+async def test_two_backends():
+    pass
+
+@pytest.mark.xds(seed=4)
+@pytest.mark.xds(seed=4)
+@pytest.mark.xds(event_log=False)
+async def test_same_value_and_other_keywords():
+    assert xds.current_runtime().seed == 4
+    assert not xds.current_runtime().events.enabled
+
+@pytest.mark.xds(seed=1)
+@pytest.mark.xds(seed=2)
+class TestStacked:
+    async def test_in_class(self):
+        pass
+
+class TestOverride:
+    pytestmark = [pytest.mark.xds(seed=8), pytest.mark.xds(seed=9)]
+
+    @pytest.mark.xds(seed=3)
+    async def test_own_marker_overrides_a_conflict_above(self):
+        pass
+""",
+    )
+    result.assert_outcomes(passed=1, errors=4)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*@pytest.mark.xds is stacked on test_two_seeds with conflicting seed=1 and seed=2;"
+            " keep one marker*",
+            "*@pytest.mark.xds is stacked on test_two_backends with conflicting"
+            " backend='asyncio' and backend='trio'*",
+            "*@pytest.mark.xds is stacked on TestStacked with conflicting seed=1 and seed=2*",
+            "*@pytest.mark.xds is stacked on TestOverride with conflicting seed=8 and seed=9*",
+        ]
+    )
+    assert "Traceback" not in result.stdout.str()

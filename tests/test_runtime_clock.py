@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -234,3 +235,68 @@ def test_durations_must_be_integer_nanoseconds():
         assert xds.now_ns() == 5
 
     xds.run(main)
+
+
+async def _answer() -> int:
+    return 42
+
+
+async def _agen():
+    yield 1
+
+
+def _config_error(call, field: str) -> str:
+    """``call()`` raises a one-line ConfigError naming ``field``; its message."""
+    with pytest.raises(xds.errors.ConfigError) as info:
+        call()
+    message = str(info.value)
+    assert info.value.field == field and message.startswith(f"{field}: ")
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_main_that_is_not_an_async_function_is_a_config_error_naming_main(backend, recwarn):
+    def run(main, *args):
+        return lambda: xds.run(main, *args, backend=backend)
+
+    message = _config_error(run(lambda: 5), "main")
+    assert "main must be an async function" in message and "returned 5 (int)" in message
+    assert "<lambda>" in message
+    message = _config_error(run(_answer()), "main")  # the call, not the function
+    assert "got a coroutine object" in message
+    assert "pass the function, not its call: xds.run(_answer), not xds.run(_answer())" in message
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]  # closed, not leaked
+    message = _config_error(run(None), "main")
+    assert "got None (NoneType)" in message
+    message = _config_error(run(_agen), "main")
+    assert "async generator function" in message
+    message = _config_error(run(len, "abc"), "main")  # a plain function returning a value
+    assert "len returned 3 (int)" in message and "async def" in message
+    message = _config_error(run(_answer, 1), "args")  # arguments main does not take
+    assert "_answer(1) does not fit its signature: too many positional arguments" in message
+    # A function that returns an awaitable is fine: only what it returns must be awaitable.
+    assert xds.run(lambda: _answer(), backend=backend) == 42
+    assert xds.run(functools.partial(_answer), backend=backend) == 42
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "expected"),
+    [
+        ({"seed": "x"}, "seed", "seed must be a non-negative integer, got 'x'"),
+        ({"seed": 1.5}, "seed", "got 1.5"),
+        ({"backend": "foo"}, "backend", "unknown backend 'foo'; choose one of asyncio, trio"),
+        ({"backend": 1}, "backend", "choose one of asyncio, trio"),
+        ({"backend": ["trio"]}, "backend", "choose one of asyncio, trio"),
+        ({"event_log": "yes"}, "event_log", "event_log must be True or False, got 'yes'"),
+        ({"event_log": None}, "event_log", "event_log must be True or False, got None"),
+        ({"livelock_limit": 0}, "livelock_limit", "livelock_limit must be a positive integer"),
+        ({"schedule_seed": -2}, "schedule_seed", "got -2"),
+        ({"time_limit_ns": 2.5}, "time_limit_ns", "got 2.5"),
+        ({"time_step_limit": "9"}, "time_step_limit", "got '9'"),
+    ],
+)
+def test_bad_run_arguments_are_one_line_config_errors_naming_them(kwargs, field, expected):
+    message = _config_error(lambda: xds.run(_answer, **kwargs), field)
+    assert expected in message
+    assert xds.run(_answer, event_log=np.bool_(False)) == 42  # numpy's bool is a bool

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 
@@ -62,11 +64,11 @@ def test_a_deadlock_report_says_what_each_task_waits_for(xds_backend):
         xds.run(main, backend=xds_backend)
     notes = {w.name: w.waiting_for for w in info.value.waiting}
     assert notes == {
-        "s0": "credit 0 (holds 3)",
+        "s0": "a credit > credit 0 (holds 3)",  # nested notes: the outer first
         "s1": "<the note could not be rendered: ZeroDivisionError: division by zero>",
         "main": "",
     }
-    assert "waiting for credit 0 (holds 3)" in str(info.value)
+    assert "waiting for a credit > credit 0 (holds 3)" in str(info.value)
 
 
 def test_a_nested_note_gives_way_to_the_outer_one_when_its_block_ends(xds_backend):
@@ -79,6 +81,88 @@ def test_a_nested_note_gives_way_to_the_outer_one_when_its_block_ends(xds_backen
     with pytest.raises(ModelDeadlock) as info:
         xds.run(main, backend=xds_backend)
     assert [w.waiting_for for w in info.value.waiting] == ["outer"]
+
+
+def test_nested_notes_are_all_reported_outer_first(xds_backend):
+    async def main() -> None:
+        never = anyio.Event()
+
+        async def nested() -> None:
+            with xds.waiting_for("outer"), xds.waiting_for(lambda: "middle"):
+                with xds.waiting_for("inner"):
+                    await xds.sleep_ns(1)
+                with xds.waiting_for("second inner"):
+                    await never.wait()
+
+        async def other() -> None:  # another task's notes stay its own
+            with xds.waiting_for("its own"):
+                await never.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(nested, name="a")
+            tg.start_soon(other, name="b")
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    notes = {w.name: w.waiting_for for w in info.value.waiting}
+    assert notes == {"a": "outer > middle > second inner", "b": "its own", "main": ""}
+    assert "\n      waiting for outer > middle > second inner\n" in str(info.value)
+
+
+def test_leaving_every_nested_note_clears_the_tasks_notes(xds_backend):
+    async def main() -> None:
+        rt = xds.current_runtime()
+        with xds.waiting_for("outer"), xds.waiting_for("inner"):
+            assert len(rt.waiting_notes) == 1
+        assert rt.waiting_notes == {}
+        await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    assert [w.waiting_for for w in info.value.waiting] == [""]
+
+
+@pytest.mark.parametrize(
+    ("what", "got"),
+    [
+        (123, "got 123 (int)"),
+        (None, "got None (NoneType)"),
+        (b"bytes", "got b'bytes' (bytes)"),
+        (lambda peer: f"credit from {peer}", "got a function that needs arguments"),
+        (lambda *, peer: f"credit from {peer}", "got a function that needs arguments"),
+    ],
+)
+def test_a_note_that_is_neither_text_nor_a_function_of_nothing_is_refused_at_the_call(what, got):
+    expected = "what must be text (a str) or a function of no arguments returning text"
+
+    async def main() -> None:
+        with pytest.raises(ConfigError) as info, xds.waiting_for(what):
+            pass
+        assert info.value.field == "what"
+        assert str(info.value).startswith(f"what: {expected}") and got in str(info.value)
+        assert "\n" not in str(info.value)
+        assert xds.current_runtime().waiting_notes == {}
+
+    xds.run(main)
+    with pytest.raises(ConfigError, match=re.escape(expected)), xds.waiting_for(what):
+        pass  # outside a run too
+
+
+def test_notes_that_are_functions_of_defaults_or_callable_objects_are_accepted():
+    class Note:
+        def __call__(self) -> str:
+            return "an object's note"
+
+    async def main() -> None:
+        for what in (lambda s=3: f"slot {s}", Note(), str, "text"):
+            with xds.waiting_for(what):
+                pass
+        with xds.waiting_for(lambda s=3: f"slot {s}"), xds.waiting_for(Note()):
+            await anyio.Event().wait()
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main)
+    assert [w.waiting_for for w in info.value.waiting] == ["slot 3 > an object's note"]
 
 
 def test_deadlock_of_main_itself(xds_backend):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import numbers
 import sys
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -31,7 +33,13 @@ from xds.errors import (
 )
 
 from . import determinism
-from .diagnose import interrupt_blocked_trio_tasks, waiting_asyncio_tasks, waiting_trio_tasks
+from .diagnose import (
+    NoteEntry,
+    Notes,
+    interrupt_blocked_trio_tasks,
+    waiting_asyncio_tasks,
+    waiting_trio_tasks,
+)
 from .events import EventLog
 from .logs import ensure_logging_configured
 from .loop import VirtualTimeEventLoop, effective_limit_ns
@@ -86,6 +94,10 @@ class Runtime:
                 f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}{why}",
                 field="backend",
             )
+        if not isinstance(event_log, (bool, np.bool_)):
+            raise ConfigError(
+                f"event_log must be True or False, got {event_log!r}", field="event_log"
+            )
         if (
             isinstance(livelock_limit, bool)
             or not isinstance(livelock_limit, numbers.Integral)
@@ -117,7 +129,7 @@ class Runtime:
         self.backend: Backend = backend
         self.schedule_seed = self.seed if schedule_seed is None else int(schedule_seed)
         self.livelock_limit = livelock_limit
-        self.events = EventLog(self.now_ns, enabled=event_log)
+        self.events = EventLog(self.now_ns, enabled=bool(event_log))
         self.end_ns: int | None = None
         self._loop: VirtualTimeEventLoop | None = None
         self._trio_clock: Any = None
@@ -126,8 +138,9 @@ class Runtime:
         self._used = False
         self._hard_stop = False
         self._trio_timers: TrioTimerWheel | None = None
-        self.waiting_notes: dict[int, str | Callable[[], str]] = {}
-        """Task id -> what that task waits for (:func:`waiting_for`), for deadlock reports."""
+        self.waiting_notes: Notes = {}
+        """Task id -> what that task waits for (:func:`waiting_for`), one entry per open
+        block, outermost first, for deadlock reports."""
 
     # -- clock -------------------------------------------------------------------------------
     def now_ns(self) -> int:
@@ -192,8 +205,7 @@ class Runtime:
         if self._used:
             raise RuntimeError("a Runtime runs once; create a new one for another run")
         self._used = True
-        if not callable(main):
-            raise ConfigError(f"main must be an async callable, got {main!r}", field="main")
+        _check_main(main, args)
         if _running_loop():
             raise ConfigError(
                 "xds.run (and what calls it: replay, capacity searches, reproduce) is "
@@ -218,7 +230,14 @@ class Runtime:
         try:
             with anyio.CancelScope() as scope:
                 self._root_scope = scope
-                result = await main(*args)
+                awaitable = main(*args)
+                if not inspect.isawaitable(awaitable):
+                    raise ConfigError(
+                        f"main must be an async function (or return an awaitable), but "
+                        f"{_name(main)} returned {_short_repr(awaitable)}: make it `async def`",
+                        field="main",
+                    )
+                result = await awaitable
         except BaseException as exc:
             if self._failure is not None and not (self._hard_stop and self._loop is not None):
                 raise self._failure from exc
@@ -410,6 +429,63 @@ def _collect_quietly() -> None:
         sys.unraisablehook = hook
 
 
+def _name(function: object) -> str:
+    """How an error names a callable: its qualified name, else its repr."""
+    name = getattr(function, "__qualname__", None)
+    if isinstance(name, str):
+        return name.rpartition("<locals>.")[2]
+    return _short_repr(function)
+
+
+def _short_repr(value: object) -> str:
+    """``value``'s repr on one line, cut to a readable length, with its type."""
+    text = " ".join(repr(value).split())
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check_main(main: object, args: tuple[Any, ...]) -> None:
+    """``main`` is something ``xds.run`` can call with ``args`` and await: a one-line
+    ConfigError naming ``main`` (or ``args``) otherwise. What a plain callable returns is
+    checked when the run calls it."""
+    if inspect.isawaitable(main):
+        name = _name(main)
+        what = "a coroutine object" if inspect.iscoroutine(main) else _short_repr(main)
+        if inspect.iscoroutine(main):
+            main.close()  # it will never run: no "never awaited" warning
+        raise ConfigError(
+            f"main must be an async function; got {what}, so pass the function, not its "
+            f"call: xds.run({name}), not xds.run({name}())",
+            field="main",
+        )
+    if not callable(main):
+        raise ConfigError(
+            f"main must be an async function (or a function returning an awaitable); got "
+            f"{_short_repr(main)}",
+            field="main",
+        )
+    if inspect.isasyncgenfunction(main):
+        raise ConfigError(
+            f"main must be an async function; {_name(main)} is an async generator function "
+            "(it yields), which xds.run cannot await",
+            field="main",
+        )
+    try:
+        signature = inspect.signature(main)
+    except (TypeError, ValueError):  # no signature to check (some builtins)
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        given = ", ".join(" ".join(repr(arg).split())[:40] for arg in args)
+        raise ConfigError(
+            f"xds.run passes its extra positional arguments to main, and "
+            f"{_name(main)}({given}) does not fit its signature: {exc}",
+            field="args",
+        ) from None
+
+
 def _running_loop() -> bool:
     """Whether this thread is inside a running asyncio or trio loop."""
     try:
@@ -519,15 +595,21 @@ def rng(name: str) -> np.random.Generator:
 def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     """Say what the current task waits for while inside the ``with`` block.
 
-    Outside :func:`run` it does nothing. ``what`` is text, or a function returning text that
-    is called only if a report needs it
-    (so it can describe the state at the time of the report). Costs a dictionary entry; if the
-    run deadlocks or reaches its time limit meanwhile, the report shows it beside the task, so
-    a protocol's hang explains itself::
+    ``what`` is text, or a function of no arguments returning text that is called only if a
+    report needs it (so it can describe the state at the time of the report); anything else is
+    a :class:`~xds.errors.ConfigError` at the call. Costs a list entry; if the run deadlocks or
+    reaches a limit meanwhile, the report shows it beside the task, so a protocol's hang
+    explains itself::
 
         with xds.waiting_for(lambda: f"credit from die {peer} (holds {credits[peer]})"):
             await credit.wait()
+
+    Nested blocks add to the task's note, outermost first: ``with waiting_for("a repair"):``
+    around ``with waiting_for("credit from die 3"):`` reports ``a repair > credit from die 3``,
+    and leaving the inner block leaves ``a repair``. Outside :func:`run` it only checks
+    ``what``.
     """
+    _check_note(what)
     rt = _current.get()
     if rt is None:  # outside xds.run (e.g. an xds Barrier under plain anyio): nothing to label
         yield
@@ -538,15 +620,50 @@ def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
         import trio
 
         key = id(trio.lowlevel.current_task())
-    outer = rt.waiting_notes.get(key)
-    rt.waiting_notes[key] = what
+    notes = rt.waiting_notes.setdefault(key, [])
+    entry: NoteEntry = (what,)  # this block's own, found by identity
+    notes.append(entry)
     try:
         yield
     finally:
-        if outer is None:
-            rt.waiting_notes.pop(key, None)
+        for i in range(len(notes) - 1, -1, -1):
+            if notes[i] is entry:
+                del notes[i]
+                break
+        if not notes and rt.waiting_notes.get(key) is notes:
+            del rt.waiting_notes[key]
+
+
+def _check_note(what: object) -> None:
+    """``what`` is a str or a callable that can be called with no arguments."""
+    if isinstance(what, str):
+        return
+    problem = None
+    if not callable(what):
+        problem = f"got {_short_repr(what)}"
+    else:
+        if isinstance(what, types.FunctionType):
+            # the fast path (a lambda per wait in xds's own protocols): count the parameters
+            # without defaults, positional and keyword-only
+            code = what.__code__
+            required = code.co_argcount - len(what.__defaults__ or ())
+            required += code.co_kwonlyargcount - len(what.__kwdefaults__ or {})
+            needs_args = required > 0
         else:
-            rt.waiting_notes[key] = outer
+            try:
+                inspect.signature(what).bind()
+                needs_args = False
+            except TypeError:
+                needs_args = True
+            except ValueError:  # no signature to check (some builtins): trust it
+                needs_args = False
+        if needs_args:
+            problem = f"got a function that needs arguments ({_name(what)})"
+    if problem is not None:
+        raise ConfigError(
+            f"what must be text (a str) or a function of no arguments returning text, {problem}",
+            field="what",
+        )
 
 
 def emit(component: str, event: str, **fields: Any) -> None:

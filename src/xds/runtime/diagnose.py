@@ -20,7 +20,7 @@ _LIBRARY_MODULES = ("contextlib", "functools")
 """Standard-library modules whose frames are plumbing too (async context managers)."""
 
 
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
     """Directory (and file) prefixes of frames that are not the model's own."""
     dirs = [_RUNTIME_DIR]
     for name in _LIBRARY_PACKAGES:
@@ -47,7 +47,7 @@ def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str, bool]:
     """(innermost model frame, innermost library call, innermost frame of the user's own
     code when the model frame is inside xds, whether any frame is the user's own) for a
     task's await chain."""
-    dirs = _library_dirs()
+    dirs = library_dirs()
     waiting_in = "<unknown>"
     waiting_on = ""
     user = ""
@@ -77,8 +77,16 @@ def _coroutine_frames(coro: Any) -> list[FrameType]:
     return frames
 
 
-Notes = dict[int, "str | Callable[[], str]"]
-"""Task id -> what it waits for (:func:`xds.waiting_for`)."""
+NoteEntry = tuple[str | Callable[[], str]]
+"""One open :func:`xds.waiting_for` block's note (a 1-tuple, so each block's entry is found by
+identity even when two blocks say the same text)."""
+
+Notes = dict[int, list[NoteEntry]]
+"""Task id -> what it waits for (:func:`xds.waiting_for`): one entry per open block, outermost
+first."""
+
+NOTE_SEPARATOR = " > "
+"""Between nested notes of one task, outermost first."""
 
 
 def _note(what: str | Callable[[], str]) -> str:
@@ -92,11 +100,15 @@ def _note(what: str | Callable[[], str]) -> str:
         return f"<the note could not be rendered: {type(exc).__name__}: {exc}>"
 
 
-def _waiting(
-    name: str, where: tuple[str, str, str, bool], note: str | Callable[[], str]
-) -> WaitingTask:
+def _notes(entries: list[NoteEntry]) -> str:
+    """A task's nested notes as one line, outermost first (empty notes left out)."""
+    texts = (_note(entry[0]) for entry in entries)
+    return NOTE_SEPARATOR.join(text for text in texts if text)
+
+
+def _waiting(name: str, where: tuple[str, str, str, bool], notes: list[NoteEntry]) -> WaitingTask:
     waiting_in, waiting_on, called_from, own = where
-    return WaitingTask(name, waiting_in, waiting_on, called_from, _note(note), own)
+    return WaitingTask(name, waiting_in, waiting_on, called_from, _notes(notes), own)
 
 
 def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
@@ -124,7 +136,7 @@ def waiting_asyncio_tasks(
         if task.done():
             continue
         where = _describe_frames(_coroutine_frames(task.get_coro()))
-        out.append(_waiting(task.get_name(), where, notes.get(id(task), "")))
+        out.append(_waiting(task.get_name(), where, notes.get(id(task), [])))
     return _model_tasks(out)
 
 
@@ -170,5 +182,5 @@ def waiting_trio_tasks(notes: Notes | None = None) -> list[WaitingTask]:
         frames = [frame for frame, _ in task.iter_await_frames()]
         if not frames:
             continue
-        out.append(_waiting(task.name, _describe_frames(frames), notes.get(id(task), "")))
+        out.append(_waiting(task.name, _describe_frames(frames), notes.get(id(task), [])))
     return _model_tasks(out)

@@ -13,24 +13,34 @@ The marker takes keywords only (those of :class:`xds.Runtime`). Misuse -- a posi
 an unknown keyword or backend, the marker written on a plain ``def`` test, an async fixture --
 is reported as that test's error at setup, in one line, before its fixtures run. A marker
 inherited from a class or module (``pytestmark``) applies to the ``async def`` tests there and
-leaves plain tests alone.
+leaves plain tests alone. Markers stacked on one test, class or module combine, and may repeat a
+keyword only with the same value; conflicting ones are that test's error too.
+
+A marked test's failure is shown from the test's own code: a model failure (``ModelDeadlock``,
+``ModelLivelock``, ``ModelTimeLimit``) as its report alone, other errors from the test's first
+frame inward, without the frames of xds's runtime, anyio, trio and asyncio that ran it
+(``--full-trace`` shows every frame).
 
 The plugin is registered through the ``pytest11`` entry point when xds is installed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
 import inspect
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import pytest
 
-from xds.errors import ConfigError
+from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, ModelTimeLimit
 from xds.runtime import BACKENDS, Runtime
+from xds.runtime.diagnose import library_dirs
 
 TEST_TIME_LIMIT_NS = 86_400 * 10**9
 """A marked test's default ``time_limit_ns``: one virtual day, so a hang kept alive by a
@@ -44,6 +54,9 @@ heartbeat and days behind a 1 us poll; a million steps take ~10 s of wall time o
 (~30 s on trio) for a single poller, and match the day at a 100 ms period. Existing marked
 tests take at most 86,400 steps (a 1 s heartbeat for a day). ``time_step_limit=None`` in the
 marker lifts it."""
+
+MODEL_FAILURES = (ModelDeadlock, ModelLivelock, ModelTimeLimit)
+"""What the runtime raises when a model cannot finish; a marked test shows their report alone."""
 
 MARKER = "xds"
 FIXTURE = "xds_backend"
@@ -108,7 +121,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     options.pop("backend", None)  # the fixture's value, itself parametrised from the marker
     options.setdefault("time_limit_ns", TEST_TIME_LIMIT_NS)  # a periodic task cannot hang it
     options.setdefault("time_step_limit", TEST_TIME_STEP_LIMIT)  # nor can a fine-grained poll
-    result = Runtime(backend=backend, **options).run(functools.partial(pyfuncitem.obj, **kwargs))
+    try:
+        result = Runtime(backend=backend, **options).run(
+            functools.partial(pyfuncitem.obj, **kwargs)
+        )
+    except Exception as exc:
+        if pyfuncitem.config.getoption("fulltrace", False):
+            raise
+        _drop_runner_frames(exc)
+        # Raised afresh from this (hidden) frame: pytest then has no visible frame to show for
+        # a model failure and prints its report alone, rather than falling back to every frame.
+        raise exc
     if result is not None:
         warnings.warn(
             pytest.PytestReturnNotNoneWarning(
@@ -118,6 +141,55 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             stacklevel=1,
         )
     return True
+
+
+def _drop_runner_frames(exc: BaseException) -> None:
+    """Trim what pytest shows of a marked test's failure to the test's own story.
+
+    ``exc``'s traceback (and those of the exceptions chained to it or grouped in it) starts at
+    its first frame outside the machinery that runs a test (this plugin, xds's runtime, anyio,
+    trio, asyncio): an error raised in the test keeps every frame from the test's own code
+    inward. A model failure (``ModelDeadlock``, ``ModelLivelock``, ``ModelTimeLimit``), raised
+    by the runtime itself, keeps none, as its report says where each task waits, and the
+    cancellation the runtime delivered to stop the model is left out of its chain. A
+    ``ConfigError`` also ends at the last frame outside that machinery: the line that passed
+    the bad argument. ``--full-trace`` skips all this."""
+    dirs = (*library_dirs(), os.path.dirname(__file__) + os.sep)
+    cancelled = _cancellation_classes() if isinstance(exc, MODEL_FAILURES) else ()
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith(dirs):
+            tb = tb.tb_next
+        if isinstance(current, ConfigError):
+            last_own = None
+            entry = tb
+            while entry is not None:
+                if not entry.tb_frame.f_code.co_filename.startswith(dirs):
+                    last_own = entry
+                entry = entry.tb_next
+            if last_own is not None:
+                last_own.tb_next = None
+        current.__traceback__ = tb
+        if cancelled and isinstance(current.__context__, cancelled):
+            current.__suppress_context__ = True
+        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(current.exceptions)
+
+
+def _cancellation_classes() -> tuple[type[BaseException], ...]:
+    """The exceptions that deliver cancellation on the backends loaded."""
+    classes: list[type[BaseException]] = [asyncio.CancelledError]
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        classes.append(trio.Cancelled)
+    return tuple(classes)
 
 
 def _options(item: pytest.Item) -> dict[str, Any]:
@@ -160,6 +232,7 @@ def _check_markers(item: pytest.Function) -> None:
         backend = marker.kwargs.get("backend")
         if backend is not None and backend not in BACKENDS:
             _fail(f"got an unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    _check_stacked(item)
     options = _options(item)
     bad = None
     try:  # values too: one line now, not a traceback when the test runs
@@ -180,6 +253,42 @@ def _check_markers(item: pytest.Function) -> None:
             "needs an `async def` test, but this is a plain function; "
             "make it `async def` or remove the marker",
         )
+
+
+def _check_stacked(item: pytest.Function) -> None:
+    """Markers stacked on one test, class or module may repeat a keyword only with the same
+    value: ``@pytest.mark.xds(seed=1)`` over ``@pytest.mark.xds(seed=2)`` is an error naming
+    where they are. (Different keywords combine; a test's marker still overrides its class's
+    and its module's, and a class's its base classes'.)"""
+    for node in item.listchain():
+        if isinstance(node, pytest.Class):
+            marks = node.obj.__dict__.get("pytestmark", [])  # its own, not its bases'
+            marks = [getattr(m, "mark", m) for m in (marks if isinstance(marks, list) else [marks])]
+        else:
+            marks = node.own_markers
+        seen: dict[str, Any] = {}
+        for marker in marks:
+            if marker.name != MARKER:
+                continue
+            for key, value in marker.kwargs.items():
+                if key in seen and not _same(seen[key], value):
+                    # in sorted order: pytest stores decorators bottom-up, pytestmark top-down
+                    first, second = sorted((f"{key}={value!r}", f"{key}={seen[key]!r}"))
+                    _fail(
+                        f"is stacked on {node.name} with conflicting {first} and {second}; "
+                        "keep one marker (stacked markers combine, and may "
+                        "repeat a keyword only with the same value)"
+                    )
+                seen.setdefault(key, value)
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two marker values agree (same type and equal; a value that cannot be compared
+    is not the same)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def _check_fixtures(item: pytest.Function) -> None:
