@@ -236,3 +236,38 @@ def test_a_decode_router_with_a_fourth_parameter_sees_the_request():
     assert {(s.input_tokens, s.output_tokens) for s in seen} == {
         (q.input_tokens, q.output_tokens) for q in WL.requests
     }
+
+
+@pytest.mark.parametrize("mover", ["built-in", "yours"])
+def test_on_the_xccl_tier_a_link_going_down_mid_move_cancels_it_and_it_runs_again(mover):
+    """The xccl tier's messages (or a mover of yours sending them) used to carry on through an
+    outage. Now the outage cancels them mid-protocol, the die pairs are re-initialised, and the
+    move runs again from the start once the link is back."""
+    from xds.serve.replay import DistFlowFault
+
+    xccl = msgspec.structs.replace(SMALL, kv_transfer="xccl")
+
+    async def one_message_per_rank(move: KVMove) -> None:
+        async with anyio.create_task_group() as tg:
+            for rank, nbytes in enumerate(move.part_bytes):
+                tg.start_soon(move.send, rank, nbytes, 1)
+
+    kw = {} if mover == "built-in" else {"kv_mover": one_message_per_rank}
+    one = Workload((Request(0, 0, 3000, 12),))
+    base = replay(one, xccl, event_log=True, **kw)
+    (recv,) = base.events.select("distflow", "recv")
+    took = base.records[0].kv_transfer_ns
+    pair = recv.fields["pair"]
+    cut = DistFlowFault(
+        at_ns=recv.t_ns + took // 2,
+        prefill_te=int(pair[1 : pair.index("-")]),
+        kind="link_down",
+        duration_ns=5 * MS,
+    )
+    res = replay(one, xccl, faults=[cut], event_log=True, **kw)
+    rec = res.records[0]
+    assert rec.outcome == "completed"
+    assert len(res.events.select("distflow", "move-interrupted")) == 1
+    # half a move, the outage, then a whole fresh move on re-initialised pairs
+    assert rec.kv_transfer_ns >= took // 2 + 5 * MS + took - 1_000
+    assert rec.kv_transfer_ns <= took // 2 + 5 * MS + took + 50_000

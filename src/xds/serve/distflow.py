@@ -30,7 +30,8 @@ before it has had its RECV posted, so a saturated Decode side (RECVs deferred) d
 its bytes queue on the ports behind the transfers' bytes; a link that is down
 (:meth:`DistFlow.link_down`, a silent stall rather than a transport error) does not take it, nor
 any transfer whose RECV is posted; transfers on the wire freeze with what is left of them and
-resume when the link comes back (closed form).
+resume when the link comes back (closed form), or, moved by a mover of the user's or on the
+``xccl`` tier, are cancelled and run again from the start.
 :mod:`xds.serve.probe` classifies the outcome.
 """
 
@@ -302,18 +303,11 @@ class DistFlow:
         without a completion: its owner frees the blocks itself."""
         if not self._gate.is_set() and not await self._stall(transfer):
             return  # a downed link stalled it, then the pair was declared failed
-        if self.mover is not None and self.xccl is None:
-            if await self._custom_move(transfer, decode_dp):
+        if self.mover is not None or self.xccl is not None:
+            if await self._interruptible_move(transfer, decode_dp):
                 self._finish(
                     transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED
                 )
-            return
-        if self.mover is not None or self.xccl is not None:
-            if self.mover is not None:
-                await self._run_mover(KVMove(self, transfer, decode_dp))
-            else:
-                await self._xccl_parts(transfer, decode_dp)
-            self._finish(transfer, TransferState.FAILED if self.failed else TransferState.COMPLETED)
             return
         srcs = self._rank_ports(transfer.prefill_dp)
         parts = [transfer.kv_bytes / self.tp] * self.tp
@@ -347,20 +341,29 @@ class DistFlow:
             return False
         return True
 
-    async def _custom_move(self, transfer: Transfer, decode_dp: int) -> bool:
-        """A mover of the user's on the closed-form tier: a link going down cancels it; it
-        runs again from the start when the link is back. False if the transfer ended here
-        (declared failed while stalled)."""
+    async def _interruptible_move(self, transfer: Transfer, decode_dp: int) -> bool:
+        """A mover of the user's (either tier), or the ``xccl`` tier's one message per TP rank:
+        a link going down cancels the move. What it booked on the closed-form ports is given
+        back; on the ``xccl`` tier the die pairs it used are re-initialised
+        (:meth:`~xds.fabric.xccl.XCCL.reset_pair`: the writes already in flight land first).
+        The move runs again from the start when the link is back. False if the transfer ended
+        here (declared failed while stalled)."""
         while True:
             move = KVMove(self, transfer, decode_dp)
             with anyio.CancelScope() as wire:
                 self._on_wire[transfer.transfer_id] = wire
-                await self._run_mover(move)
+                if self.mover is not None:
+                    await self._run_mover(move)
+                else:
+                    await self._xccl_parts(move)
             del self._on_wire[transfer.transfer_id]
             if not wire.cancelled_caught:
                 return True
             for srcs, ends in move.bookings:  # its bookings end here: the ports are free
                 self._unbook(srcs, decode_dp, [0.0] * len(srcs), ends)
+            if self.xccl is not None:  # every message on these pairs was cancelled with it
+                for src in dict.fromkeys(move.sources):
+                    self.xccl.reset_pair(src, move.destination)
             emit("distflow", "move-interrupted", transfer=transfer.transfer_id, pair=self.pair)
             if not await self._stall(transfer):
                 return False
@@ -485,12 +488,11 @@ class DistFlow:
         self._posted.set()
         self._posted = anyio.Event()
 
-    async def _xccl_parts(self, transfer: Transfer, decode_dp: int) -> None:
+    async def _xccl_parts(self, move: KVMove) -> None:
         """Every TP rank's part as an XCCL send/receive pair; returns when all have landed."""
-        move = KVMove(self, transfer, decode_dp)
         async with anyio.create_task_group() as tg:  # TP synchronisation
             for rank, nbytes in enumerate(move.part_bytes):
-                tg.start_soon(move.send, rank, nbytes, transfer.transfer_id + 1)
+                tg.start_soon(move.send, rank, nbytes, move.transfer.transfer_id + 1)
 
     def withdraw(self, transfer: Transfer) -> None:
         """The request behind a registered transfer failed elsewhere and its owner freed the
