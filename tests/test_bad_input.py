@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import xds
@@ -280,3 +281,96 @@ def test_an_ma_instance_measures_its_own_curve_when_given_none():
         return await MADecodeInstance(cfg).serve()  # the A2E/E2A curve measured in a thread
 
     assert xds.run(main).mean_iteration_ns > 0
+
+
+def _fabric_calls():
+    """(call on a 16-die size-or-bytes fabric inside a run, the argument it must name)."""
+    from xds.fabric.xccl import AppBuffer
+
+    buf = AppBuffer(0, 64)
+    return [
+        (lambda f, x: f.write(0, 99, 0, b"x"), "dst"),
+        (lambda f, x: f.write(-1, 1, 0, b"x"), "src"),
+        (lambda f, x: f.write(0, 1.0, 0, b"x"), "dst"),
+        (lambda f, x: f.write(0, 1, None, b"x"), "offset"),
+        (lambda f, x: f.write(0, 1, True, b"x"), "offset"),
+        (lambda f, x: f.write(0, 1, -8, b"x"), "offset"),
+        (lambda f, x: f.write(0, 1, 0, None), "data"),
+        (lambda f, x: f.write(0, 1, 0, 1.5), "data"),
+        (lambda f, x: f.write(0, 1, 0, b"x", aivs=True), "aivs"),
+        (lambda f, x: f.write(0, 1, 0, b"x", aivs=2.0), "aivs"),
+        (lambda f, x: f.write(0, 1, 0, b"x", aivs=0), "aivs"),
+        (lambda f, x: f.write(0, 1, 0, b"x", engine="rdma"), "engine"),
+        (lambda f, x: f.post_write(0, 1, 0.5, b"x"), "offset"),
+        (lambda f, x: f.read(0, 1, 0, 8.0), "nbytes"),
+        (lambda f, x: f.read(0, 1, 0, -1), "nbytes"),
+        (lambda f, x: f.read(0, 1, "0", 8), "offset"),
+        (lambda f, x: f.read(99, 1, 0, 8), "reader"),
+        (lambda f, x: f.read(0, None, 0, 8), "owner"),
+        (lambda f, x: f.read(0, 1, 0, 8, aivs=np.float64(2)), "aivs"),
+        (lambda f, x: f.read_local(0, 0.5, 3), "offset"),
+        (lambda f, x: f.read_local(0, 0, None), "nbytes"),
+        (lambda f, x: f.read_local(True, 0, 3), "die"),
+        (lambda f, x: f.write_local(0, 0.5, b"x"), "offset"),
+        (lambda f, x: f.write_local(0, 0, "text"), "data"),
+        (lambda f, x: f.write_local(0, 0, 3), "data"),
+        (lambda f, x: f.memory(True), "die"),
+        (lambda f, x: x.send(0, 99, buf, 1), "dst"),
+        (lambda f, x: x.send(0.0, 1, buf, 1), "src"),
+        (lambda f, x: x.receive(1, 99, buf, 1), "src"),
+        (lambda f, x: x.receive(None, 0, buf, 1), "dst"),
+        (lambda f, x: x.send(0, 1, buf, 1, n_aiv=2.0), "n_aiv"),
+        (lambda f, x: x.send_async(0, 1, buf, 1, n_aiv=True), "n_aiv"),
+        (lambda f, x: x.receive_async(1, 0, buf, 1.0), "event_id"),
+        (lambda f, x: x.send(0, 1, (0, 64), 1), "buffer"),
+        (lambda f, x: x.send(0, 1, AppBuffer(0, None), 1), "buffer.nbytes"),  # type: ignore[arg-type]
+        (lambda f, x: x.send(0, 1, AppBuffer(1 << 40, 8), 1), "buffer.offset"),
+        (lambda f, x: x.send(0, 1, AppBuffer(0, 1 << 40), 1), "buffer.nbytes"),
+        (lambda f, x: x.reset_pair(0, 99), "dst"),
+        (lambda f, x: x.reset_pair(0.0, 1), "src"),
+        (lambda f, x: x.completion_queue(1.0), "die"),
+    ]
+
+
+def test_fabric_and_xccl_arguments_are_one_clear_error_naming_the_argument():
+    """Floats, None, bools, negatives and dies out of range, on every public fabric and XCCL
+    entry point: a one-line ConfigError naming the argument as the function spells it."""
+    from xds.fabric import UBFabric
+    from xds.fabric.xccl import XCCL
+
+    async def main():
+        fab = UBFabric(xds.hw.CloudMatrix384(servers=1), app_bytes=1 << 20)
+        async with XCCL(fab) as x:
+            for i, (call, field) in enumerate(_fabric_calls()):
+                with pytest.raises(ConfigError) as err:
+                    result = call(fab, x)
+                    if hasattr(result, "__await__"):
+                        await result
+                assert err.value.field == field, (i, err.value)
+                assert "\n" not in str(err.value)
+            assert xds.now_ns() == 0  # refused at once
+
+    xds.run(main)
+
+
+def test_numpy_integers_are_accepted_wherever_an_integer_is():
+    from xds.fabric import UBFabric
+    from xds.fabric.xccl import XCCL, AppBuffer
+
+    i = np.int64
+
+    async def main():
+        fab = UBFabric(xds.hw.CloudMatrix384(servers=1))
+        fab.write_local(i(0), i(0), b"abcd")
+        await fab.write(i(0), i(1), i(8), b"xy", aivs=i(2))
+        assert await fab.read(i(2), i(1), i(8), i(2), aivs=np.int32(3)) == b"xy"
+        assert fab.read_local(i(1), i(8), i(2)) == b"xy"
+        async with XCCL(fab) as x:
+            h = x.send_async(i(0), i(1), AppBuffer(i(0), i(4)), i(1), n_aiv=i(2))
+            await x.receive(i(1), i(0), AppBuffer(i(64), i(4)), i(1), n_aiv=np.uint8(2))
+            c = await h.wait()
+        assert fab.read_local(1, 64, 4) == b"abcd"
+        assert all(type(v) is int for v in (c.die, c.peer, c.event_id, c.nbytes))
+        assert x.reset_pair(i(0), i(1)) == xds.now_ns()
+
+    xds.run(main)

@@ -157,7 +157,7 @@ def test_bad_fabric_arguments_are_clear_errors():
             fabric.post_write(0, 1, 1000, b"x" * 100)
         with pytest.raises(ConfigError, match="does not exist"):
             fabric.post_write(0, 64, 0, b"x")
-        with pytest.raises(ConfigError, match="n_aiv"):
+        with pytest.raises(ConfigError, match=r"^aivs: must be an integer in 1\.\.48 \(the AIVs"):
             fabric.post_write(0, 1, 0, b"x", aivs=49)
         with pytest.raises(ConfigError, match="real data"):
             fabric.post_write(0, 1, 0, 10)

@@ -6,6 +6,8 @@ import os
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import xds
 from xds.errors import ConfigError, ModelDeadlock, ProtocolError, XdsError
@@ -115,7 +117,7 @@ async def test_wrong_buffer_size_is_a_protocol_error(xds_backend):
 @pytest.mark.xds
 async def test_invalid_arguments_are_clear_errors(xds_backend):
     async with XCCL(fabric()) as x:
-        with pytest.raises(ConfigError, match="peer 64 does not exist"):
+        with pytest.raises(ConfigError, match="dst 64 does not exist"):
             await x.send(0, 64, AppBuffer(0, 16), 1)
         with pytest.raises(ConfigError, match="n_aiv"):
             await x.send(0, 1, AppBuffer(0, 16), 1, n_aiv=0)
@@ -468,7 +470,7 @@ async def test_an_error_in_the_body_leaves_xccl_as_itself(xds_backend):
             tg.start_soon(x.send, 0, 20, AppBuffer(0, 8 * KiB), 1)
             tg.start_soon(x.receive, 20, 0, AppBuffer(0, 4 * KiB), 1)
     assert all(isinstance(e, ProtocolError) for e in info.value.exceptions)  # one level
-    with pytest.raises(ConfigError, match="peer 64"):
+    with pytest.raises(ConfigError, match="dst 64"):
         async with XCCL(fabric()) as x:
             await x.send(0, 64, AppBuffer(0, 16), 1)
 
@@ -591,7 +593,7 @@ async def test_sending_posting_or_reentering_after_exit_is_a_clear_error(xds_bac
         async with x:
             pass
     assert xds.now_ns() == t  # refused at once, nothing waited
-    async with XCCL(x.fabric, protocol=x.p2p) as again:  # the way to go on
+    async with XCCL(x.fabric) as again:  # the way to go on: the fabric's protocol state
         await transfer(again, 0, 20, KiB, event_id=3)
         assert again.monitor is x.monitor
 
@@ -623,10 +625,173 @@ def test_waits_behind_a_previous_operation_on_the_pair_say_so():
     with pytest.raises(ModelDeadlock) as info:
         xds.run(main)
     notes = " | ".join(w.waiting_for for w in info.value.waiting)
-    assert "send eventID 2, die 0 -> die 20: the previous send on this pair" in notes
+    assert (
+        "send of die 0 (to 20, eventID 2): send of die 0 (to 20, eventID 1) posted before it to "
+        "finish" in notes
+    )
     assert "send eventID 5, die 0 -> die 36: 2 AIVs of die 0 (0 of 48 free)" in notes
     assert (
         "async receive of die 17 (from 0, eventID 4): async receive of die 17 (from 0, eventID "
         "3) posted before it to finish" in notes
     )
     assert "async receive of die 17 (from 0, eventID 4) to complete" in notes
+
+
+# -- one protocol state per fabric ----------------------------------------------------------------
+@pytest.mark.xds
+async def test_a_fresh_xccl_on_a_used_fabric_goes_on(xds_backend):
+    """The fabric's rings and metadata keep the pairs' sequence state: every XCCL(fabric)
+    shares the fabric's one P2P (pairs, AIVs, monitor), so a new communicator just works."""
+    fab = fabric()
+    seen = []
+    for i in range(3):
+        async with XCCL(fab) as x:
+            data = os.urandom(40 * KiB + i)
+            await transfer(x, 0, 20, data, event_id=i + 1)
+            assert fab.read_local(20, 2 * MiB, len(data)) == data
+            h = x.send_async(0, 20, AppBuffer(0, KiB), 100 + i)
+            await x.receive(20, 0, AppBuffer(0, KiB), 100 + i)
+            assert (await h.wait()).ok
+            seen.append(x)
+    assert all(x.p2p is fab.p2p and x.monitor is fab.p2p.monitor for x in seen)
+    assert fab.p2p.monitor.violations == []
+    assert fab.p2p.aivs(0).free == fab.p2p.aivs(20).free == 48
+
+
+def test_a_fabric_has_one_point_to_point_protocol():
+    from xds.fabric.xccl import P2P
+
+    fab = fabric()
+    mine = P2P(fab)
+    assert fab.p2p is mine and XCCL(fab).p2p is mine  # built first: XCCL(fabric) uses it
+    with pytest.raises(ConfigError, match="already has its point-to-point protocol") as err:
+        P2P(fab)
+    assert err.value.field == "fabric" and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        XCCL(fab, protocol=P2P(fabric()))
+    assert err.value.field == "protocol" and "another fabric" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        XCCL(fab, protocol="p2p")  # type: ignore[arg-type]
+    assert err.value.field == "protocol"
+    with pytest.raises(ConfigError) as err:
+        XCCL(POD)  # type: ignore[arg-type]
+    assert err.value.field == "fabric"
+
+
+@pytest.fixture(scope="module")
+def shared_fabric():
+    return UBFabric(CloudMatrix384(servers=1), payload_mode="size")
+
+
+async def _ping(fab) -> int:
+    start = xds.now_ns()
+    async with XCCL(fab) as x, anyio.create_task_group() as tg:
+        tg.start_soon(x.send, 0, 1, AppBuffer(0, MiB), 1)
+        tg.start_soon(x.receive, 1, 0, AppBuffer(0, MiB), 1)
+    return xds.now_ns() - start
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("round_", [1, 2])
+async def test_a_module_scoped_fabric_serves_every_test(xds_backend, shared_fabric, round_):
+    """Each test is its own run (virtual time starts at 0 again): the fabric starts it idle,
+    without the port bookings of an earlier timeline, its pairs re-initialised."""
+    took = await _ping(shared_fabric)
+    assert took == await _ping(UBFabric(CloudMatrix384(servers=1), payload_mode="size"))
+    assert shared_fabric.p2p.monitor.violations == []
+
+
+# -- posting order: sync and async operations on a pair ------------------------------------------
+@pytest.mark.xds
+async def test_a_sync_send_waits_for_an_async_send_posted_before_it(xds_backend):
+    async with XCCL(fabric()) as x:
+        x.fabric.write_local(0, 0, b"a" * 64 + b"b" * 64)
+        h = x.send_async(0, 1, AppBuffer(0, 64), 1)  # posted first
+
+        async def rx():
+            await x.receive(1, 0, AppBuffer(4096, 64), 1)
+            await x.receive(1, 0, AppBuffer(8192, 64), 2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rx)
+            await x.send(0, 1, AppBuffer(64, 64), 2)  # posted second
+            assert h.done and h.completion.end_ns < xds.now_ns()
+        assert x.fabric.read_local(1, 4096, 64) == b"a" * 64
+        assert x.fabric.read_local(1, 8192, 64) == b"b" * 64
+
+
+def test_a_sync_operation_waiting_behind_an_async_one_says_so():
+    async def main():
+        async with XCCL(fabric()) as x:
+            x.receive_async(17, 0, AppBuffer(0, KiB), 3)
+            await x.receive(17, 0, AppBuffer(0, KiB), 4)
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main)
+    notes = " | ".join(w.waiting_for for w in info.value.waiting)
+    assert (
+        "receive of die 17 (from 0, eventID 4): async receive of die 17 (from 0, eventID 3) "
+        "posted before it to finish" in notes
+    )
+
+
+_OP = st.tuples(st.booleans(), st.sampled_from([0, 3_000]), st.integers(1, 40 * KiB))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.tuples(_OP, _OP), min_size=1, max_size=6),
+    backend=st.sampled_from(["asyncio", "trio"]),
+)
+def test_sync_and_async_operations_on_a_pair_run_in_posting_order(ops, backend):
+    """Message i's send and receive are each sync or async, posted after a gap: whatever the
+    mix, the receives get the messages in the order the sends were posted, intact."""
+    sizes = [send[2] for send, _ in ops]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    payloads = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+
+    async def main():
+        fab = fabric()
+        for off, data in zip(offsets, payloads, strict=True):
+            fab.write_local(0, off, data)
+        sync_done: dict[tuple[str, int], int] = {}
+
+        async def posted(op, name, i, *a, task_status=anyio.TASK_STATUS_IGNORED):
+            task_status.started()  # carries straight on into the op: posted now
+            sync_done[(name, i)] = await op(*a)
+
+        async with XCCL(fab) as x, anyio.create_task_group() as tg:
+
+            async def side(name, op, op_async, die, peer, base, pick):
+                handles = {}
+                for i, pair in enumerate(ops):
+                    sync, gap, _ = pick(pair)
+                    await xds.sleep_ns(gap)
+                    buf = AppBuffer(base + offsets[i], sizes[i])
+                    if sync:
+                        await tg.start(posted, op, name, i, die, peer, buf, i + 1)
+                    else:
+                        handles[i] = op_async(die, peer, buf, i + 1)
+                return handles
+
+            results = {}
+
+            async def run_side(*a):
+                results[a[0]] = await side(*a)
+
+            tg.start_soon(run_side, "send", x.send, x.send_async, 0, 20, 0, lambda p: p[0])
+            tg.start_soon(
+                run_side, "receive", x.receive, x.receive_async, 20, 0, 2 * MiB, lambda p: p[1]
+            )
+        for i, data in enumerate(payloads):
+            assert fab.read_local(20, 2 * MiB + offsets[i], sizes[i]) == data
+        ends = {
+            key: sync_done.get(key) or results[key[0]][key[1]].completion.end_ns
+            for key in [(n, i) for n in ("send", "receive") for i in range(len(ops))]
+        }
+        for name in ("send", "receive"):  # each completes after the one posted before it
+            times = [ends[(name, i)] for i in range(len(ops))]
+            assert times == sorted(times)
+        assert fab.p2p.monitor.violations == []
+
+    xds.run(main, backend=backend)

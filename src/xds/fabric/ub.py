@@ -18,21 +18,27 @@ Costs come from :mod:`xds.hw` (SPEC 1.4, 3.7):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
 
 from ..errors import ConfigError, ProtocolError
 from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
-from ..runtime import current_runtime, sleep_until_ns
+from ..runtime import Runtime, current_runtime, sleep_until_ns
+from ..runtime.core import _current as _current_run
+from . import checks
+from .checks import ENGINES
 from .config import FabricConfig, validated
 from .memory import DieMemory, Direction, MetaField
 from .ports import Port, finish_ns
 
+if TYPE_CHECKING:
+    from .xccl.p2p import P2P
+
 Engine = Literal["mte", "dma"]
-ENGINES: tuple[str, ...] = ("mte", "dma")
 
 
 class FabricStats(msgspec.Struct):
@@ -58,7 +64,15 @@ _META_DELAY: dict[tuple[object, object, tuple[int, ...]], np.ndarray] = {}
 
 
 class UBFabric:
-    """The pod's device memories and the UB fabric between them."""
+    """The pod's device memories and the UB fabric between them.
+
+    A fabric may serve several ``xds.run`` calls (a module-scoped pytest fixture, say). Each
+    run has its own timeline starting at 0, so the first use of the fabric in a later run
+    starts it idle: the port bookings of the earlier timeline are dropped and every
+    point-to-point pair is re-initialised (as :meth:`P2P.reset_pair` does: rings, tailPtrs,
+    credits, sequence numbers, AIVs); application memory keeps its bytes, and writes the
+    earlier run posted that had not landed when it ended never land.
+    """
 
     def __init__(self, pod: CloudMatrix384, config: FabricConfig | None = None, **overrides: Any):
         config = config or FabricConfig()
@@ -77,6 +91,50 @@ class UBFabric:
         self._ports: dict[tuple[int, str], Port] = {}
         self._links: dict[tuple[int, int], tuple[tuple[Port, ...], float, int]] = {}
         self._collective_fields = 0
+        self._p2p: P2P | None = None
+        self._run: weakref.ref[Runtime] | None = None
+
+    @property
+    def p2p(self) -> P2P:
+        """The fabric's point-to-point protocol: the state of every pair (sequence numbers,
+        ring slots, credits) that the rings and metadata in the fabric's memory reflect, the
+        dies' AIVs and the invariant monitor. Every ``XCCL(fabric)`` shares it. Created on
+        first use (a plain :class:`~xds.fabric.xccl.P2P`) unless a ``P2P(fabric)`` (a
+        variant, say) was built before."""
+        if self._p2p is None:
+            from .xccl.p2p import P2P
+
+            P2P(self)  # binds itself
+        assert self._p2p is not None
+        return self._p2p
+
+    def _bind_p2p(self, protocol: P2P) -> None:
+        if self._p2p is not None:
+            raise ConfigError(
+                f"this fabric already has its point-to-point protocol "
+                f"({type(self._p2p).__name__}, fabric.p2p): the pairs' rings, metadata and "
+                "sequence numbers in its memory are that protocol's, so a fabric has one; "
+                "build a P2P variant before the fabric's first XCCL, or use a new UBFabric",
+                field="fabric",
+            )
+        self._p2p = protocol
+
+    def _enter_run(self) -> None:
+        """Note the run using the fabric; the first use in a later run starts it idle (see
+        the class docstring). Outside a run (a cost query) it does nothing."""
+        rt = _current_run.get()
+        seen = self._run
+        if rt is None or (seen is not None and seen() is rt):
+            return
+        if seen is not None:
+            self._ports.clear()
+            self._links.clear()
+            for mem in self._memories.values():
+                for field in mem._meta.values():
+                    field._changed = None  # an event of the earlier run's loop; none waits
+            if self._p2p is not None:
+                self._p2p._restart()
+        self._run = weakref.ref(rt)
 
     def reserve_collective_fields(self, n: int) -> int:
         """The first of ``n`` collective metadata fields (``Direction.COLL``) no other group
@@ -93,9 +151,11 @@ class UBFabric:
     # -- memory ------------------------------------------------------------------------------
     def memory(self, die: int) -> DieMemory:
         """Device memory of ``die`` (created on first use)."""
+        if type(die) is not int:
+            die = checks.die(self.pod, die, "die")
         mem = self._memories.get(die)
         if mem is None:
-            self.pod.check_die(die)
+            checks.die(self.pod, die, "die")
             c = self.config
             mem = self._memories[die] = DieMemory(
                 die,
@@ -108,17 +168,20 @@ class UBFabric:
 
     def read_local(self, die: int, offset: int, nbytes: int) -> bytes:
         """What ``die`` currently sees in its application region (bytes mode)."""
-        self._check_range(offset, nbytes, "read")
-        return bytes(self.memory(die).app[offset : offset + nbytes])
+        mem = self.memory(die)
+        offset, nbytes = self._check_range(offset, nbytes, "read")
+        return bytes(mem.app[offset : offset + nbytes])
 
     def write_local(self, die: int, offset: int, data: bytes | memoryview) -> None:
         """Write ``die``'s own application region, instantly (the engine filling a tensor)."""
-        raw = memoryview(data).cast("B")
-        self._check_range(offset, raw.nbytes, "write")
-        self.memory(die).app[offset : offset + raw.nbytes] = raw
+        mem = self.memory(die)
+        raw = checks.data_bytes(data)
+        offset, _ = self._check_range(offset, raw.nbytes, "write")
+        mem.app[offset : offset + raw.nbytes] = raw
 
     # -- ports and costs -----------------------------------------------------------------------
     def port(self, die: int, name: str, bandwidth: float) -> Port:
+        self._enter_run()
         key = (die, name)
         port = self._ports.get(key)
         if port is None:
@@ -128,6 +191,7 @@ class UBFabric:
     def _link_ports(self, src: int, dst: int) -> tuple[tuple[Port, ...], float, int]:
         """(ports crossed, link bandwidth, link latency) from ``src`` to ``dst`` (remembered
         per pair of valid die indices: the pod and the ports never change)."""
+        self._enter_run()
         if type(src) is not int or type(dst) is not int:  # bools and the like: checked
             return self._link_ports_of(src, dst)
         hit = self._links.get((src, dst))
@@ -221,6 +285,7 @@ class UBFabric:
     # -- posted effects ------------------------------------------------------------------------
     def post(self, when_ns: int, callback: Callable[..., object], *args: Any) -> Any:
         """Apply ``callback(*args)`` at virtual time ``when_ns`` (a posted write's visibility)."""
+        self._enter_run()
         return current_runtime().call_at_ns(when_ns, callback, *args)
 
     def meta_visible_ns(self, writer: int, owner: int, issued_ns: int) -> int:
@@ -266,15 +331,18 @@ class UBFabric:
     ) -> Transfer:
         """Issue a write of ``data`` (bytes, or a byte count in size mode) into ``dst``'s
         application region at ``offset``; it becomes visible at the returned ``visible_ns``."""
-        nbytes = self._payload_size(data)
-        self._check_range(offset, nbytes, "write")
-        self._check_aivs(src, aivs)
+        src = checks.die(self.pod, src, "src")
+        dst = checks.die(self.pod, dst, "dst")
+        nbytes, payload = self._payload(data)
+        offset, _ = self._check_range(offset, nbytes, "write")
+        engine = checks.engine(engine)  # type: ignore[assignment]
+        aivs = self._check_aivs(src, aivs, field="aivs")
+        self._enter_run()
         t = self.transfer(
             src, dst, nbytes, engine=engine, start_ns=current_runtime().now_ns(), aivs=aivs
         )
-        if self.mode == "bytes":
-            snapshot = bytes(data)  # type: ignore[arg-type]
-            self.post(t.visible_ns, _apply_app, self.memory(dst), offset, snapshot)
+        if payload is not None:
+            self.post(t.visible_ns, _apply_app, self.memory(dst), offset, bytes(payload))
         return t
 
     async def write(
@@ -305,8 +373,12 @@ class UBFabric:
         """Read ``owner``'s application region from ``reader``. The bytes are those visible at
         ``owner`` when the request arrives (one link latency after issue); they reach the reader
         after the transfer. Returns the byte count in size mode."""
-        self._check_range(offset, nbytes, "read")
-        self._check_aivs(reader, aivs)
+        reader = checks.die(self.pod, reader, "reader")
+        owner = checks.die(self.pod, owner, "owner")
+        offset, nbytes = self._check_range(offset, nbytes, "read")
+        engine = checks.engine(engine)  # type: ignore[assignment]
+        aivs = self._check_aivs(reader, aivs, field="aivs")
+        self._enter_run()
         now = current_runtime().now_ns()
         _, _, latency = self._link_ports(reader, owner)
         snapshot: list[bytes] = []
@@ -322,36 +394,33 @@ class UBFabric:
         return snapshot[0] if self.mode == "bytes" else nbytes
 
     # -- checks --------------------------------------------------------------------------------
-    def _payload_size(self, data: bytes | memoryview | int) -> int:
-        if self.mode == "bytes":
-            if isinstance(data, int):
+    def _payload(self, data: bytes | memoryview | int) -> tuple[int, memoryview | None]:
+        """(byte count, the bytes to write in bytes mode) of a write's ``data``."""
+        if checks.is_integer(data):
+            if self.mode == "bytes":
                 raise ConfigError(
                     "bytes payload mode needs real data, got a byte count", field="data"
                 )
-            return memoryview(data).nbytes
-        if isinstance(data, int):
-            if data < 0:
-                raise ConfigError(f"byte count must be >= 0, got {data}", field="data")
-            return data
-        return memoryview(data).nbytes
+            return checks.integer(data, "data"), None
+        raw = checks.data_bytes(data)
+        return raw.nbytes, raw if self.mode == "bytes" else None
 
-    def _check_range(self, offset: int, nbytes: int, what: str) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.config.app_bytes:
-            field = (
-                "nbytes"
-                if nbytes < 0 or (offset >= 0 and nbytes > self.config.app_bytes)
-                else "offset"
-            )
-            raise ConfigError(
-                f"{what} of {nbytes} bytes at offset {offset} falls outside the application "
-                f"region ({self.config.app_bytes} bytes)",
-                field=field,
-            )
+    def _check_range(
+        self, offset: object, nbytes: object, what: str, *, fields: tuple[str, str] | None = None
+    ) -> tuple[int, int]:
+        """(offset, nbytes) of a range of the application region; ``fields`` names the two
+        arguments (default ``offset``, ``nbytes``)."""
+        return checks.byte_range(
+            offset,
+            nbytes,
+            self.config.app_bytes,
+            fields=fields or ("offset", "nbytes"),
+            what=what,
+        )
 
-    def _check_aivs(self, die: int, aivs: int) -> None:
-        limit = self.pod.spec_of(die).aiv
-        if not isinstance(aivs, int) or not 1 <= aivs <= limit:
-            raise ConfigError(f"n_aiv must be 1..{limit} on die {die}, got {aivs!r}", field="n_aiv")
+    def _check_aivs(self, die: int, aivs: object, *, field: str = "n_aiv") -> int:
+        """A number of AIVs of ``die``, named ``field`` in the error."""
+        return checks.aiv_count(self.pod, die, aivs, field)
 
 
 def _apply_meta(field: MetaField, fields: dict[str, int]) -> None:

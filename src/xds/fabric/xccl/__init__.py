@@ -10,7 +10,9 @@ a task group to run in::
 
 Leaving the ``async with`` closes the communicator: completions already posted can still be read
 (then each queue ends with ``anyio.EndOfStream``, as a memory object stream does once its
-senders closed); sending, posting or entering again raises :class:`~xds.errors.XdsError`.
+senders closed); sending, posting or entering again raises :class:`~xds.errors.XdsError`. A new
+``XCCL(fabric)`` goes on: every communicator on a fabric shares the fabric's protocol state
+(``fabric.p2p``: pairs, AIVs, monitor).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
-from ...errors import ProtocolError, XdsError
+from ...errors import ConfigError, ProtocolError, XdsError
 from ...runtime import now_ns, waiting_for
 from ...runtime.sync import leaf_exceptions
 from ..ub import Engine, UBFabric
@@ -192,17 +194,36 @@ def _leaves_of(exc: BaseException) -> list[int]:
 
 
 class XCCL:
-    """XCCL point-to-point over a fabric (collectives build on the same fabric)."""
+    """XCCL point-to-point over a fabric (collectives build on the same fabric).
+
+    The protocol state is the fabric's (``fabric.p2p``: pair sequence numbers and ring slots,
+    the dies' AIVs, the monitor), shared by every XCCL on the fabric, so communicators can
+    follow one another (or run side by side) on the same pairs. ``protocol`` is that same
+    object, or a variant built on the fabric before its first XCCL (``P2P`` subclasses).
+    """
 
     def __init__(self, fabric: UBFabric, *, protocol: P2P | None = None):
+        if not isinstance(fabric, UBFabric):
+            raise ConfigError(f"must be a UBFabric, got {type(fabric).__name__}", field="fabric")
+        if protocol is not None:
+            if not isinstance(protocol, P2P):
+                raise ConfigError(
+                    f"must be a P2P (or None: the fabric's), got {type(protocol).__name__}",
+                    field="protocol",
+                )
+            if protocol.fabric is not fabric:
+                raise ConfigError(
+                    "this P2P belongs to another fabric (omit protocol= to use this fabric's)",
+                    field="protocol",
+                )
         self.fabric = fabric
-        self.p2p = protocol or P2P(fabric)
+        self.p2p = protocol if protocol is not None else fabric.p2p
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closed"] = "new"
         self._cq: dict[int, CompletionQueue] = {}
         self._last_posted: dict[tuple[str, int, int], Handle] = {}
-        """Per (op, die, peer): the latest async operation posted, which the next one waits
-        for, so operations on a pair run in posting order on every backend."""
+        """Per (op, die, peer): the latest operation posted, sync or async, which the next one
+        waits for, so operations on a pair run in posting order on every backend."""
 
     @property
     def monitor(self) -> P2PMonitor:
@@ -213,8 +234,8 @@ class XCCL:
             raise XdsError("this XCCL is already open: 'async with' it once, not nested")
         if self._state == "closed":
             raise XdsError(
-                "XCCL has closed: an XCCL is entered once; to go on with the same pairs, AIVs "
-                "and monitor, open XCCL(xccl.fabric, protocol=xccl.p2p)"
+                "XCCL has closed: an XCCL is entered once; open a new XCCL(xccl.fabric) to go "
+                "on (it shares the fabric's pairs, AIVs and monitor)"
             )
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -225,7 +246,7 @@ class XCCL:
         if self._state == "closed":
             raise XdsError(
                 f"XCCL has closed: {call} after 'async with XCCL(...)' exited; open a new "
-                "XCCL(xccl.fabric, protocol=xccl.p2p) to go on"
+                "XCCL(xccl.fabric) to go on (it shares the fabric's pairs, AIVs and monitor)"
             )
 
     async def __aexit__(
@@ -261,9 +282,49 @@ class XCCL:
 
         ``n_aiv`` AIVs move the chunks with MTE (``engine="mte"``); with ``engine="dma"``
         (NPU-Direct URMA) the AIVs only submit, and the chunks spread over ``min(n_aiv, the
-        die's DMA engines)`` queues (4 on a 910C die), so more AIVs do not add bandwidth."""
+        die's DMA engines)`` queues (4 on a 910C die), so more AIVs do not add bandwidth.
+        It waits for the operations posted on the pair before it (async ones too)."""
         self._check_open("send()")
-        return await self.p2p.send(src, dst, buf, event_id, n_aiv=n_aiv, engine=engine)
+        return await self._in_order("send", src, dst, buf, event_id, n_aiv, engine)
+
+    async def _in_order(
+        self,
+        op: Literal["send", "receive"],
+        die: object,
+        peer: object,
+        buf: AppBuffer,
+        event_id: object,
+        n_aiv: object,
+        engine: object,
+    ) -> int:
+        """A sync operation, posted now: it takes its turn on the pair after the operations
+        posted before it, and the ones posted later wait for it."""
+        fields = ("src", "dst") if op == "send" else ("dst", "src")
+        die, peer, buf, event_id, n_aiv, engine = self.p2p._check(
+            die, peer, buf, event_id, n_aiv, engine, fields=fields
+        )
+        start = now_ns()
+        what = f"{op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, eventID {event_id})"
+        turn = Handle(what)
+        key = (op, die, peer)
+        before = self._post(key, turn)
+        fn = self.p2p.send if op == "send" else self.p2p.receive
+        try:
+            await _wait_turn(what, before)
+            return await fn(die, peer, buf, event_id, n_aiv=n_aiv, engine=engine, posted_ns=start)
+        finally:
+            turn._done.set()
+            self._retire(key, turn)
+
+    def _post(self, key: tuple[str, int, int], handle: Handle) -> Handle | None:
+        """Post ``handle`` as the latest operation of ``key``; the one before it, if any."""
+        before = self._last_posted.get(key)
+        self._last_posted[key] = handle
+        return before
+
+    def _retire(self, key: tuple[str, int, int], handle: Handle) -> None:
+        if self._last_posted.get(key) is handle:
+            del self._last_posted[key]
 
     def reset_pair(self, src: int, dst: int) -> int:
         """Re-initialise a pair abandoned by a cancelled or timed-out transfer.
@@ -287,9 +348,10 @@ class XCCL:
         n_aiv: int = 2,
         engine: Engine = "mte",
     ) -> int:
-        """Receive the next message from ``src`` into ``buf``; return when copied and ACKed."""
+        """Receive the next message from ``src`` into ``buf``; return when copied and ACKed.
+        It waits for the operations posted on the pair before it (async ones too)."""
         self._check_open("receive()")
-        return await self.p2p.receive(dst, src, buf, event_id, n_aiv=n_aiv, engine=engine)
+        return await self._in_order("receive", dst, src, buf, event_id, n_aiv, engine)
 
     # -- asynchronous --------------------------------------------------------------------------
     def completion_queue(self, die: int) -> CompletionQueue:
@@ -299,6 +361,8 @@ class XCCL:
         return self._queue(die)
 
     def _queue(self, die: int) -> CompletionQueue:
+        if type(die) is not int:
+            die = self.fabric.pod.check_die(die)
         q = self._cq.get(die)
         if q is None:
             self.fabric.pod.check_die(die)
@@ -354,7 +418,16 @@ class XCCL:
             raise XdsError(
                 "async XCCL operations need a running XCCL: use 'async with XCCL(fabric) as xccl:'"
             )
-        self.p2p._check(die, peer, buf, event_id, kwargs["n_aiv"], kwargs["engine"])
+        die, peer, buf, event_id, n_aiv, engine = self.p2p._check(
+            die,
+            peer,
+            buf,
+            event_id,
+            kwargs["n_aiv"],
+            kwargs["engine"],
+            fields=("src", "dst") if op == "send" else ("dst", "src"),
+        )
+        kwargs = dict(n_aiv=n_aiv, engine=engine)
         what = (
             f"async {op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, "
             f"eventID {event_id})"
@@ -363,8 +436,7 @@ class XCCL:
         queue = self._queue(die)
         queue._running += 1
         key = (op, die, peer)
-        before = self._last_posted.get(key)
-        self._last_posted[key] = handle
+        before = self._post(key, handle)
 
         async def run() -> None:
             try:
@@ -380,12 +452,7 @@ class XCCL:
                 if handle._cancel_requested:  # cancelled before it started
                     scope.cancel()
                 try:
-                    if before is not None and not before.done:
-                        with waiting_for(
-                            f"{what}: {before.what} posted before it to finish (posting order "
-                            "on the pair)"
-                        ):
-                            await before._done.wait()
+                    await _wait_turn(what, before)
                     await fn(die, peer, buf, event_id, hold_aivs=False, posted_ns=start, **kwargs)
                 except XdsError as exc:  # a protocol failure: reported, the run goes on
                     ok, error = False, str(exc)
@@ -404,12 +471,20 @@ class XCCL:
                 op, die, peer, event_id, buf.nbytes, start, now_ns(), ok, error
             )
             handle._done.set()
-            if self._last_posted.get(key) is handle:
-                del self._last_posted[key]
+            self._retire(key, handle)
             queue._post(handle.completion)
 
         self._tg.start_soon(run, name=f"xccl-{op}-{die}-{peer}-{event_id}")
         return handle
+
+
+async def _wait_turn(what: str, before: Handle | None) -> None:
+    """Wait until ``before``, the operation posted on the pair before ``what``, is done."""
+    if before is not None and not before.done:
+        with waiting_for(
+            f"{what}: {before.what} posted before it to finish (posting order on the pair)"
+        ):
+            await before._done.wait()
 
 
 def _complete_failed(

@@ -1,20 +1,35 @@
 """Argument checks shared by XCCL's operations: one ConfigError naming the argument, the same
-on the protocol and the collective tier."""
+on the protocol and the collective tier (integers, dies, AIV counts, byte ranges and engines:
+:mod:`xds.fabric.checks`, which the fabric's own calls use too)."""
 
 from __future__ import annotations
-
-import numbers
 
 import numpy as np
 
 from ...errors import ConfigError
+from ..checks import aiv_count, byte_range, die, engine, integer, is_integer
+
+__all__ = [
+    "MAX_EVENT_ID",
+    "aiv_count",
+    "byte_range",
+    "die",
+    "engine",
+    "event_id",
+    "expert_ids",
+    "index",
+    "integer",
+    "is_integer",
+    "outputs",
+    "tokens",
+]
 
 MAX_EVENT_ID = 2**64 - 1
 
 
 def event_id(value: object) -> int:
     """An eventID: an integer in 1..2**64-1 (numpy integers too; not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise ConfigError(
             f"eventID must be an integer in 1..2**64-1, got {value!r}", field="event_id"
         )
@@ -28,15 +43,13 @@ def event_id(value: object) -> int:
 
 def index(value: object, n: int, field: str) -> int:
     """An index into ``n`` things (0..n-1; negative ones do not wrap)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < n:
-        raise ConfigError(f"must be an integer in 0..{n - 1}, got {value!r}", field=field)
-    return int(value)
+    return integer(value, field, low=0, high=n - 1)
 
 
 def tokens(x: object, *, bytes_mode: bool, hidden: int) -> tuple[int, np.ndarray | None]:
     """The token count and (bytes mode) the float32 ``[B, hidden]`` data of ``x``: an array in
     bytes mode; an array or a non-negative count in size mode."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+    if is_integer(x):
         if bytes_mode:
             raise ConfigError("bytes payload mode needs token data, got a count", field="x")
         if x < 0:

@@ -31,7 +31,6 @@ the pair wait until then.
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,8 +42,9 @@ import msgspec
 from ...errors import ConfigError, ProtocolError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ...runtime.sync import task_group_raising_single
+from .. import checks
 from ..memory import DieMemory, Direction
-from ..ub import ENGINES, Engine, Transfer, UBFabric
+from ..ub import Engine, Transfer, UBFabric
 from . import args
 from .aiv import AivPool
 from .monitor import P2PMonitor
@@ -62,11 +62,12 @@ class AppBuffer(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         for name in ("offset", "nbytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            if not checks.is_integer(value) or value < 0:
                 raise ConfigError(
                     f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
                     field=f"buffer.{name}",
                 )
+            msgspec.structs.force_setattr(self, name, int(value))  # numpy integers too
 
 
 class Message(msgspec.Struct):
@@ -140,13 +141,35 @@ async def _acquire_aivs(pool: AivPool, n: int, who: str) -> None:
 
 
 class P2P:
-    """The point-to-point protocol engine over one :class:`UBFabric`."""
+    """The point-to-point protocol engine over one :class:`UBFabric`.
+
+    A fabric has one (``fabric.p2p``, which every ``XCCL(fabric)`` uses): the pair state it
+    keeps (sequence numbers, ring slots, credits) is what the rings and metadata in the
+    fabric's memory reflect, its AIV pools are the dies' AIVs and its monitor watches every
+    slot. Building a second one on a fabric is a :class:`~xds.errors.ConfigError`; build a
+    variant (a subclass) before the fabric's first ``XCCL``.
+    """
 
     def __init__(self, fabric: UBFabric, monitor: P2PMonitor | None = None):
+        if not isinstance(fabric, UBFabric):
+            raise ConfigError(f"must be a UBFabric, got {type(fabric).__name__}", field="fabric")
+        if monitor is not None and not isinstance(monitor, P2PMonitor):
+            raise ConfigError(
+                f"must be a P2PMonitor, got {type(monitor).__name__}", field="monitor"
+            )
+        fabric._bind_p2p(self)
         self.fabric = fabric
         self.monitor = monitor or P2PMonitor()
         self._pairs: dict[tuple[int, int], _Pair] = {}
         self._aivs: dict[int, AivPool] = {}
+
+    def _restart(self) -> None:
+        """A later run uses the fabric: re-initialise every pair (its task-bound state and
+        the memory that reflects it) and take the AIVs back."""
+        for src, dst in list(self._pairs):
+            self._reinitialise(src, dst)
+        self._pairs.clear()
+        self._aivs.clear()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def pair(self, src: int, dst: int) -> _Pair:
@@ -179,20 +202,34 @@ class P2P:
 
     # -- validation ----------------------------------------------------------------------------
     def _check(
-        self, die: int, peer: int, buf: AppBuffer, event_id: int, n_aiv: int, engine: str
-    ) -> None:
+        self,
+        die: object,
+        peer: object,
+        buf: object,
+        event_id: object,
+        n_aiv: object,
+        engine: object,
+        *,
+        fields: tuple[str, str] = ("src", "dst"),
+    ) -> tuple[int, int, AppBuffer, int, int, Engine]:
+        """The arguments of a send (``fields`` names ``die`` and ``peer`` as the call spells
+        them: ``("src", "dst")``) or a receive (``("dst", "src")``), checked and as plain ints.
+        Notes the run using the fabric first (a later run starts it idle)."""
+        self.fabric._enter_run()
         pod = self.fabric.pod
-        pod.check_die(die, what="die")
-        pod.check_die(peer, what="peer")
+        die = checks.die(pod, die, fields[0])
+        peer = checks.die(pod, peer, fields[1])
         if die == peer:
             raise ProtocolError(f"die {die} cannot send to itself over XCCL point-to-point")
         if not isinstance(buf, AppBuffer):  # (an AppBuffer checked its fields when built)
             raise ConfigError(f"buffer must be an AppBuffer, got {buf!r}", field="buffer")
-        self.fabric._check_range(buf.offset, buf.nbytes, "buffer")
-        args.event_id(event_id)
-        self.fabric._check_aivs(die, n_aiv)
-        if engine not in ENGINES:
-            raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}", field="engine")
+        self.fabric._check_range(
+            buf.offset, buf.nbytes, "buffer", fields=("buffer.offset", "buffer.nbytes")
+        )
+        event = args.event_id(event_id)
+        aivs = self.fabric._check_aivs(die, n_aiv, field="n_aiv")
+        mover: Engine = checks.engine(engine)  # type: ignore[assignment]
+        return die, peer, buf, event, aivs, mover
 
     # -- send ------------------------------------------------------------------------------------
     async def send(
@@ -209,7 +246,9 @@ class P2P:
     ) -> int:
         """Send ``buf`` of ``src`` to ``dst``; return the completion time (ns). ``posted_ns``:
         when an async caller posted it (its latency counts from there)."""
-        self._check(src, dst, buf, event_id, n_aiv, engine)
+        src, dst, buf, event_id, n_aiv, engine = self._check(
+            src, dst, buf, event_id, n_aiv, engine, fields=("src", "dst")
+        )
         # end to end, as P037 measures: queueing for the pair and AIVs counts
         start = now_ns() if posted_ns is None else posted_ns
         pair = self.pair(src, dst)
@@ -432,7 +471,9 @@ class P2P:
     ) -> int:
         """Receive the next message from ``src`` into ``buf`` of ``dst``; return the time.
         ``posted_ns``: when an async caller posted it (its latency counts from there)."""
-        self._check(dst, src, buf, event_id, n_aiv, engine)
+        dst, src, buf, event_id, n_aiv, engine = self._check(
+            dst, src, buf, event_id, n_aiv, engine, fields=("dst", "src")
+        )
         start = now_ns() if posted_ns is None else posted_ns
         pair = self.pair(src, dst)
         who = f"receive eventID {event_id} at die {dst} from die {src}"
@@ -585,6 +626,11 @@ class P2P:
         the abandoned message fails with :class:`ProtocolError` shortly after the cancel);
         otherwise it raises :class:`ProtocolError`.
         """
+        self.fabric._enter_run()
+        src = checks.die(self.fabric.pod, src, "src")
+        dst = checks.die(self.fabric.pod, dst, "dst")
+        if src == dst:
+            raise ConfigError(f"a pair joins two dies, got src = dst = {src}", field="dst")
         key = (src, dst)
         old = self._pairs.get(key)
         if old is not None and (old.send_lock.locked() or old.recv_lock.locked()):
