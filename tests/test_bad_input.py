@@ -28,7 +28,19 @@ def test_deployments_beyond_what_a_replay_models_are_refused_up_front(tmp_path, 
         err = _one_line(
             capsys, ["replay", "--synthetic", "3", "--deployment", str(tmp_path / "d.toml")]
         )
-        assert "d.toml: decode_tes:" in err and "a replay models up to 12,288" in err
+        assert "d.toml: decode_tes:" in err and "one CloudMatrix384 has 768" in err
+    (tmp_path / "d.toml").write_text("[prefill]\ntes = 30\n")  # 30 x 32 + 128 dies
+    err = _one_line(
+        capsys, ["replay", "--synthetic", "3", "--deployment", str(tmp_path / "d.toml")]
+    )
+    assert "d.toml: prefill.tes: prefill.tes x prefill.dies_per_te + decode_tes x" in err
+    assert "= 1,088 910C dies" in err
+    # weights that leave no KV room are named with the deployment, before anything runs
+    (tmp_path / "d.toml").write_text("[prefill]\ndies_per_te = 4\n")
+    err = _one_line(
+        capsys, ["replay", "--synthetic", "3", "--deployment", str(tmp_path / "d.toml")]
+    )
+    assert "d.toml: prefill.dies_per_te:" in err and "leave no room for KV" in err
     with pytest.raises(ConfigError, match=r"batch_per_die: must be in 1\.\.2048"):
         DecodeConfig(batch_per_die=100_000)
 

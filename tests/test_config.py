@@ -139,3 +139,20 @@ def test_help_shows_each_fields_type_default_and_note():
     assert "domain_turns: Literal['exclusive', 'relaxed'] = 'exclusive'" in text
     assert "Relax interval of the expert dies' persistent kernels" in text
     assert "aiv: int = 48" in DieSpec.__doc__ and "CANN vector_core_cnt=48" in DieSpec.__doc__
+
+
+def test_a_toml_error_names_the_key_path_and_its_line(tmp_path):
+    from xds.serve.replay import PDConfig
+
+    f = tmp_path / "d.toml"
+    f.write_text("# a deployment\n[prefill]\ntes = 4\ntess = 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(f, PDConfig)
+    assert err.value.field == "prefill.tess"
+    assert str(err.value) == f"{f}: prefill.tess: unknown field (line 4)"
+    f.write_text('[decode]\n\nbatch_per_die = "x"\n')
+    with pytest.raises(ConfigError, match=r"decode\.batch_per_die: Expected `int`.*\(line 3\)"):
+        load_config(f, PDConfig)
+    f.write_text("[prefill]\ntes = 30\n")  # a deployment check, on the key that set it
+    with pytest.raises(ConfigError, match=r"prefill\.tes: .*\(line 2\)$"):
+        load_config(f, PDConfig)

@@ -1115,3 +1115,39 @@ def test_the_first_token_estimate_runs_a_too_long_cached_prompt_sequence_paralle
     assert te.predicted_first_token_ns(new, 0, one_group // 2) == te.predicted_first_token_ns(
         new, 0
     )
+
+
+def test_chips_count_whole_chips_per_te_and_the_pod_bounds_910c_dies_only():
+    base = pd_config("production-4p1d")
+    odd = msgspec.structs.replace(
+        base, decode=msgspec.structs.replace(base.decode, dies=17, shared_expert_dies=1)
+    )
+    assert odd.chips == 4 * 16 + 9  # 17 dies need 9 chips
+    odd_prefill = msgspec.structs.replace(
+        base, prefill=msgspec.structs.replace(base.prefill, dies_per_te=20)
+    )
+    assert odd_prefill.chips == 4 * 10 + 64
+    # 910B prefill servers attach over RoCE: they do not count against the pod's 768 dies
+    b = msgspec.structs.replace(
+        base, prefill=msgspec.structs.replace(base.prefill, hardware="910b", tes=40)
+    )
+    assert b.chips == 40 * 32 + 64
+    with pytest.raises(ConfigError, match="one CloudMatrix384 has 768") as err:
+        msgspec.structs.replace(base, prefill=msgspec.structs.replace(base.prefill, tes=21))
+    assert err.value.field == "prefill.tes"
+
+
+def test_a_fault_whose_time_never_comes_is_reported_not_dropped():
+    from xds.serve.recovery import MemoryFault, NodeFault
+    from xds.serve.replay import DistFlowFault
+
+    wl = production_workload(4, rate_per_s=4.0, seed=0)
+    late = [
+        NodeFault(at_ns=10**14, server=0),
+        MemoryFault(at_ns=10**14, decode_te=0, dp=0),
+        DistFlowFault(at_ns=10**14, prefill_te=0),
+    ]
+    early = DistFlowFault(at_ns=0, prefill_te=1)
+    res = replay(wl, SMALL, faults=[early, *late])
+    assert res.summary.completed + res.summary.failed == 4
+    assert res.unfired_faults == late  # in the order given; the early one struck

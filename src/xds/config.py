@@ -76,7 +76,38 @@ def load_config(
             base = None
     if base is not None:
         data = _merged(msgspec.to_builtins(base), data)
-    return convert(data, kind, source=str(p))
+    try:
+        return convert(data, kind, source=str(p))
+    except ConfigError as exc:
+        line = _toml_line(p, exc.field) if p.suffix == ".toml" and exc.field else None
+        if line is None:
+            raise
+        raise ConfigError(f"{exc.message} (line {line})", field=exc.field, source=str(p)) from None
+
+
+def _toml_line(path: Path, field: str) -> int | None:
+    """The line of ``path`` (a TOML file) that sets the dotted ``field`` (``a.b[2].c`` reads
+    as ``a.b.c``): a ``key =`` line under its table header, or the header of the table; None
+    if the file does not spell it that simply (inline tables, dotted keys)."""
+    want = [part for part in re.sub(r"\[\d+\]", "", field).split(".") if part]
+    table: list[str] = []
+    header_line = None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for n, raw in enumerate(lines, 1):
+        text = raw.strip()
+        head = re.fullmatch(r"\[\[?\s*([\w.\s-]+?)\s*\]\]?(\s*#.*)?", text)
+        if head:
+            table = [t.strip() for t in head.group(1).split(".")]
+            if table == want:
+                header_line = n
+            continue
+        key = re.match(r"([\w-]+)\s*=", text)
+        if key and [*table, key.group(1)] == want:
+            return n
+    return header_line
 
 
 def _merged(base: Any, update: Any) -> Any:
@@ -96,7 +127,9 @@ def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:
     except msgspec.ValidationError as exc:
         raise _config_error(exc, source, kind) from None
     except ConfigError as exc:  # a __post_init__ check
-        raise ConfigError(str(exc), source=source) from None
+        if exc.source:
+            raise
+        raise ConfigError(exc.message, field=exc.field, source=source) from None
 
 
 def _choices(kind: Any, path: str) -> tuple[str, ...]:
@@ -127,6 +160,10 @@ def _config_error(
     )
     field = match.group(1) if match else None
     message = str(exc).split(" - at ")[0]
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
+    if unknown and field != unknown.group(1):  # msgspec names the table: name the key in it
+        field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+        message = "unknown field"
     if kind is not None and field and message.startswith("Invalid enum value"):
         choices = _choices(kind, field)
         if choices:
@@ -137,6 +174,8 @@ def _config_error(
         if outer[-1] == sub[0]:
             sub = sub[1:]
         field, message = ".".join(outer + sub), inner.group(2)
+    elif inner and not field:  # the top-level struct's own check named it
+        field, message = inner.group(1), inner.group(2)
     return ConfigError(message, field=field or None, source=source)
 
 

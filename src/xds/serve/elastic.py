@@ -46,11 +46,13 @@ class Elastic:
         def _fail_held(self, held: Callable[[int, Where], bool], reason: str) -> int: ...
         def _free_servers(self) -> None: ...
         def _grid_of(self, config: DecodeConfig) -> list[CommCosts]: ...
+        def _struck(self, fault: object) -> None: ...
 
     async def _memory_fault(self, fault: MemoryFault) -> None:
         """Stage 3 (P120): an on-chip memory fault masks KV blocks of one Decode DP group; the
         requests whose KV lay there fail, nothing else is touched."""
         await sleep_until_ns(fault.at_ns)
+        self._struck(fault)
         d, dp = fault.decode_te, fault.dp
         rec = KVMask(
             at_ns=now_ns(),

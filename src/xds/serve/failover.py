@@ -198,6 +198,7 @@ class Failover(Elastic):
     # -- node faults ---------------------------------------------------------------------------
     async def _node_fault(self, fault: NodeFault) -> None:
         await sleep_until_ns(fault.at_ns)
+        self._struck(fault)
         emit("node", "npu-fault", server=fault.server)
         # the TE on that server hangs at its next all-to-all until the fault is handled
         decode = [d for d, servers in enumerate(self.placement.decode) if fault.server in servers]

@@ -41,6 +41,7 @@ from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summari
 from ..trace.workload import Request, Workload
 from ..units import S
 from .decode import CommCosts, DecodeConfig
+from .decode_model import decode_kv_capacity
 from .decode_te import DecodeTE, KVNoFit, comm_grid, comm_grid_blocking
 from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover
@@ -82,8 +83,11 @@ def check_pd_config(config: object) -> PDConfig:
     raise ConfigError(f"config must be a PDConfig, got {got}{hint}", field="config")
 
 
+POD_DIES = 768
+"""910C dies of one CloudMatrix384 (384 chips)."""
 MAX_DEPLOYMENT_DIES = 16 * 768
-"""The largest PD deployment a replay takes (its TEs are tasks and arrays of that size)."""
+"""The most dies a PD deployment may have in all: its 910C dies fit one pod (:data:`POD_DIES`),
+and attached 910B prefill servers make up the rest."""
 
 
 REPLAY_GRACE_NS = 86_400 * S
@@ -142,14 +146,27 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         p = self.prefill
         dies = p.tes * p.dies_per_te + self.decode_tes * self.decode.dies
+        decode_dies = self.decode_tes * self.decode.dies
+        pod_dies = decode_dies + (p.tes * p.dies_per_te if p.hardware == "910c" else 0)
+        if pod_dies > POD_DIES:
+            what = (
+                "prefill.tes x prefill.dies_per_te + decode_tes x decode.dies"
+                if p.hardware == "910c"
+                else "decode_tes x decode.dies"
+            )
+            raise ConfigError(
+                f"{what} = {pod_dies:,} 910C dies, but one CloudMatrix384 has {POD_DIES} "
+                "(384 chips): xds models one pod (910B prefill servers attach over RoCE and do "
+                "not count)",
+                field="decode_tes" if decode_dies > pod_dies // 2 else "prefill.tes",
+            )
         if dies > MAX_DEPLOYMENT_DIES:
             raise ConfigError(
-                f"prefill.tes x prefill.dies_per_te + decode_tes x decode.dies = {dies:,} dies; "
-                f"a replay models up to {MAX_DEPLOYMENT_DIES:,} (16 CloudMatrix384 pods)",
-                field="decode_tes"
-                if self.decode_tes * self.decode.dies > dies // 2
-                else "prefill.tes",
+                f"prefill.tes x prefill.dies_per_te = {p.tes * p.dies_per_te:,} 910B dies; "
+                f"a replay models up to {MAX_DEPLOYMENT_DIES - POD_DIES:,} beside the pod",
+                field="prefill.tes",
             )
+        self._check_kv_room()
         if self.decode.eplb is not None:
             raise ConfigError(
                 "online EPLB (decode.eplb) runs in the colocated decode group (`xds decode`, "
@@ -163,6 +180,31 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 f"prefill.dies_per_te + decode_tes x decode.dies = {dies} dies",
                 field="kv_transfer",
             )
+
+    def _check_kv_room(self) -> None:
+        """Every die keeps HBM for KV after its weights (a prefill die's share of the routed
+        experts grows as ``prefill.dies_per_te`` shrinks; a decode die holds its routed
+        experts and redundant slots), named here rather than when a replay starts."""
+        pod = PodConfig()
+        die, _ = prefill_hardware(self.prefill, pod)
+        try:
+            _prefill_kv_blocks(self.prefill, self.decode, die)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc.message}: a prefill die holds 1/{self.prefill.dies_per_te} of the routed "
+                "experts (prefill.dies_per_te) beside its attention weights; spread them over "
+                "more dies",
+                field="prefill.dies_per_te",
+            ) from None
+        try:
+            if not self.decode.kv_blocks_per_die:
+                decode_kv_capacity(self.decode, CloudMatrix384())
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc.message}: a decode die holds its routed experts and redundant slots "
+                "(decode.dies, decode.shared_expert_dies); spread them over more dies",
+                field="decode.dies",
+            ) from None
 
     @property
     def prefill_servers_per_te(self) -> int:
@@ -184,11 +226,12 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def chips(self) -> int:
-        """Chips of the deployment (two dies per 910C chip; 910B chips have one die)."""
+        """Chips of the deployment: each TE's dies on whole chips (two dies per 910C chip, so
+        an odd count leaves a die idle; a 910B chip has one die)."""
         p = self.prefill
         per_chip = 2 if p.hardware == "910c" else 1
-        prefill = p.tes * p.dies_per_te // per_chip
-        return prefill + self.decode_tes * self.decode.dies // 2
+        prefill = p.tes * -(-p.dies_per_te // per_chip)
+        return prefill + self.decode_tes * -(-self.decode.dies // 2)
 
 
 class DistFlowFault(msgspec.Struct, frozen=True, kw_only=True):
@@ -233,6 +276,9 @@ class ReplayResult(msgspec.Struct):
     (``recovery.mode`` ``"independent"`` or ``"scale_down"``)."""
     kv_masks: list[KVMask] = []
     """Every :class:`~xds.serve.recovery.MemoryFault` and what it did."""
+    unfired_faults: list[DistFlowFault | NodeFault | MemoryFault] = []
+    """Faults given to the replay whose time never came: every request had finished first,
+    so they struck nothing."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -299,6 +345,7 @@ class Replay(Failover):
         self.distflow: dict[tuple[int, int], DistFlow] = {}
         self.xccl: XCCL | None = None
         self._faults: list[DistFlowFault] = []
+        self._struck_ids: set[int] = set()  # id() of the faults whose time came (membership)
         self._node_faults: list[NodeFault] = []
         self._memory_faults: list[MemoryFault] = []
         self.monitor: LinkMonitor | None = None
@@ -555,17 +602,22 @@ class Replay(Failover):
         instance of (Prefill TE, Decode TE) fails every transfer it completes, or its link
         stalls silently; other pairs are unaffected (isolation, P102). Call before
         :meth:`run`."""
+        self._inject_distflow(
+            DistFlowFault(
+                at_ns=at_ns,
+                prefill_te=prefill_te,
+                decode_te=decode_te,
+                kind=kind,
+                duration_ns=duration_ns,
+            )
+        )
+
+    def _inject_distflow(self, fault: DistFlowFault) -> None:
         cfg = self.config
+        prefill_te, decode_te = fault.prefill_te, fault.decode_te
         if not (0 <= prefill_te < cfg.prefill.tes and 0 <= decode_te < cfg.decode_tes):
             raise ConfigError(f"no DistFlow instance P{prefill_te}-D{decode_te}", field="pair")
-        fault = DistFlowFault(
-            at_ns=at_ns,
-            prefill_te=prefill_te,
-            decode_te=decode_te,
-            kind=kind,
-            duration_ns=duration_ns,
-        )
-        if kind == "link_down" and not duration_ns and cfg.probe is None:
+        if fault.kind == "link_down" and not fault.duration_ns and cfg.probe is None:
             raise ConfigError(
                 f"a link_down fault of P{prefill_te}-D{decode_te} for good stalls its transfers "
                 "forever unless link probing finds it: set the deployment's probe (probe = {} "
@@ -575,8 +627,17 @@ class Replay(Failover):
             )
         self._faults.append(fault)
 
+    def _struck(self, fault: object) -> None:
+        """``fault``'s time has come (a replay that ends first never sees it)."""
+        self._struck_ids.add(id(fault))
+
+    def unfired(self, faults: Sequence[object]) -> list[object]:
+        """The faults of ``faults`` whose time never came: the replay ended first."""
+        return [f for f in faults if id(f) not in self._struck_ids]
+
     async def _fault(self, fault: DistFlowFault) -> None:
         await sleep_until_ns(fault.at_ns)
+        self._struck(fault)
         flow = self.distflow.get((fault.prefill_te, fault.decode_te))
         if flow is None:  # a restart-the-world left that Prefill TE out
             emit("distflow", "fault-skipped", prefill_te=fault.prefill_te, reason="no such pair")
@@ -909,13 +970,7 @@ def replay(
             if isinstance(fault, MemoryFault):
                 r.inject_memory_fault(fault)
                 continue
-            r.inject_distflow_failure(
-                fault.at_ns,
-                fault.prefill_te,
-                fault.decode_te,
-                kind=fault.kind,
-                duration_ns=fault.duration_ns,
-            )
+            r._inject_distflow(fault)
         return await r.run()
 
     if time_limit_ns is None:  # a day after the last arrival or scheduled fault end
@@ -957,6 +1012,7 @@ def replay(
         restarts=r.restarts,
         failovers=r.failovers,
         kv_masks=r.kv_masks,
+        unfired_faults=r.unfired(faults),  # type: ignore[arg-type]
     )
 
 
