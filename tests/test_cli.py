@@ -263,3 +263,96 @@ def test_out_of_range_fault_numbers_are_one_line_errors(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1
+
+
+def test_reusing_out_leaves_only_this_runs_files(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "d"
+    argv = ["replay", "--synthetic", "10", "--fault", "node:at=1,server=3"]
+    assert main([*argv, "--out", str(out), "--csv"]) == 0
+    assert {"faults.json", "requests.csv"} <= {p.name for p in out.iterdir()}
+    (out / "notes.txt").write_text("mine")
+    assert main(["replay", "--synthetic", "5", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "requests.jsonl", "summary.json"]
+    assert len((out / "requests.jsonl").read_text().splitlines()) == 5
+    assert json.loads((out / "summary.json").read_text())["requests"] == 5
+    capsys.readouterr()
+
+
+def test_a_failing_replay_leaves_no_new_directory_and_old_results_alone(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": -1, "output_length": 2}\n')
+    fresh = tmp_path / "new" / "deeper"
+    assert main(["replay", str(bad), "--out", str(fresh)]) == 2
+    assert "bad.jsonl:line 1 field 'input_length'" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text("{}")
+    assert main(["replay", str(bad), "--out", str(old)]) == 2
+    assert (old / "summary.json").read_text() == "{}"
+    capsys.readouterr()
+
+
+LENGTHS = "prompt_tokens,completion_tokens\n34,244\n36,abc\n18,275\n-7,289\n12,307\n13,258\n"
+
+
+def test_lengths_rows_that_cannot_be_read_are_an_error_unless_dropped_on_request(tmp_path, capsys):
+    import json
+
+    sg = tmp_path / "sg.csv"
+    sg.write_text(LENGTHS)
+    assert main(["replay", str(sg), "--format", "lengths", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sg.csv:line 3 field 'completion_tokens'" in err[0], err
+    assert err[0].endswith("(to leave such rows out: invalid='drop', or --drop-invalid)")
+    out = tmp_path / "o"
+    drop = ["replay", str(sg), "--format", "lengths", "--drop-invalid", "--out", str(out)]
+    assert main([*drop, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((out / "summary.json").read_text())
+    assert printed["dropped_rows"] == written["dropped_rows"] == 2
+    assert printed["requests"] == 4
+    assert main([*drop, "--limit", "1", "--json"]) == 0  # only line 2 was read
+    assert json.loads(capsys.readouterr().out)["dropped_rows"] == 0
+    assert main([*drop, "--limit", "2", "--json"]) == 0  # lines 2-4
+    assert json.loads(capsys.readouterr().out)["dropped_rows"] == 1
+    assert main(["replay", "--synthetic", "2", "--drop-invalid"]) == 2
+    assert "--drop-invalid applies to --format lengths" in capsys.readouterr().err
+
+
+def test_itl_note_says_why_it_is_missing(tmp_path, capsys):
+    one = tmp_path / "one.jsonl"
+    one.write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 1}\n'
+        '{"timestamp": 10, "input_length": 200, "output_length": 1}\n'
+    )
+    assert main(["replay", str(one)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no completed request has a second output token" in out
+    assert "5,000 requests" not in out
+
+
+def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
+    import json
+
+    trace = tmp_path / "b.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1,10,2\n\n0,11,2\n")
+    out = tmp_path / "o"
+    argv = ["replay", str(trace), "--sort", "--seed", "3", "--out", str(out), "--csv"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["chips"], s["deployment"], s["seed"]) == (128, "production-4p1d", 3)
+    assert (s["trace"], s["trace_format"], s["dropped_rows"]) == (str(trace), "request-csv", 0)
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert [(r["request_id"], r["input_tokens"], r["source_line"]) for r in recs] == [
+        (0, 11, 4),
+        (1, 10, 2),
+    ]
+    assert (out / "requests.csv").read_text().splitlines()[1].startswith("0,4,")
+    assert main(["replay", "--synthetic", "3", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["trace"], s["trace_format"], s["seed"], s["chips"]) == (None, None, 0, 128)
+    assert s["workload"].startswith("production")

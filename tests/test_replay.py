@@ -382,11 +382,14 @@ def test_cli_replay_lengths_csv_with_an_arrival_process(tmp_path, capsys):
     trace = tmp_path / "lengths.csv"
     trace.write_text("prompt_tokens,completion_tokens\n120,30\n0,5\n800,12\n64,1\n")
     argv = ["replay", str(trace), "--format", "lengths", "--rate", "4", "--json"]
-    assert main(argv) == 0
+    assert main(argv) == 2  # the 0-length row is an error by default
+    assert "lengths.csv:line 3 field 'prompt_tokens'" in capsys.readouterr().err
+    assert main([*argv, "--drop-invalid"]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     assert summary["requests"] == 3 and summary["completed"] == 3  # the 0-length row dropped
-    assert "dropped 1 rows" in captured.err and "line 3" in captured.err
+    assert summary["dropped_rows"] == 1 and summary["trace_format"] == "lengths"
+    assert "left out 1 rows" in captured.err and "line 3" in captured.err
     assert main(["replay", str(trace), "--format", "lengths", "--columns", "a"]) == 2
     assert "--columns" in capsys.readouterr().err
 

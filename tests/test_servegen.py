@@ -111,3 +111,15 @@ def test_the_deepseek_r1_pool_gives_its_summed_rate():
     assert 0.85 * summed / 2 < len(w) / 1200 < 1.15 * summed / 2
     x = np.array([r.input_tokens for r in w.requests])
     assert 20 < np.median(x) < 1_000 and x.max() <= 65_536
+
+
+def test_sampled_requests_have_no_trace_line_and_lengths_within_the_bound(tmp_path):
+    d = pool(tmp_path, {0: ["0,1,1,Gamma,1,1"]})
+    w = load_servegen(d, duration_s=60)
+    assert w.requests and all(r.source_line == 0 for r in w.requests)
+    (tmp_path / "h").mkdir()
+    lengths = {"input_tokens": "{1e30: 1}", "output_tokens": "{2: 1}"}
+    huge = pool(tmp_path / "h", {0: ["0,1,1,Gamma,1,1"]}, lengths)
+    says = r"dataset\.json field '0\.input_tokens': must be at most 1,000,000,000"
+    with pytest.raises(TraceError, match=says):
+        load_servegen(huge)

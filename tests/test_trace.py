@@ -310,3 +310,144 @@ def test_generic_jsonl_lines_must_be_objects(tmp_path):
     j = write(tmp_path, "a.jsonl", '{"at": 0, "i": 3, "o": 4}\n[1, 2]\n')
     with pytest.raises(TraceError, match=r"a\.jsonl:line 2: expected a JSON object"):
         t.load_generic(j, mapping={"arrival": "at", "input": "i", "output": "o"})
+
+
+AZ_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens"
+
+
+def test_a_column_or_key_given_twice_is_an_error_naming_it(tmp_path):
+    a = write(tmp_path, "a.csv", f"{AZ_HEAD},ContextTokens\n2023-11-16 18:17:03,10,5,99\n")
+    with pytest.raises(TraceError, match=r"a\.csv:line 1 field 'ContextTokens': .*twice"):
+        t.load(a)
+    g = write(tmp_path, "g.csv", "t,i,o,i\n0,1,1,2\n")
+    with pytest.raises(TraceError, match=r"g\.csv:line 1 field 'i': .*twice"):
+        t.load_generic(g, mapping={"arrival": "t", "input": "i", "output": "o"})
+    ok = write(tmp_path, "ok.csv", "t,i,o,note,note\n0,1,1,a,b\n")  # a column xds does not read
+    assert len(t.load_generic(ok, mapping={"arrival": "t", "input": "i", "output": "o"})) == 1
+    m = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 0, "input_length": 6, "output_length": 3}\n'
+        '{"timestamp": 1, "input_length": 600, "input_length": 5, "output_length": 3}\n',
+    )
+    with pytest.raises(TraceError, match=r"m\.jsonl:line 2 field 'input_length': .*twice"):
+        t.load(m)
+    # the key's name inside a string value is no second key
+    s = write(
+        tmp_path,
+        "s.jsonl",
+        '{"timestamp": 0, "input_length": 6, "output_length": 3, "note": "\\"input_length\\""}\n',
+    )
+    assert t.load(s).requests[0].input_tokens == 6
+
+
+@pytest.mark.parametrize("value", ["1_000", "1e30", "1e3", "99999999999999999999", "+5", "0x10"])
+def test_token_counts_in_csv_are_plain_integers_within_a_bound(tmp_path, value):
+    rows = f"2023-11-16 18:17:03,10,5\n2023-11-16 18:17:04,34,{value}\n"
+    p = write(tmp_path, "a.csv", f"{AZ_HEAD}\n{rows}")
+    with pytest.raises(TraceError, match=r"a\.csv:line 3 field 'GeneratedTokens': "):
+        t.load(p)
+
+
+@pytest.mark.parametrize("value", ["1e30", "1e12", "1000000001", "true", "-3"])
+def test_token_counts_in_json_are_integers_within_a_bound(tmp_path, value):
+    line = f'{{"timestamp": 0, "input_length": 5, "output_length": {value}}}\n'
+    p = write(tmp_path, "m.jsonl", line)
+    with pytest.raises(TraceError, match=r"m\.jsonl:line 1 field 'output_length': "):
+        t.load(p)
+
+
+def test_the_token_bound_is_a_billion(tmp_path):
+    line = '{"timestamp": 0, "input_length": 5, "output_length": 1000000000}\n'
+    p = write(tmp_path, "m.jsonl", line)
+    assert t.load(p).requests[0].output_tokens == t.loaders.MAX_TOKENS == 10**9
+    c = write(tmp_path, "c.csv", f"{AZ_HEAD}\n2023-11-16 18:17:03, 12 ,5.0\n")
+    assert (t.load(c).requests[0].input_tokens, t.load(c).requests[0].output_tokens) == (12, 5)
+
+
+def test_format_guessing_skips_leading_blank_lines_as_the_loaders_do(tmp_path):
+    line = '{"timestamp": 0, "input_length": 6, "output_length": 3}\n'
+    m = write(tmp_path, "m.jsonl", "\n  \n" + line)
+    assert t.loaders.guess_format(m) == "mooncake"
+    assert t.load(m).requests[0].source_line == 3
+    rows = "2023-11-16 18:17:03,10,5\n2023-11-16 18:17:04,x,5\n"
+    a = write(tmp_path, "a.csv", f"\n\n{AZ_HEAD}\n{rows}")
+    assert t.loaders.guess_format(a) == "azure"
+    with pytest.raises(TraceError, match=r"a\.csv:line 5 field 'ContextTokens'"):
+        t.load(a)
+    b = write(tmp_path, "b.csv", "\narrived_at,num_prefill_tokens\n0,1\n")
+    with pytest.raises(TraceError, match=r"b\.csv:line 2 field 'num_decode_tokens': missing col"):
+        t.load(b)
+    e = write(tmp_path, "e.jsonl", "\n \n")
+    with pytest.raises(TraceError, match=r"e\.jsonl: no requests in the file"):
+        t.load(e)
+
+
+def test_format_advice_names_what_python_takes(tmp_path):
+    p = write(tmp_path, "sg.csv", "prompt_tokens,completion_tokens\n34,244\n")
+    with pytest.raises(TraceError) as info:
+        t.load(p)
+    assert "load_lengths" in str(info.value) and hasattr(t, "load_lengths")
+    with pytest.raises(TraceError, match=r"load_lengths\(path, input_column="):
+        t.load(p, fmt="lengths")
+    with pytest.raises(TraceError, match="known: mooncake, azure, request-csv, servegen"):
+        t.load(p, fmt="vidur")
+
+
+def test_a_limit_keeps_only_the_dropped_rows_it_read(tmp_path):
+    p = write(tmp_path, "l.csv", "in,out\n10,5\n0,3\n7,2\n,4\n9,9\n")
+    w = t.load_lengths(
+        p,
+        input_column="in",
+        output_column="out",
+        rng=np.random.default_rng(0),
+        rate_per_s=10,
+        invalid="drop",
+    )
+    assert [line for line, _ in w.dropped] == [3, 5]
+    assert [line for line, _ in w.limited(2).dropped] == [3]  # line 5 came after the 2nd request
+    assert [line for line, _ in w.limited(1).dropped] == []
+
+
+def test_kv_transfer_leaves_out_requests_without_decode(tmp_path):
+    def rec(i, out, kv):
+        return t.RequestRecord(
+            i, 0, 100, out, first_token_ns=10, finish_ns=10 + out, kv_transfer_ns=kv
+        )
+
+    s = t.summarize([rec(0, 1, 0), rec(1, 5, 4_000_000), rec(2, 1, 0)], chips=3)
+    assert s.kv_transfer_ms.mean == pytest.approx(4.0) and s.kv_transfer_ms.p50 == pytest.approx(4)
+    assert s.chips == 3
+    only_one = t.summarize([rec(0, 1, 0)], chips=1)
+    assert np.isnan(only_one.kv_transfer_ms.mean)
+
+
+def test_records_carry_their_trace_line(tmp_path):
+    p = write(
+        tmp_path,
+        "u.jsonl",
+        '{"timestamp": 9, "input_length": 1, "output_length": 2}\n\n'
+        '{"timestamp": 3, "input_length": 5, "output_length": 2}\n',
+    )
+    w = t.load_mooncake(p, sort=True)
+    recs = [t.RequestRecord(r.request_id, r.arrival_ns, 1, 2) for r in w.requests]
+    t.set_source_lines(recs, w)
+    assert [r.source_line for r in recs] == [3, 1]
+    t.write(tmp_path / "o", recs, t.summarize(recs, chips=1), csv=True)
+    lines = [json.loads(x) for x in (tmp_path / "o" / "requests.jsonl").read_text().splitlines()]
+    assert [x["source_line"] for x in lines] == [3, 1]
+    rows = (tmp_path / "o" / "requests.csv").read_text().splitlines()
+    assert rows[0].startswith("request_id,source_line,") and rows[1].startswith("0,3,")
+
+
+def test_write_removes_a_csv_it_does_not_rewrite(tmp_path):
+    recs = [t.RequestRecord(0, 0, 1, 1, first_token_ns=1, finish_ns=1)]
+    s = t.summarize(recs, chips=1)
+    t.write(tmp_path, recs, s, csv=True)
+    (tmp_path / "mine.txt").write_text("keep")
+    t.write(tmp_path, recs, s)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mine.txt",
+        "requests.jsonl",
+        "summary.json",
+    ]

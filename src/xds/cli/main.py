@@ -537,6 +537,13 @@ def _trace_options(f):
                 help="--format lengths: the input and output length columns.",
             ),
             click.option(
+                "--drop-invalid",
+                is_flag=True,
+                help="--format lengths: leave out rows whose lengths cannot be read (e.g. "
+                "ShareGPT's empty turns) instead of failing on the first; the summary counts "
+                "them (dropped_rows).",
+            ),
+            click.option(
                 "--cv",
                 type=_Finite(min=0, min_open=True),
                 default=1.0,
@@ -579,7 +586,11 @@ def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None
             if _given(name):
                 raise click.UsageError(f"{flag} applies to a TRACE")
     if fmt != "lengths":
-        for name, flag in (("columns", "--columns"), ("cv", "--cv")):
+        for name, flag in (
+            ("columns", "--columns"),
+            ("cv", "--cv"),
+            ("drop_invalid", "--drop-invalid"),
+        ):
             if _given(name):
                 raise click.UsageError(f"{flag} applies to --format lengths")
     elif sort:
@@ -595,9 +606,11 @@ def _load_trace(
     seed: int,
     sort: bool,
     span: str = "0,600",
+    drop_invalid: bool = False,
 ):
-    """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``; a ServeGen
-    directory is sampled over ``span``)."""
+    """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``, and leaves
+    out unreadable rows with ``drop_invalid``; a ServeGen directory is sampled over
+    ``span``)."""
     from pathlib import Path
 
     import numpy as np
@@ -619,42 +632,89 @@ def _load_trace(
     cols = [c.strip() for c in columns.split(",")]
     if len(cols) != 2 or not all(cols):
         raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
-    workload = load_lengths(
+    return load_lengths(
         trace,
         input_column=cols[0],
         output_column=cols[1],
         rng=np.random.default_rng(seed),
         rate_per_s=rate,
         cv=cv,
-        invalid="drop",
+        invalid="drop" if drop_invalid else "error",
     )
+
+
+def _note_dropped(workload) -> None:
+    """On stderr: the rows ``--drop-invalid`` left out among those read (the summary counts
+    them too)."""
     if workload.dropped:
+        why = workload.dropped[0][1]
         click.echo(
-            f"xds: dropped {len(workload.dropped):,} rows with unusable lengths "
-            f"(first: line {workload.dropped[0][0]}, {workload.dropped[0][1]})",
+            f"xds: --drop-invalid left out {len(workload.dropped):,} rows with unusable lengths "
+            f"(first: {why})",
             err=True,
         )
-    return workload
+
+
+def _trace_format(trace: str, fmt: str | None) -> str:
+    """The format a TRACE was read as: given, or guessed as the loader did."""
+    from xds.trace import guess_format
+
+    return fmt or guess_format(trace)
+
+
+OUTPUT_FILES = ("requests.jsonl", "requests.csv", "summary.json", "faults.json")
+"""What ``xds replay --out`` writes; of these, the ones a run does not write are removed, so
+the directory holds one run's results (other files are left alone)."""
 
 
 def _check_out_dir(out_dir: str) -> None:
-    """Fail before a long replay, not after it, if ``--out`` cannot be a directory."""
-    from pathlib import Path
+    """Fail before a long replay, not after it, if ``--out`` cannot be a directory we can
+    write in; the directory is created only when the results are written."""
+    import os
 
     path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise click.UsageError(f"--out {out_dir}: exists and is not a directory")
+    if path.exists():
+        if not path.is_dir():
+            raise click.UsageError(f"--out {out_dir}: exists and is not a directory")
+        probe = path / ".xds-write-check"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            why = exc.strerror or exc
+            raise click.UsageError(f"--out {out_dir}: cannot write there ({why})") from None
+        return
+    base = path.absolute().parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise click.UsageError(f"--out {out_dir}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise click.UsageError(f"--out {out_dir}: cannot create it in {base} (permission denied)")
+
+
+def _write_out(out_dir: str, records, summary, as_csv: bool, faults: dict | None) -> None:
+    """The results of a finished replay into ``out_dir`` (created now): requests.jsonl,
+    summary.json, requests.csv with --csv and faults.json with faults; whichever of
+    :data:`OUTPUT_FILES` this run does not write is removed."""
+    import msgspec
+
+    from xds.trace import write
+
+    path = Path(out_dir)
+    written = {"requests.jsonl", "summary.json"}
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        write(path, records, summary, csv=as_csv)
+        if as_csv:
+            written.add("requests.csv")
+        if faults is not None:
+            (path / "faults.json").write_bytes(msgspec.json.format(msgspec.json.encode(faults)))
+            written.add("faults.json")
+        for name in OUTPUT_FILES:
+            if name not in written:
+                (path / name).unlink(missing_ok=True)
     except OSError as exc:
         raise click.UsageError(f"--out {out_dir}: {exc.strerror or exc}") from None
-    probe = path / ".xds-write-check"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        why = exc.strerror or exc
-        raise click.UsageError(f"--out {out_dir}: cannot write there ({why})") from None
 
 
 def _cell(value: float) -> str:
@@ -745,6 +805,7 @@ def replay(
     sort: bool,
     seed: int,
     as_json: bool,
+    drop_invalid: bool = False,
     fault_specs: tuple[str, ...] = (),
     probe: bool = False,
     recovery: str | None = None,
@@ -756,7 +817,7 @@ def replay(
 
     from xds.serve.presets import pd_config
     from xds.serve.replay import replay as run_replay
-    from xds.trace import write
+    from xds.trace import set_source_lines
 
     _check_trace_options(trace, fmt, sort)
     policies = _policies(policy_specs)
@@ -793,8 +854,9 @@ def replay(
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span)
+        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid)
     workload = workload.scaled(rate_scale).limited(limit)
+    _note_dropped(workload)
     with Progress(
         TextColumn("replay"),
         BarColumn(),
@@ -809,8 +871,19 @@ def replay(
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
         result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults, **policies)
+    set_source_lines(result.records, workload)
+    s = msgspec.structs.replace(
+        result.summary,
+        chips=result.chips,
+        deployment=deployment,
+        seed=seed,
+        trace=trace,
+        trace_format=None if trace is None else _trace_format(trace, fmt),
+        workload=workload.source,
+        dropped_rows=len(workload.dropped),
+    )
     if out_dir is not None:
-        write(out_dir, result.records, result.summary, csv=as_csv)
+        outcome = None
         if faults or result.probes:  # what the faults did, for scripts
             outcome = {
                 "restarts": result.restarts,
@@ -818,10 +891,7 @@ def replay(
                 "kv_masks": result.kv_masks,
                 "probes": result.probes,
             }
-            (Path(out_dir) / "faults.json").write_bytes(
-                msgspec.json.format(msgspec.json.encode(outcome))
-            )
-    s = result.summary
+        _write_out(out_dir, result.records, s, as_csv, outcome)
     if as_json:
         print(msgspec.json.encode(s).decode())
         return
@@ -843,10 +913,16 @@ def replay(
         )
     console.print(table)
     if math.isnan(s.itl_ms.mean) and s.completed:
-        console.print(
-            "ITL: per-token times are kept for workloads up to 5,000 requests "
-            "(record_token_times = true in the deployment file keeps them)"
-        )
+        if not any(r.outcome == "completed" and r.output_tokens > 1 for r in result.records):
+            console.print(
+                "ITL, TPOT, decode admission wait, KV transfer: no completed request has a "
+                "second output token (each had one), so none was decoded"
+            )
+        else:
+            console.print(
+                "ITL: per-token times are kept for workloads up to 5,000 requests "
+                "(record_token_times = true in the deployment file keeps them)"
+            )
     totals = Table(show_header=False)
     totals.add_row("requests", f"{s.requests:,} ({s.completed:,} completed, {s.failed:,} failed)")
     for reason, n in s.failures.items():
@@ -1101,6 +1177,7 @@ def capacity(
     bisections: int,
     jobs: int,
     as_json: bool,
+    drop_invalid: bool = False,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
@@ -1141,7 +1218,10 @@ def capacity(
             return _built_in(max(MIN_SEARCH_REQUESTS, round(x * window_s)), x, seed, unique_prompts)
     else:
         unit, knob = "x trace rate", "rate scale"
-        base = _load_trace(trace, fmt, columns, rate or 2.0, cv, seed, sort, span).limited(limit)
+        base = _load_trace(
+            trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid
+        ).limited(limit)
+        _note_dropped(base)
         if len(base) < MIN_SEARCH_REQUESTS or not base.duration_ns:
             raise click.UsageError(
                 f"{trace}: {len(base)} request(s)"
@@ -1190,6 +1270,8 @@ def capacity(
         found.append((name, cfg.chips, res))
         if as_json:
             line = {"deployment": name, "chips": cfg.chips, **msgspec.to_builtins(res)}
+            if drop_invalid:
+                line["dropped_rows"] = len(base.dropped)
             print(msgspec.json.encode(line).decode(), flush=True)
             continue
         table = Table(

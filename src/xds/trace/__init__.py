@@ -5,6 +5,7 @@ SPEC 12.4 workload is :mod:`xds.trace.production`.
 """
 
 from .loaders import (
+    guess_format,
     load,
     load_azure,
     load_generic,
@@ -12,7 +13,16 @@ from .loaders import (
     load_mooncake,
     load_request_csv,
 )
-from .metrics import SLA, RequestRecord, Stat, Summary, check_complete, summarize, write
+from .metrics import (
+    SLA,
+    RequestRecord,
+    Stat,
+    Summary,
+    check_complete,
+    set_source_lines,
+    summarize,
+    write,
+)
 from .servegen import load_servegen
 from .workload import Request, Workload, fixed, gamma_arrivals, poisson_arrivals, synthetic
 
@@ -26,6 +36,7 @@ __all__ = [
     "check_complete",
     "fixed",
     "gamma_arrivals",
+    "guess_format",
     "load",
     "load_azure",
     "load_generic",
@@ -34,6 +45,7 @@ __all__ = [
     "load_request_csv",
     "load_servegen",
     "poisson_arrivals",
+    "set_source_lines",
     "summarize",
     "synthetic",
     "write",

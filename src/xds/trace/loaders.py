@@ -2,8 +2,10 @@
 lengths-only CSVs with a chosen arrival process, and generic CSV/JSONL with a column mapping.
 
 Malformed input fails with :class:`xds.errors.TraceError` naming the file, the line and the
-field (a missing column, a negative or non-integer length, timestamps out of order when sorting
-was not asked for). Nothing is dropped silently: every line becomes a request or an error.
+field (a missing column, a column or key given twice, a negative, non-integer or implausibly
+large length, timestamps out of order when sorting was not asked for). Nothing is dropped
+silently: every line becomes a request or an error. Blank lines are skipped, leading ones
+included (format guessing reads the first line that is not blank).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import itertools
+import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +51,19 @@ MAX_ARRIVAL_NS = 2**63 - 1
 """Arrivals are int64 nanoseconds (about 292 years)."""
 
 
+_DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
+"""A number as text: decimal digits, an optional fraction and exponent (not Python's ``1_000``)."""
+
+
 def _arrival_ns(value: Any, unit_ns: float, *, path: str, line: int, field: str) -> int:
     """A finite, non-negative arrival time in ``unit_ns`` units, as integer nanoseconds."""
     try:
+        if (
+            isinstance(value, str)
+            and not _DECIMAL.fullmatch(value)
+            and value.strip().lower().lstrip("+-") not in ("nan", "inf", "infinity")
+        ):
+            raise ValueError(value)
         t = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
         raise TraceError(f"not a number: {value!r}", path=path, line=line, field=field) from None
@@ -85,30 +98,45 @@ def _not_utf8(p: Path) -> TraceError:
     return TraceError("not UTF-8 text; save the file as UTF-8", path=str(p))
 
 
-def _int_field(value: Any, *, path: str, line: int, field: str, minimum: int = 0) -> int:
+MAX_TOKENS = 1_000_000_000
+"""Largest token count a trace may give (a billion: far beyond any context window, so a larger
+number is a corrupt or mis-scaled field; the bound the CLI puts on its whole numbers too)."""
+
+_PLAIN_INT = re.compile(r"\s*(-?[0-9]+)(?:\.0*)?\s*")
+"""An integer as text: decimal digits (``10.0`` too, as JSON's ``10.0``); no ``1_000``, ``1e3``
+or ``+5``."""
+
+
+def _int_field(
+    value: Any,
+    *,
+    path: str,
+    line: int,
+    field: str,
+    minimum: int = 0,
+    maximum: int = MAX_TOKENS,
+) -> int:
+    """A token count: an integer (written as plain digits in text) in ``minimum..maximum``."""
     if isinstance(value, bool):
         raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
     if isinstance(value, int):
         out = value
     elif isinstance(value, float) and value.is_integer():
         out = int(value)
-    elif isinstance(value, str):
-        try:
-            out = int(value.strip())
-        except ValueError:
-            try:  # "10.0", as JSON's 10.0 is accepted
-                number = float(value)
-            except ValueError:
-                number = math.nan
-            if not number.is_integer():
-                raise TraceError(
-                    f"expected an integer, got {value!r}", path=path, line=line, field=field
-                ) from None
-            out = int(number)
+    elif isinstance(value, str) and (m := _PLAIN_INT.fullmatch(value)):
+        out = int(m[1])
     else:
-        raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
+        what = "an integer (plain decimal digits)" if isinstance(value, str) else "an integer"
+        raise TraceError(f"expected {what}, got {value!r}", path=path, line=line, field=field)
     if out < minimum:
         raise TraceError(f"must be >= {minimum}, got {out}", path=path, line=line, field=field)
+    if out > maximum:
+        raise TraceError(
+            f"must be at most {maximum:,} (a token count), got {value!r}",
+            path=path,
+            line=line,
+            field=field,
+        )
     return out
 
 
@@ -142,13 +170,14 @@ def _finish(
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in Mooncake traces (its README: one hash per 512-token block)."""
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
     p = _open(path)
     rows = []
-    for line_no, obj in _json_objects(p):
+    for line_no, obj in _json_objects(p, MOONCAKE_KEYS):
         for key in ("timestamp", "input_length", "output_length"):
             if key not in obj:
                 raise TraceError("missing", path=str(p), line=line_no, field=key)
@@ -184,8 +213,9 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     return _finish(rows, str(p), sort)
 
 
-def _json_objects(p: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """The JSON object on each non-blank line of a JSONL file (a leading BOM is fine)."""
+def _json_objects(p: Path, keys: Collection[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The JSON object on each non-blank line of a JSONL file (a leading BOM is fine); one of
+    ``keys`` (those the loader reads) given twice on a line is an error."""
     with p.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             raw = raw.removeprefix(_BOM) if line_no == 1 else raw
@@ -197,33 +227,77 @@ def _json_objects(p: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise TraceError(f"invalid JSON ({exc})", path=str(p), line=line_no) from None
             if not isinstance(obj, dict):
                 raise TraceError("expected a JSON object", path=str(p), line=line_no)
+            if (key := _key_twice(raw, keys)) is not None:
+                raise TraceError(
+                    "key given twice on the line (which value is meant?)",
+                    path=str(p),
+                    line=line_no,
+                    field=key,
+                )
             yield line_no, obj
 
 
-def _csv_rows(p: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
-    """The rows of a UTF-8 CSV (a leading byte-order mark is fine) with ``required`` columns."""
+def _key_twice(raw: bytes, keys: Collection[str]) -> str | None:
+    """The first of ``keys`` that the JSON object ``raw`` has twice at its top level (a
+    decoder keeps the last silently). Without a backslash a key is spelt exactly as its name,
+    so counting its quoted name finds every candidate; only then is the line parsed again."""
+    if b"\\" not in raw and all(raw.count(b'"' + k.encode() + b'"') < 2 for k in keys):
+        return None
+    seen: set[str] = set()
+    for key, _ in json.loads(raw, object_pairs_hook=lambda pairs: pairs):
+        if key in keys and key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
+def _csv_rows(
+    p: Path, required: list[str], also: Collection[str] = ()
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """The rows of a UTF-8 CSV (a leading byte-order mark and leading blank lines are fine)
+    with ``required`` columns; a column it reads (``required`` or ``also``) named twice in
+    the header is an error."""
     with p.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
         try:
-            yield from _checked_rows(p, reader, required)
+            skipped = 0
+            first = f.readline()
+            while first and not first.strip():
+                skipped += 1
+                first = f.readline()
+            if not first:
+                raise TraceError(
+                    "no requests in the file (empty, or only blank lines)", path=str(p)
+                )
+            reader = csv.DictReader(itertools.chain([first], f))
+            yield from _checked_rows(p, reader, required, also, skipped)
         except UnicodeDecodeError:
             raise _not_utf8(p) from None
 
 
 def _checked_rows(
-    p: Path, reader: csv.DictReader, required: list[str]
+    p: Path, reader: csv.DictReader, required: list[str], also: Collection[str], skipped: int
 ) -> Iterator[tuple[int, dict[str, str]]]:
     header = reader.fieldnames or []
+    header_line = skipped + 1
     for col in required:
         if col not in header:
             raise TraceError(
                 f"missing column (header has {', '.join(header)})",
                 path=str(p),
-                line=1,
+                line=header_line,
+                field=col,
+            )
+    for col in (*required, *also):
+        if header.count(col) > 1:
+            at = [i + 1 for i, name in enumerate(header) if name == col]
+            raise TraceError(
+                f"column named twice in the header (columns {at[0]} and {at[1]}; which is meant?)",
+                path=str(p),
+                line=header_line,
                 field=col,
             )
     for row in reader:
-        line_no = reader.line_num  # the physical line (blank lines are skipped)
+        line_no = reader.line_num + skipped  # the physical line (blank lines are skipped)
         if None in row or any(v is None for v in row.values()):
             raise TraceError("wrong number of fields", path=str(p), line=line_no)
         yield line_no, row
@@ -324,6 +398,7 @@ def load_lengths(
             )
         except TraceError as exc:
             if invalid == "error":
+                exc.args = (f"{exc} (to leave such rows out: invalid='drop', or --drop-invalid)",)
                 raise
             dropped.append((line_no, str(exc)))
             continue
@@ -359,10 +434,11 @@ def load_generic(
         if key not in mapping:
             raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
     records: Iterator[tuple[int, dict[str, Any]]]
+    read = {mapping[k] for k in ("arrival", "input", "output", "hashes") if k in mapping}
     if p.suffix in (".jsonl", ".json"):
-        records = _json_objects(p)
+        records = _json_objects(p, read)
     else:
-        records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")])
+        records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")], read)
     get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
     rows = []
     for line_no, row in records:
@@ -418,30 +494,64 @@ FORMATS: dict[str, Callable[..., Workload]] = {
 }
 
 
+FORMAT_NAMES = (*FORMATS, "servegen")
+"""What ``load(path, fmt=...)`` takes (a lengths-only CSV has no arrival times:
+:func:`load_lengths`)."""
+
+
+def _first_line(p: Path) -> str | None:
+    """The first line of ``p`` that is not blank (as the loaders skip blank lines), or None."""
+    with p.open("rb") as f:
+        for raw in f:
+            line = raw.removeprefix(_BOM).decode("utf-8", errors="replace")
+            if line.strip():
+                return line
+    return None
+
+
+def guess_format(path: str | Path) -> str:
+    """The format of a trace, from its first line that is not blank: ``mooncake``, ``azure``
+    or ``request-csv`` (``servegen`` for a directory)."""
+    if Path(path).is_dir():
+        return "servegen"
+    p = _open(path)
+    first = _first_line(p)
+    if first is None:
+        raise TraceError("no requests in the file (empty, or only blank lines)", path=str(p))
+    if first.lstrip().startswith("{") and "input_length" in first:
+        return "mooncake"
+    if first.lstrip().startswith("TIMESTAMP"):
+        return "azure"
+    if "arrived_at" in first:
+        return "request-csv"
+    raise TraceError(
+        "cannot tell the trace format from its first line; name it (--format mooncake, azure, "
+        "request-csv, servegen or lengths on the command line; in Python fmt='mooncake', "
+        "'azure', 'request-csv' or 'servegen', and load_lengths(...) for a lengths-only CSV) "
+        "or map its columns with load_generic",
+        path=str(p),
+    )
+
+
 def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
-    """Load a trace, guessing the format from its first line when ``fmt`` is None (a
-    directory is a ServeGen client pool: :func:`~xds.trace.servegen.load_servegen`)."""
+    """Load a trace, guessing the format from its first line that is not blank when ``fmt``
+    is None (a directory is a ServeGen client pool:
+    :func:`~xds.trace.servegen.load_servegen`)."""
     if fmt == "servegen" or (fmt is None and Path(path).is_dir()):
         from .servegen import load_servegen
 
         return load_servegen(path, **options)
+    if fmt == "lengths":
+        raise TraceError(
+            "a lengths-only CSV has no arrival times: load it with load_lengths(path, "
+            "input_column=..., output_column=..., rng=..., rate_per_s=...), which draws them",
+            path=str(path),
+        )
+    if fmt is not None and fmt not in FORMATS:
+        raise TraceError(
+            f"unknown format {fmt!r}; known: {', '.join(FORMAT_NAMES)} (and load_lengths for a "
+            "lengths-only CSV)",
+            path=str(path),
+        )
     p = _open(path)
-    if fmt is None:
-        with p.open("rb") as f:
-            first = f.readline().decode("utf-8-sig", errors="replace")
-        if first.lstrip().startswith("{") and "input_length" in first:
-            fmt = "mooncake"
-        elif first.startswith("TIMESTAMP"):
-            fmt = "azure"
-        elif "arrived_at" in first:
-            fmt = "request-csv"
-        else:
-            raise TraceError(
-                "cannot tell the trace format from its first line; name it (--format on "
-                "the command line, fmt= in Python: mooncake, azure, request-csv, servegen, "
-                "or lengths for a lengths-only CSV) or map its columns with load_generic",
-                path=str(p),
-            )
-    if fmt not in FORMATS:
-        raise TraceError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", path=str(p))
-    return FORMATS[fmt](p, **options)
+    return FORMATS[fmt or guess_format(p)](p, **options)

@@ -4,7 +4,8 @@ Every request of a workload ends as exactly one :class:`RequestRecord`: complete
 first-token and per-token times) or failed with a reason. The summary reports TTFT, TPOT,
 inter-token latency and end-to-end latency (mean, p50, p90, p99), output tokens per second per
 chip, SLA goodput (share of requests meeting both TTFT and TPOT targets; defaults TTFT < 2 s
-and TPOT < 35 ms, P126) and queueing / KV-transfer times.
+and TPOT < 35 ms, P126) and queueing / KV-transfer times. Requests with one output token have no
+decode: TPOT, decode admission wait and KV transfer are over the requests with two or more.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from msgspec import Meta
 from ..config import check_fields
 from ..docfields import document_fields
 from ..errors import ConfigError
+from .workload import Workload
 
 Outcome = Literal["completed", "failed"]
 
@@ -51,6 +53,9 @@ class RequestRecord(msgspec.Struct):
     RECV. The KV waits on the Prefill side meanwhile: for a Decode TE in service, for a DP
     group below its batch limit (TE-shell backpressure) and for its KV blocks (deferred
     RECV)."""
+    source_line: int = 0
+    """Line of the trace file the request came from (0 if generated): find it in the input
+    after ``--sort``."""
 
     @property
     def ttft_ns(self) -> int:
@@ -114,6 +119,8 @@ class Summary(msgspec.Struct):
     queue_ms: Stat
     """Prefill queueing (:attr:`RequestRecord.queue_ns`)."""
     kv_transfer_ms: Stat
+    """KV transfer (:attr:`RequestRecord.kv_transfer_ns`), over the requests with two or more
+    output tokens (one token needs no decode, so no KV moves)."""
     decode_wait_ms: Stat
     """Decode admission wait (:attr:`RequestRecord.decode_wait_ns`)."""
     output_tokens_per_s: float
@@ -125,6 +132,21 @@ class Summary(msgspec.Struct):
     """Per Prefill TE of a PD replay, the share of the prefill phase it spent in steps."""
     prefix_hit_ratio: float = 0.0
     """Prompt tokens served from prefix caches / prompt tokens, over completed requests."""
+    chips: int = 0
+    """Chips of the deployment (the divisor of the per-chip throughput)."""
+    deployment: str = ""
+    """The deployment replayed: a preset name or the file given (``xds replay`` fills it)."""
+    seed: int | None = None
+    """The seed of the workload and the replay (``xds replay`` fills it)."""
+    trace: str | None = None
+    """The trace file or ServeGen directory replayed; None: a built-in or generated workload."""
+    trace_format: str | None = None
+    """The trace's format, given or guessed (``mooncake``, ``azure``, ``request-csv``,
+    ``lengths``, ``servegen``)."""
+    workload: str = ""
+    """The workload as :attr:`Workload.source` describes it (limit and rate scale included)."""
+    dropped_rows: int = 0
+    """Rows of a lengths-only CSV left out on request (``--drop-invalid``) among those read."""
 
 
 def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
@@ -164,7 +186,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         itl_ms=Stat.of(itl),
         e2e_s=Stat.of([r.e2e_ns / 1e9 for r in done]),
         queue_ms=Stat.of([r.queue_ns / 1e6 for r in done]),
-        kv_transfer_ms=Stat.of([r.kv_transfer_ns / 1e6 for r in done]),
+        kv_transfer_ms=Stat.of([r.kv_transfer_ns / 1e6 for r in done if r.output_tokens > 1]),
         decode_wait_ms=Stat.of([r.decode_wait_ns / 1e6 for r in done if r.output_tokens > 1]),
         output_tokens_per_s=tokens / duration,
         output_tokens_per_s_per_chip=tokens / duration / chips,
@@ -172,6 +194,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         prefix_hit_ratio=prefix_hit_ratio(done),
         sla=sla,
         duration_s=(end - start) / 1e9,
+        chips=chips,
     )
 
 
@@ -189,11 +212,40 @@ def check_complete(records: Sequence[RequestRecord], n_requests: int) -> None:
         raise AssertionError(f"replay lost or duplicated requests (missing: {missing[:10]})")
 
 
+def set_source_lines(records: Sequence[RequestRecord], workload: Workload) -> None:
+    """Give each record the trace line of its request in ``workload``
+    (:attr:`RequestRecord.source_line`)."""
+    lines = {r.request_id: r.source_line for r in workload.requests}
+    for r in records:
+        r.source_line = lines.get(r.request_id, 0)
+
+
+CSV_COLUMNS = (
+    "request_id",
+    "source_line",
+    "arrival_ns",
+    "input_tokens",
+    "output_tokens",
+    "outcome",
+    "reason",
+    "first_token_ns",
+    "finish_ns",
+    "prefill_placement",
+    "decode_placement",
+    "queue_ns",
+    "kv_transfer_ns",
+    "cached_tokens",
+    "decode_wait_ns",
+)
+"""The columns of ``requests.csv``: a record's fields but its per-token times."""
+
+
 def write(
     out_dir: str | Path, records: Sequence[RequestRecord], summary: Summary, *, csv: bool = False
 ) -> None:
     """``requests.jsonl`` (one line per request), ``summary.json``, optionally
-    ``requests.csv``."""
+    ``requests.csv`` (without it, a ``requests.csv`` of an earlier run there is removed, so the
+    directory holds one run's results). Other files are left alone."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     enc = msgspec.json.Encoder()
@@ -201,28 +253,14 @@ def write(
         for r in sorted(records, key=lambda r: r.request_id):
             f.write(enc.encode(r) + b"\n")
     (out / "summary.json").write_bytes(msgspec.json.format(enc.encode(summary)))
-    if csv:
-        cols = [
-            "request_id",
-            "arrival_ns",
-            "input_tokens",
-            "output_tokens",
-            "outcome",
-            "reason",
-            "first_token_ns",
-            "finish_ns",
-            "prefill_placement",
-            "decode_placement",
-            "queue_ns",
-            "kv_transfer_ns",
-            "cached_tokens",
-            "decode_wait_ns",
-        ]
-        with (out / "requests.csv").open("w", newline="") as f:
-            writer = csv_module.writer(f)
-            writer.writerow(cols)
-            for r in sorted(records, key=lambda r: r.request_id):
-                writer.writerow([getattr(r, c) for c in cols])
+    if not csv:
+        (out / "requests.csv").unlink(missing_ok=True)
+        return
+    with (out / "requests.csv").open("w", newline="") as f:
+        writer = csv_module.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for r in sorted(records, key=lambda r: r.request_id):
+            writer.writerow([getattr(r, c) for c in CSV_COLUMNS])
 
 
 document_fields(RequestRecord, SLA, Summary)

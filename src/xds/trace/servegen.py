@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TraceError
+from .loaders import MAX_TOKENS
 from .workload import Request, Workload
 
 WINDOW_S = 600
@@ -93,7 +94,7 @@ def load_servegen(
             f"no requests in [{start_s:g}, {end_s:g}) s for the chosen clients", path=str(p)
         )
     return Workload(
-        tuple(Request(i, a, x, y, (), None) for i, (a, x, y) in enumerate(rows)),
+        tuple(Request(i, a, x, y) for i, (a, x, y) in enumerate(rows)),
         f"servegen({p.name}, {start_s:g}-{end_s:g} s)",
     )
 
@@ -233,6 +234,12 @@ class _Lengths:
             )
         if not pmf:
             return np.zeros(0, np.int64), np.zeros(0)
+        if (top := max(pmf)) > MAX_TOKENS:
+            raise TraceError(
+                f"must be at most {MAX_TOKENS:,} (a token count), got {top!r}",
+                path=str(self.path),
+                field=where,
+            )
         values = np.array(sorted(pmf), dtype=np.float64)
         probs = np.array([pmf[v] for v in sorted(pmf)], dtype=np.float64)
         if probs.sum() <= 0:

@@ -68,13 +68,21 @@ class Workload(msgspec.Struct, frozen=True):
         )
 
     def limited(self, limit: int | None) -> Workload:
+        """The first ``limit`` requests; of :attr:`dropped`, the rows before the last of them
+        (those read to get them)."""
         if limit is None:
             return self
         if limit < 0:
             raise ConfigError("limit must be >= 0", field="limit")
         if limit >= len(self.requests):
             return self
-        return Workload(self.requests[:limit], f"{self.source}, first {limit}", self.dropped)
+        kept = self.requests[:limit]
+        read_to = max((r.source_line for r in kept), default=0)  # the rows the kept ones came from
+        return Workload(
+            kept,
+            f"{self.source}, first {limit}",
+            tuple(d for d in self.dropped if d[0] < read_to),
+        )
 
 
 def _build(
