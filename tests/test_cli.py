@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -356,3 +357,13 @@ def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert (s["trace"], s["trace_format"], s["seed"], s["chips"]) == (None, None, 0, 128)
     assert s["workload"].startswith("production")
+
+
+def test_replay_says_which_fault_never_struck(tmp_path, capsys):
+    out = tmp_path / "o"
+    argv = ["replay", "--synthetic", "4", "--rate", "4", "--json", "--out", str(out)]
+    assert main([*argv, "--fault", "node:at=100000,server=0"]) == 0
+    err = capsys.readouterr().err
+    assert "xds: --fault node:at=100000,server=0 never struck: every request had finished" in err
+    faults = json.loads((out / "faults.json").read_text())
+    assert faults["unfired"] == [{"at_ns": 100_000 * 10**9, "server": 0, "repair_ns": 0}]

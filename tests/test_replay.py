@@ -1154,3 +1154,26 @@ def test_a_fault_whose_time_never_comes_is_reported_not_dropped():
     res = replay(wl, SMALL, faults=[early, *late])
     assert res.summary.completed + res.summary.failed == 4
     assert res.unfired_faults == late  # in the order given; the early one struck
+
+
+def test_replay_records_carry_their_requests_trace_lines():
+    wl = Workload(tuple(Request(i, i * MS, 1_000, 4, source_line=10 + 2 * i) for i in range(3)))
+    res = replay(wl, SMALL)
+    assert [r.source_line for r in res.records] == [10, 12, 14]
+
+
+def test_the_prefix_cache_block_must_match_the_traces_hash_block():
+    """Mooncake's hash_ids cover 512 tokens each: a deployment caching 128-token blocks used to
+    credit a quarter of the hits (2048: four times as many)."""
+    wl = production_workload(4, rate_per_s=4.0, seed=0)
+    assert wl.hash_block_tokens == 512
+    assert wl.scaled(2.0).limited(2).hash_block_tokens == 512
+    small = msgspec.structs.replace(
+        SMALL, prefill=msgspec.structs.replace(SMALL.prefill, prefix_block_tokens=128)
+    )
+    with pytest.raises(ConfigError, match="prefix hashes cover 512 tokens each") as err:
+        replay(wl, small)
+    assert err.value.field == "prefill.prefix_block_tokens"
+    # a workload without hashes does not care
+    plain = Workload((Request(0, 0, 1_000, 4),))
+    assert replay(plain, small).records[0].outcome == "completed"

@@ -31,6 +31,7 @@ def test_mooncake_jsonl(tmp_path):
     w = t.load(p)
     assert [r.arrival_ns for r in w.requests] == [0, 4_000_000]
     assert w.requests[0].prefix_hashes == (1, 2) and w.requests[1].source_line == 2
+    assert w.hash_block_tokens == 512  # Mooncake's hash_ids: one per 512-token block
 
 
 @pytest.mark.parametrize(
@@ -430,8 +431,10 @@ def test_records_carry_their_trace_line(tmp_path):
         '{"timestamp": 3, "input_length": 5, "output_length": 2}\n',
     )
     w = t.load_mooncake(p, sort=True)
-    recs = [t.RequestRecord(r.request_id, r.arrival_ns, 1, 2) for r in w.requests]
-    t.set_source_lines(recs, w)
+    recs = [
+        t.RequestRecord(r.request_id, r.arrival_ns, 1, 2, source_line=r.source_line)
+        for r in w.requests
+    ]
     assert [r.source_line for r in recs] == [3, 1]
     t.write(tmp_path / "o", recs, t.summarize(recs, chips=1), csv=True)
     lines = [json.loads(x) for x in (tmp_path / "o" / "requests.jsonl").read_text().splitlines()]

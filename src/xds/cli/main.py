@@ -817,7 +817,6 @@ def replay(
 
     from xds.serve.presets import pd_config
     from xds.serve.replay import replay as run_replay
-    from xds.trace import set_source_lines
 
     _check_trace_options(trace, fmt, sort)
     policies = _policies(policy_specs)
@@ -871,7 +870,6 @@ def replay(
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
         result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults, **policies)
-    set_source_lines(result.records, workload)
     s = msgspec.structs.replace(
         result.summary,
         chips=result.chips,
@@ -890,8 +888,16 @@ def replay(
                 "failovers": result.failovers,
                 "kv_masks": result.kv_masks,
                 "probes": result.probes,
+                "unfired": result.unfired_faults,
             }
         _write_out(out_dir, result.records, s, as_csv, outcome)
+    for spec, fault in zip(fault_specs, faults, strict=True):
+        if any(fault is u for u in result.unfired_faults):
+            click.echo(
+                f"xds: --fault {spec} never struck: every request had finished by "
+                f"{fmt_ns(result.end_ns)}",
+                err=True,
+            )
     if as_json:
         print(msgspec.json.encode(s).decode())
         return

@@ -322,6 +322,15 @@ class Replay(Failover):
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
         _check_workload(workload)
+        block = workload.hash_block_tokens
+        if block and block != config.prefill.prefix_block_tokens:
+            raise ConfigError(
+                f"{workload.source}'s prefix hashes cover {block} tokens each, but the prefix "
+                f"cache's blocks are {config.prefill.prefix_block_tokens}: set it to {block} "
+                "(another size would credit cache hits the trace does not have, or miss ones it "
+                "has)",
+                field="prefill.prefix_block_tokens",
+            )
         self.workload = workload
         self.config = config
         self.progress = progress
@@ -486,7 +495,13 @@ class Replay(Failover):
             self.progress(record.finish_ns, self.ended, len(self.workload))
 
     async def _serve(self, req: Request) -> None:
-        rec = RequestRecord(req.request_id, req.arrival_ns, req.input_tokens, req.output_tokens)
+        rec = RequestRecord(
+            req.request_id,
+            req.arrival_ns,
+            req.input_tokens,
+            req.output_tokens,
+            source_line=req.source_line,
+        )
         self.records[req.request_id] = rec
         await sleep_until_ns(req.arrival_ns)
         reason = self._failure(req)
@@ -762,7 +777,13 @@ class Replay(Failover):
     async def _request(self, req: Request) -> None:
         """One request's task, in a scope a restart-the-world cancels."""
         if self.down:
-            rec = RequestRecord(req.request_id, req.arrival_ns, req.input_tokens, req.output_tokens)
+            rec = RequestRecord(
+                req.request_id,
+                req.arrival_ns,
+                req.input_tokens,
+                req.output_tokens,
+                source_line=req.source_line,
+            )
             self.records[req.request_id] = rec
             self._fail(rec, f"service unavailable: {self.down}")
             return

@@ -19,7 +19,6 @@ from .metrics import (
     Stat,
     Summary,
     check_complete,
-    set_source_lines,
     summarize,
     write,
 )
@@ -45,7 +44,6 @@ __all__ = [
     "load_request_csv",
     "load_servegen",
     "poisson_arrivals",
-    "set_source_lines",
     "summarize",
     "synthetic",
     "write",

@@ -210,7 +210,10 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
                 field="hash_ids",
             )
         rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
-    return _finish(rows, str(p), sort)
+    workload = _finish(rows, str(p), sort)
+    if any(r.prefix_hashes for r in workload.requests):
+        workload = msgspec.structs.replace(workload, hash_block_tokens=MOONCAKE_BLOCK_TOKENS)
+    return workload
 
 
 def _json_objects(p: Path, keys: Collection[str]) -> Iterator[tuple[int, dict[str, Any]]]:

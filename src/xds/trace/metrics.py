@@ -24,7 +24,6 @@ from msgspec import Meta
 from ..config import check_fields
 from ..docfields import document_fields
 from ..errors import ConfigError
-from .workload import Workload
 
 Outcome = Literal["completed", "failed"]
 
@@ -210,14 +209,6 @@ def check_complete(records: Sequence[RequestRecord], n_requests: int) -> None:
     if ids != list(range(n_requests)):
         missing = sorted(set(range(n_requests)) - set(ids))
         raise AssertionError(f"replay lost or duplicated requests (missing: {missing[:10]})")
-
-
-def set_source_lines(records: Sequence[RequestRecord], workload: Workload) -> None:
-    """Give each record the trace line of its request in ``workload``
-    (:attr:`RequestRecord.source_line`)."""
-    lines = {r.request_id: r.source_line for r in workload.requests}
-    for r in records:
-        r.source_line = lines.get(r.request_id, 0)
 
 
 CSV_COLUMNS = (

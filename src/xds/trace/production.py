@@ -198,7 +198,11 @@ def production_workload(
         for i in range(n)
     )
     follow = "" if conv.follow_up == 0.0 else ", conversations"
-    return Workload(requests, f"production(n={n}, rate={rate_per_s:g}/s{follow})")
+    return Workload(
+        requests,
+        f"production(n={n}, rate={rate_per_s:g}/s{follow})",
+        hash_block_tokens=BLOCK_TOKENS if any(r.prefix_hashes for r in requests) else 0,
+    )
 
 
 def _block_hashes(turns: _Turns) -> list[tuple[int, ...]]:

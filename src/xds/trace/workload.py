@@ -37,6 +37,9 @@ class Workload(msgspec.Struct, frozen=True):
     source: str = "generated"
     dropped: tuple[tuple[int, str], ...] = ()
     """(line, reason) of input rows left out on request (``invalid="drop"``), never silently."""
+    hash_block_tokens: int = 0
+    """Tokens each of the requests' prefix hashes covers (Mooncake: 512); 0 when they carry
+    none. A replay's prefix cache must use the same block (``prefill.prefix_block_tokens``)."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -58,13 +61,13 @@ class Workload(msgspec.Struct, frozen=True):
                 "int64 nanosecond clock (about 292 years)",
                 field="rate_scale",
             )
-        return Workload(
-            tuple(
+        return msgspec.structs.replace(
+            self,
+            requests=tuple(
                 msgspec.structs.replace(r, arrival_ns=round(r.arrival_ns / rate_scale))
                 for r in self.requests
             ),
-            self.source if rate_scale == 1 else f"{self.source} at {rate_scale:g}x its rate",
-            self.dropped,
+            source=self.source if rate_scale == 1 else f"{self.source} at {rate_scale:g}x its rate",
         )
 
     def limited(self, limit: int | None) -> Workload:
@@ -78,10 +81,11 @@ class Workload(msgspec.Struct, frozen=True):
             return self
         kept = self.requests[:limit]
         read_to = max((r.source_line for r in kept), default=0)  # the rows the kept ones came from
-        return Workload(
-            kept,
-            f"{self.source}, first {limit}",
-            tuple(d for d in self.dropped if d[0] < read_to),
+        return msgspec.structs.replace(
+            self,
+            requests=kept,
+            source=f"{self.source}, first {limit}",
+            dropped=tuple(d for d in self.dropped if d[0] < read_to),
         )
 
 
