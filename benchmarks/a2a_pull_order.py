@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import anyio
 import msgspec
 import numpy as np
 
@@ -29,7 +28,7 @@ from xds.fabric.xccl.moe import combine_row_bytes, dispatch_row_bytes
 from xds.hw import CloudMatrix384, EngineSpec, collective_efficiency
 from xds.model import DEEPSEEK_V3
 from xds.reproduce import dispatch_combine, peak_decode
-from xds.runtime import now_ns, rng, run, sleep_until_ns
+from xds.runtime import rng, run
 from xds.serve.decode import DecodeConfig
 
 ORDERS = ("static", "staggered")
@@ -59,22 +58,10 @@ def exchange(ep: int, tokens: int, order: str) -> tuple[float, float]:
             ]
             for _ in range(ep)
         ]
-        t0 = now_ns() + 1_000
-        t1 = t0 + 100_000_000  # combine's common start, long after dispatch drained
-        ends = [0, 0]
-
-        async def rank(r: int) -> None:
-            await sleep_until_ns(t0)
-            h = await group.dispatch(r, tokens, routes[r], 2)
-            ends[0] = max(ends[0], now_ns() - t0)
-            await sleep_until_ns(t1)
-            await group.combine(r, h, None, None, 3)
-            ends[1] = max(ends[1], now_ns() - t1)
-
-        async with anyio.create_task_group() as tg:
-            for r in range(ep):
-                tg.start_soon(rank, r)
-        return ends[0], ends[1]
+        # combine's common start long after dispatch drained
+        return await dispatch_combine.timed_exchange(
+            group, tokens, routes, start_in_ns=1_000, combine_after_ns=100_000_000
+        )
 
     d_ns, c_ns = run(main, seed=0, event_log=False)
     remote = (ep - 1) / ep

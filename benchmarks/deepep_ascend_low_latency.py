@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import time
 
-import anyio
 import numpy as np
 
 from xds.fabric import UBFabric
-from xds.fabric.xccl.ep import EPConfig, EPGroup
-from xds.fabric.xccl.moe import ExpertMap
 from xds.hw import CloudMatrix384
 from xds.model import DEEPSEEK_V3
-from xds.runtime import now_ns, rng, run, sleep_until_ns
+from xds.reproduce.dispatch_combine import deepseek_ep_group, timed_exchange
+from xds.runtime import rng, run
 
 TOKENS = 128
 MEASURED_US = {  # EP: (dispatch, combine) latency of the low-latency kernels, DEEPEP-ASC
@@ -45,41 +43,14 @@ def latency(ep: int, *, tokens: int = TOKENS, pull_order: str = "static") -> tup
 
     async def main() -> tuple[int, int]:
         fabric = UBFabric(CloudMatrix384(servers=max(1, ep // 16)), payload_mode="size")
-        group = EPGroup(
-            fabric,
-            list(range(ep)),
-            ExpertMap(ep, ep),  # one logical expert per rank: a row per (token, expert)
-            EPConfig(
-                hidden=model.hidden,
-                top_k=model.top_k,
-                max_tokens_per_rank=tokens,
-                dispatch_dtype="int8",
-                combine_dtype="bf16",
-                pull_order=pull_order,  # type: ignore[arg-type]
-            ),
-            tier="collective",
-        )
+        # one logical expert per rank: a row per (token, expert)
+        group = deepseek_ep_group(fabric, ep, tokens, pull_order=pull_order, experts=ep)
         pick = rng("benchmark/deepep-ascend-ll")
         routes = [
             np.stack([pick.choice(ep, model.top_k, replace=False) for _ in range(tokens)])
             for _ in range(ep)
         ]
-        t_dispatch = now_ns() + 1_000_000
-        t_combine = t_dispatch + 10_000_000
-        ends = [0, 0]
-
-        async def rank(r: int) -> None:
-            await sleep_until_ns(t_dispatch)
-            handle = await group.dispatch(r, tokens, routes[r], 2)
-            ends[0] = max(ends[0], now_ns() - t_dispatch)
-            await sleep_until_ns(t_combine)
-            await group.combine(r, handle, None, None, 3)
-            ends[1] = max(ends[1], now_ns() - t_combine)
-
-        async with anyio.create_task_group() as tg:
-            for r in range(ep):
-                tg.start_soon(rank, r)
-        return ends[0], ends[1]
+        return await timed_exchange(group, tokens, routes, combine_after_ns=10_000_000)
 
     d_ns, c_ns = run(main, seed=0, event_log=False)
     return d_ns / 1e3, c_ns / 1e3

@@ -33,15 +33,22 @@ EP = 128
 
 
 def deepseek_ep_group(
-    fabric: UBFabric, ep: int, tokens: int, *, tier: str = "collective", pull_order: str = "static"
+    fabric: UBFabric,
+    ep: int,
+    tokens: int,
+    *,
+    tier: str = "collective",
+    pull_order: str = "static",
+    experts: int | None = None,
 ) -> EPGroup:
     """DeepSeek-R1's dispatch/combine on dies ``0..ep-1``: hidden 7168, top-8 of 256 routed
-    experts spread evenly, ``tokens`` per rank at most, INT8 dispatch and BF16 combine."""
+    experts (or ``experts``) spread evenly, ``tokens`` per rank at most, INT8 dispatch and
+    BF16 combine."""
     model = DEEPSEEK_V3
     return EPGroup(
         fabric,
         list(range(ep)),
-        ExpertMap(model.routed_experts, ep),
+        ExpertMap(experts or model.routed_experts, ep),
         EPConfig(
             hidden=model.hidden,
             top_k=model.top_k,
@@ -67,20 +74,36 @@ async def _one_batch(
         )
         for _ in range(ep)
     ]
-    t_dispatch = now_ns() + 1_000_000  # a common start, after earlier traffic drained
-    t_combine = t_dispatch + 1_000_000
+    return await timed_exchange(group, batch, routes, event_id=2 * round_ + 2)
+
+
+async def timed_exchange(
+    group: EPGroup,
+    tokens: int,
+    routes: list[np.ndarray],
+    *,
+    event_id: int = 2,
+    start_in_ns: int = 1_000_000,
+    combine_after_ns: int = 1_000_000,
+) -> tuple[int, int]:
+    """Every rank of ``group`` dispatches ``tokens`` rows routed by ``routes[rank]`` from a
+    common start ``start_in_ns`` from now (after earlier traffic drained), then combines them
+    from a second common start ``combine_after_ns`` later (eventIDs ``event_id`` and the next);
+    the two latencies, each from its common start to the last rank's completion."""
+    t_dispatch = now_ns() + start_in_ns
+    t_combine = t_dispatch + combine_after_ns
     ends = {"dispatch": 0, "combine": 0}
 
     async def rank(r: int) -> None:
         await sleep_until_ns(t_dispatch)
-        h = await group.dispatch(r, batch, routes[r], 2 * round_ + 2)
+        h = await group.dispatch(r, tokens, routes[r], event_id)
         ends["dispatch"] = max(ends["dispatch"], now_ns())
         await sleep_until_ns(t_combine)
-        await group.combine(r, h, None, None, 2 * round_ + 3)
+        await group.combine(r, h, None, None, event_id + 1)
         ends["combine"] = max(ends["combine"], now_ns())
 
     async with anyio.create_task_group() as tg:
-        for r in range(ep):
+        for r in range(len(group.ranks)):
             tg.start_soon(rank, r)
     return ends["dispatch"] - t_dispatch, ends["combine"] - t_combine
 

@@ -494,15 +494,19 @@ class Replay(Failover):
         if self.progress is not None:
             self.progress(record.finish_ns, self.ended, len(self.workload))
 
-    async def _serve(self, req: Request) -> None:
-        rec = RequestRecord(
+    def _record(self, req: Request) -> RequestRecord:
+        """The record of ``req``, kept for the results (one per request, always)."""
+        rec = self.records[req.request_id] = RequestRecord(
             req.request_id,
             req.arrival_ns,
             req.input_tokens,
             req.output_tokens,
             source_line=req.source_line,
         )
-        self.records[req.request_id] = rec
+        return rec
+
+    async def _serve(self, req: Request) -> None:
+        rec = self._record(req)
         await sleep_until_ns(req.arrival_ns)
         reason = self._failure(req)
         if reason:
@@ -777,14 +781,7 @@ class Replay(Failover):
     async def _request(self, req: Request) -> None:
         """One request's task, in a scope a restart-the-world cancels."""
         if self.down:
-            rec = RequestRecord(
-                req.request_id,
-                req.arrival_ns,
-                req.input_tokens,
-                req.output_tokens,
-                source_line=req.source_line,
-            )
-            self.records[req.request_id] = rec
+            rec = self._record(req)
             self._fail(rec, f"service unavailable: {self.down}")
             return
         rid = req.request_id
