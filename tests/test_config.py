@@ -156,3 +156,19 @@ def test_a_toml_error_names_the_key_path_and_its_line(tmp_path):
     f.write_text("[prefill]\ntes = 30\n")  # a deployment check, on the key that set it
     with pytest.raises(ConfigError, match=r"prefill\.tes: .*\(line 2\)$"):
         load_config(f, PDConfig)
+
+
+def test_an_error_in_the_second_array_table_names_its_index_and_line(tmp_path):
+    from xds.serve.reliability import ReliabilityConfig
+
+    f = tmp_path / "group.toml"
+    text = (
+        "dps = 8\n\n[[faults]]\nkind = 'network_error'\ndp = 2\niteration = 4\n\n"
+        "[[faults]]\nkind = 'executor_crash'\ndp = {}\niteration = 3\n"
+    )
+    f.write_text(text.format(-1))  # a type/bound error msgspec finds
+    with pytest.raises(ConfigError, match=r"faults\[1\]\.dp: Expected `int` >= 0 \(line 10\)"):
+        load_config(f, ReliabilityConfig)
+    f.write_text(text.format(9))  # a check of the struct's own: field and line kept
+    with pytest.raises(ConfigError, match=r"faults\[1\]\.dp: DP 9 does not exist.*\(line 10\)"):
+        load_config(f, ReliabilityConfig)

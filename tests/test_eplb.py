@@ -683,3 +683,13 @@ def test_the_skewed_generator_names_a_bad_shape_parameter(name, value):
             **{name: value},
         )
     assert err.value.field == name
+
+
+@pytest.mark.parametrize(("dies", "says"), [([], "expert 7 has no die"), ([-3], "uses die -3")])
+def test_forward_latency_refuses_a_plan_with_no_or_negative_dies(dies, says):
+    cfg = DecodeConfig()
+    plans = plan_layers("none", np.ones((2, 58, 256)), Layout.one_expert_per_die(256, 288), 0)
+    plans[0].replica_dies[7] = dies
+    with pytest.raises(ConfigError, match=says) as err:
+        forward_latency(cfg, plans, np.ones((2, 58, 256)))
+    assert err.value.field == "plans[0]"

@@ -95,6 +95,10 @@ NPY = {
         _npy(np.array([[[2**64 - 1]]], np.uint64)),
         r"c\.npy: count at \[0, 0, 0\] is 18446744073709551615, too large",
     ),
+    "float_2_63": (  # 2**63 as a float compares equal to int64's max, which it exceeds
+        _npy(np.array([[[1.0, 2.0**63, 1.0]]])),
+        r"c\.npy: count at \[0, 0, 1\] is 9\.223372036854776e\+18, too large",
+    ),
     "directory": (_dir, r"c\.npy: cannot read"),
 }
 

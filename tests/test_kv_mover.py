@@ -271,3 +271,16 @@ def test_on_the_xccl_tier_a_link_going_down_mid_move_cancels_it_and_it_runs_agai
     # half a move, the outage, then a whole fresh move on re-initialised pairs
     assert rec.kv_transfer_ns >= took // 2 + 5 * MS + took - 1_000
     assert rec.kv_transfer_ns <= took // 2 + 5 * MS + took + 50_000
+
+
+def test_concurrent_xccl_kv_transfers_never_deadlock_on_the_decode_dies_aivs():
+    """The Decode DP's RECV is async: it takes the decode die's AIVs only once the sender's
+    message is there. A receive holding them while waiting deadlocked 12 simultaneous transfers
+    on trio (hold and wait: each die's 48 AIVs held by a receive whose sender waited for its
+    own die's AIVs)."""
+    xccl = msgspec.structs.replace(
+        SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1), kv_transfer="xccl"
+    )
+    wl = Workload(tuple(Request(i, 0, 800 + 37 * i, 6) for i in range(12)))
+    res = replay(wl, xccl, backend="trio")
+    assert [r.outcome for r in res.records] == ["completed"] * 12

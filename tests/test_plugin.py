@@ -501,9 +501,16 @@ async def test_in_a_timer_callback():
 async def test_bad_argument():
     with xds.waiting_for(3):
         pass
+
+@pytest.mark.xds
+async def test_bad_die():
+    from xds.fabric import UBFabric
+    from xds.hw import CloudMatrix384
+
+    UBFabric(CloudMatrix384()).post_write(0, 99999, 0, b"abc")
 """,
     )
-    result.assert_outcomes(failed=5)
+    result.assert_outcomes(failed=6)
     for backend in ("asyncio", "trio"):
         section = _failure_section(result, f"test_assert[{backend}]")
         assert ">       assert x == 2" in section and "E       assert 1 == 2" in section
@@ -520,6 +527,10 @@ async def test_bad_argument():
     assert ">       with xds.waiting_for(3):" in section
     assert "E       xds.errors.ConfigError: what: what must be text" in section
     assert "contextlib" not in section and "_check_note" not in section, section
+    # however deep inside xds it was found (the fabric, its checks, the topology)
+    section = _failure_section(result, "test_bad_die")
+    assert '>       UBFabric(CloudMatrix384()).post_write(0, 99999, 0, b"abc")' in section
+    assert "ub.py" not in section and "checks.py" not in section, section
 
 
 def test_full_trace_still_shows_every_frame(pytester):

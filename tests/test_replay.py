@@ -1135,6 +1135,9 @@ def test_chips_count_whole_chips_per_te_and_the_pod_bounds_910c_dies_only():
         base, prefill=msgspec.structs.replace(base.prefill, hardware="910b", tes=40)
     )
     assert b.chips == 40 * 32 + 64
+    with pytest.raises(ConfigError, match="11,552 910B dies; a replay models up to 11,520") as err:
+        msgspec.structs.replace(b, prefill=msgspec.structs.replace(b.prefill, tes=361))
+    assert err.value.field == "prefill.tes"
     with pytest.raises(ConfigError, match="one CloudMatrix384 has 768") as err:
         msgspec.structs.replace(base, prefill=msgspec.structs.replace(base.prefill, tes=21))
     assert err.value.field == "prefill.tes"

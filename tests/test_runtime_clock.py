@@ -300,3 +300,24 @@ def test_bad_run_arguments_are_one_line_config_errors_naming_them(kwargs, field,
     message = _config_error(lambda: xds.run(_answer, **kwargs), field)
     assert expected in message
     assert xds.run(_answer, event_log=np.bool_(False)) == 42  # numpy's bool is a bool
+
+
+def test_both_backends_count_the_same_time_steps_with_float_deadlines():
+    """anyio.sleep takes float seconds: on trio two pollers' deadlines can sit a fraction of a
+    ns apart, which once counted as extra steps (a step limit then bit on trio only)."""
+
+    async def main() -> None:
+        async def poll(period: float) -> None:
+            for _ in range(2_000):
+                await anyio.sleep(period)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll, 1e-6)
+            tg.start_soon(poll, 3e-6)
+
+    counts = set()
+    for backend in ("asyncio", "trio"):
+        rt = xds.Runtime(backend=backend)
+        rt.run(main)
+        counts.add((rt.time_steps, rt.end_ns))
+    assert counts == {(3_334, 6_000_000)}

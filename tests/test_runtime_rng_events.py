@@ -169,9 +169,17 @@ def test_emit_takes_every_encodable_field_and_records_sets_sorted(tmp_path):
 def test_an_event_log_with_sets_is_identical_under_any_hash_seed():
     """A set of strings iterates in hash order, which changes from process to process."""
     code = (
-        "import xds\n"
+        "import collections, msgspec, xds\n"
+        "class Group(msgspec.Struct):\n"
+        "    dies: set\n"
+        "names = {f'die-{i}' for i in range(40)}\n"
         "async def main():\n"
-        "    xds.emit('pool', 'members', names={f'die-{i}' for i in range(40)})\n"
+        "    xds.emit('pool', 'members', names=names)\n"
+        "    xds.emit('pool', 'group', group=Group(set(names)))  # inside a Struct\n"
+        "    by = collections.defaultdict(set, {'a': set(names)})  # a dict subclass\n"
+        "    xds.emit('pool', 'by', by=by)\n"
+        "    pairs = {frozenset({f'x{i}', f'y{i}'}) for i in range(20)}  # sets of sets\n"
+        "    xds.emit('pool', 'pairs', pairs=pairs)\n"
         "rt = xds.Runtime(); rt.run(main); print(rt.events.digest())\n"
     )
     digests = {

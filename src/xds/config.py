@@ -86,11 +86,16 @@ def load_config(
 
 
 def _toml_line(path: Path, field: str) -> int | None:
-    """The line of ``path`` (a TOML file) that sets the dotted ``field`` (``a.b[2].c`` reads
-    as ``a.b.c``): a ``key =`` line under its table header, or the header of the table; None
-    if the file does not spell it that simply (inline tables, dotted keys)."""
-    want = [part for part in re.sub(r"\[\d+\]", "", field).split(".") if part]
-    table: list[str] = []
+    """The line of ``path`` (a TOML file) that sets the dotted ``field`` (``faults[1].dp``: the
+    ``dp`` key of the second ``[[faults]]`` table): a ``key =`` line under its table header, or
+    the header of the table; None if the file does not spell it that simply (inline tables,
+    dotted keys)."""
+    want = [
+        (m.group(1), int(m.group(2)) if m.group(2) else None)
+        for m in re.finditer(r"([^.\[\]]+)(?:\[(\d+)\])?", field)
+    ]
+    table: list[tuple[str, int | None]] = []
+    seen: dict[str, int] = {}  # array-of-tables header -> tables so far
     header_line = None
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -98,14 +103,18 @@ def _toml_line(path: Path, field: str) -> int | None:
         return None
     for n, raw in enumerate(lines, 1):
         text = raw.strip()
-        head = re.fullmatch(r"\[\[?\s*([\w.\s-]+?)\s*\]\]?(\s*#.*)?", text)
+        head = re.fullmatch(r"(\[\[?)\s*([\w.\s-]+?)\s*\]\]?(\s*#.*)?", text)
         if head:
-            table = [t.strip() for t in head.group(1).split(".")]
+            name = ".".join(t.strip() for t in head.group(2).split("."))
+            table = [(t, None) for t in name.split(".")]
+            if head.group(1) == "[[":  # one more table of the array
+                seen[name] = seen.get(name, -1) + 1
+                table[-1] = (table[-1][0], seen[name])
             if table == want:
                 header_line = n
             continue
         key = re.match(r"([\w-]+)\s*=", text)
-        if key and [*table, key.group(1)] == want:
+        if key and [*table, (key.group(1), None)] == want:
             return n
     return header_line
 
@@ -168,7 +177,7 @@ def _config_error(
         choices = _choices(kind, field)
         if choices:
             message += f"; one of {', '.join(repr(c) for c in choices)}"
-    inner = re.match(r"([A-Za-z_][\w.]*): (.*)", message, re.S)
+    inner = re.match(r"([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*): (.*)", message, re.S)
     if field and inner:  # a nested struct's own check named its field: one dotted path
         outer, sub = field.split("."), inner.group(1).split(".")
         if outer[-1] == sub[0]:

@@ -7,10 +7,10 @@ and seed give byte-identical logs, which is how determinism is tested.
 
 ``emit`` checks its arguments at the call, so a field the log cannot encode fails there, naming
 the field and the event, rather than when the log is written. Plain values (ints, floats, strs,
-bools, None, numpy numbers) pass one type test each; anything else is encoded once on the spot.
-A set's iteration order depends on the process's hash seed, so a set (also inside a list, tuple
-or dict field) is recorded as a sorted list, its JSON form; a set whose elements do not sort
-together is refused.
+bools, None, numpy numbers), and flat lists, tuples and dicts of them, pass type tests; anything
+else is encoded once on the spot. A set's iteration order depends on the process's hash seed, so
+a set, wherever it sits (a field, a list, a dict, a Struct), is recorded as a sorted list, its
+JSON form; a set whose elements do not sort together is refused.
 """
 
 from __future__ import annotations
@@ -65,35 +65,47 @@ _PLAIN: frozenset[type] = frozenset(
     | {np.dtype(f"{kind}{size}").type for kind in "iu" for size in (1, 2, 4, 8)}
 )
 """Field types that always encode: ``emit`` checks nothing else about them."""
+_KEYS: frozenset[type] = frozenset({str, int})
+"""Dict key types that always encode."""
+
+
+def _flat(value: Any) -> bool:
+    """A list or tuple of plain values, or a dict of them under str or int keys: encodes as it
+    is, holds no set (type tests in C: this is emit's path for such fields)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return _PLAIN.issuperset(map(type, value))
+    if kind is dict:
+        return _KEYS.issuperset(map(type, value)) and _PLAIN.issuperset(map(type, value.values()))
+    return False
 
 
 def _sets_sorted(value: Any) -> Any:
-    """``value`` with every set in it (through lists, tuples and dict values) replaced by a
-    sorted list; ``value`` itself if it holds none. Raises TypeError if a set does not sort."""
+    """``value`` with every set in it (through lists, tuples, dicts and their subclasses, and
+    msgspec Structs) replaced by a sorted list; ``value`` itself if it holds none. A set's
+    elements are made set-free first, so a set of frozensets sorts as lists do. Raises
+    TypeError if a set's elements do not compare."""
     kind = type(value)
-    if kind in _PLAIN:
+    if kind in _PLAIN or _flat(value):
         return value
-    if kind is set or kind is frozenset:
-        return sorted(value)
-    if kind is list or kind is tuple:
-        for v in value:
-            if type(v) not in _PLAIN:
-                break
-        else:
-            return value  # the common case: a list of numbers or strings
+    if isinstance(value, (set, frozenset)):
+        return sorted(_sets_sorted(v) for v in value)
+    if isinstance(value, (list, tuple)):
         items = [_sets_sorted(v) for v in value]
         if any(a is not b for a, b in zip(items, value, strict=True)):
-            return items if kind is list else tuple(items)
+            return items if isinstance(value, list) else tuple(items)
         return value
-    if kind is dict:
-        for v in value.values():
-            if type(v) not in _PLAIN:
-                break
-        else:
-            return value
+    if isinstance(value, dict):
         entries = {k: _sets_sorted(v) for k, v in value.items()}
-        if any(entries[k] is not v for k, v in value.items()):
-            return entries
+        if kind is not dict or any(entries[k] is not v for k, v in value.items()):
+            return entries  # a subclass (defaultdict, Counter) is recorded as a plain dict
+        return value
+    if isinstance(value, msgspec.Struct):
+        fields = msgspec.structs.asdict(value)
+        entries = {k: _sets_sorted(v) for k, v in fields.items()}
+        if any(entries[k] is not v for k, v in fields.items()):
+            return entries  # recorded as the object it encodes to, its sets sorted
+        return value
     return value
 
 
@@ -109,7 +121,7 @@ def _checked_fields(component: object, event: object, fields: dict[str, Any]) ->
             field=name,
         )
     for name, value in fields.items():
-        if type(value) in _PLAIN:
+        if type(value) in _PLAIN or _flat(value):
             continue
         try:
             recorded = _sets_sorted(value)
@@ -153,8 +165,8 @@ class EventLog:
         if self.enabled:
             if type(component) is not str or type(event) is not str:
                 fields = _checked_fields(component, event, fields)
-            for value in fields.values():
-                if type(value) not in _PLAIN:  # hot path: plain values pass this test only
+            for value in fields.values():  # hot path: plain and flat values pass type tests
+                if type(value) not in _PLAIN and not _flat(value):
                     fields = _checked_fields(component, event, fields)
                     break
             self._events.append(Event(self._clock(), component, event, fields))

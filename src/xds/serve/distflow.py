@@ -148,7 +148,11 @@ class KVMove:
         aivs = self.flow.aivs
         async with lock, anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=aivs))
-            tg.start_soon(functools.partial(x.receive, dst, src, buf, event, n_aiv=aivs))
+            # the Decode DP's RECV is async (SPEC 10.2): it takes the decode die's AIVs only once
+            # the sender's message has arrived. A receive holding them while it waits could
+            # deadlock with other transfers waiting for each other's dies' AIVs.
+            receive = functools.partial(x.p2p.receive, hold_aivs=False, n_aiv=aivs)
+            tg.start_soon(receive, dst, src, buf, event)
 
     def book(self, part_bytes: Sequence[float] | np.ndarray | float) -> int:
         """Closed form: book each rank's ``part_bytes`` (one size per TP rank, or one size for

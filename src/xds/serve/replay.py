@@ -145,7 +145,6 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 field="kv_transfer",
             )
         p = self.prefill
-        dies = p.tes * p.dies_per_te + self.decode_tes * self.decode.dies
         decode_dies = self.decode_tes * self.decode.dies
         pod_dies = decode_dies + (p.tes * p.dies_per_te if p.hardware == "910c" else 0)
         if pod_dies > POD_DIES:
@@ -160,10 +159,11 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 "not count)",
                 field="decode_tes" if decode_dies > pod_dies // 2 else "prefill.tes",
             )
-        if dies > MAX_DEPLOYMENT_DIES:
+        b_dies = p.tes * p.dies_per_te if p.hardware == "910b" else 0
+        if b_dies > MAX_DEPLOYMENT_DIES - POD_DIES:
             raise ConfigError(
-                f"prefill.tes x prefill.dies_per_te = {p.tes * p.dies_per_te:,} 910B dies; "
-                f"a replay models up to {MAX_DEPLOYMENT_DIES - POD_DIES:,} beside the pod",
+                f"prefill.tes x prefill.dies_per_te = {b_dies:,} 910B dies; a replay models up "
+                f"to {MAX_DEPLOYMENT_DIES - POD_DIES:,} beside the pod",
                 field="prefill.tes",
             )
         self._check_kv_room()
@@ -173,12 +173,6 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 "xds.serve.decode); a PD replay's Decode TE routes tokens uniformly over its "
                 "static expert placement: leave decode.eplb unset",
                 field="decode.eplb",
-            )
-        if self.kv_transfer == "xccl" and dies > 768:
-            raise ConfigError(
-                f"the xccl KV tier models one CloudMatrix384 (768 dies), but prefill.tes x "
-                f"prefill.dies_per_te + decode_tes x decode.dies = {dies} dies",
-                field="kv_transfer",
             )
 
     def _check_kv_room(self) -> None:

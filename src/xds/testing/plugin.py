@@ -143,6 +143,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+_XDS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""The xds package: a ConfigError's traceback stops before it (at the caller's line)."""
+
+
 def _drop_runner_frames(exc: BaseException) -> None:
     """Trim what pytest shows of a marked test's failure to the test's own story.
 
@@ -152,7 +156,7 @@ def _drop_runner_frames(exc: BaseException) -> None:
     inward. A model failure (``ModelDeadlock``, ``ModelLivelock``, ``ModelTimeLimit``), raised
     by the runtime itself, keeps none, as its report says where each task waits, and the
     cancellation the runtime delivered to stop the model is left out of its chain. A
-    ``ConfigError`` also ends at the last frame outside that machinery: the line that passed
+    ``ConfigError`` ends at the last frame outside xds and that machinery: the line that passed
     the bad argument. ``--full-trace`` skips all this."""
     dirs = (*library_dirs(), os.path.dirname(__file__) + os.sep)
     cancelled = _cancellation_classes() if isinstance(exc, MODEL_FAILURES) else ()
@@ -166,11 +170,11 @@ def _drop_runner_frames(exc: BaseException) -> None:
         tb = current.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename.startswith(dirs):
             tb = tb.tb_next
-        if isinstance(current, ConfigError):
+        if isinstance(current, ConfigError):  # ends at the caller's line, not inside xds
             last_own = None
             entry = tb
             while entry is not None:
-                if not entry.tb_frame.f_code.co_filename.startswith(dirs):
+                if not entry.tb_frame.f_code.co_filename.startswith((*dirs, _XDS_DIR)):
                     last_own = entry
                 entry = entry.tb_next
             if last_own is not None:

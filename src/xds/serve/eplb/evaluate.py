@@ -216,12 +216,18 @@ def forward_latency(
                 f"{m.routed_experts} routed experts",
                 field=f"plans[{layer}]",
             )
-        top = max(max(dies) for dies in plan.replica_dies)
-        if top >= n:
-            raise ConfigError(
-                f"uses die {top}, but config.dies is {n} (dies 0..{n - 1})",
-                field=f"plans[{layer}]",
-            )
+        for e, dies in enumerate(plan.replica_dies):
+            if len(dies) == 0:
+                raise ConfigError(
+                    f"expert {e} has no die (every expert keeps at least its primary)",
+                    field=f"plans[{layer}]",
+                )
+            for d in dies:
+                if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < n:
+                    raise ConfigError(
+                        f"uses die {d!r}, but config.dies is {n} (dies 0..{n - 1}; expert {e})",
+                        field=f"plans[{layer}]",
+                    )
     shares = die_shares(plans, evaluation, n)
     load = evaluation.sum(axis=0).astype(np.float64)
     # dispatch/combine on the layer with the median imbalance, replicas in the expert map

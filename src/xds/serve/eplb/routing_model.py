@@ -168,8 +168,10 @@ def _npy_counts(data: bytes, where: str) -> np.ndarray:
     if (arr < 0).any():
         cell, value = at(arr < 0)
         raise TraceError(f"{cell} is {value}, must be >= 0", path=where)
-    if (arr > _INT64_MAX).any():
-        cell, value = at(arr > _INT64_MAX)
+    # a float compares with 2**63 - 1 as 2.0**63, which int64 cannot hold: refuse from there
+    too_big = arr >= 2.0**63 if np.issubdtype(arr.dtype, np.floating) else arr > _INT64_MAX
+    if too_big.any():
+        cell, value = at(too_big)
         raise TraceError(f"{cell} is {value}, too large (at most {_INT64_MAX})", path=where)
     return arr.astype(np.int64)
 
