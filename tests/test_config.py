@@ -172,3 +172,12 @@ def test_an_error_in_the_second_array_table_names_its_index_and_line(tmp_path):
     f.write_text(text.format(9))  # a check of the struct's own: field and line kept
     with pytest.raises(ConfigError, match=r"faults\[1\]\.dp: DP 9 does not exist.*\(line 10\)"):
         load_config(f, ReliabilityConfig)
+
+
+def test_a_bad_element_of_a_list_names_the_line_of_its_key(tmp_path):
+    from xds.serve.reliability import ReliabilityConfig
+
+    f = tmp_path / "r.toml"
+    f.write_text("[rollback]\ncodes = ['LINK_FLAP', 3]\n")
+    with pytest.raises(ConfigError, match=r"rollback\.codes\[1\]: Expected `str`.*\(line 2\)"):
+        load_config(f, ReliabilityConfig)

@@ -228,3 +228,22 @@ def test_structlog_lines_carry_virtual_time():
         assert record["die"] == 4
     finally:
         structlog.reset_defaults()
+
+
+def test_a_struct_holding_a_set_keeps_its_own_encoding():
+    """Sorting a Struct's sets must not turn it into a dict: tags, renames and array_like
+    encodings stay as msgspec writes them."""
+
+    class Tagged(msgspec.Struct, tag=True, rename="camel"):
+        die_ids: set
+
+    class Row(msgspec.Struct, array_like=True):
+        dies: frozenset
+
+    log = xds.runtime.EventLog(lambda: 0)
+    log.emit("c", "e", tagged=Tagged({3, 1, 2}), row=Row(frozenset({9, 8})))
+    assert json.loads(log.to_jsonl())["fields"] == {
+        "tagged": {"type": "Tagged", "dieIds": [1, 2, 3]},
+        "row": [[8, 9]],
+    }
+    assert type(log[0].fields["tagged"]) is Tagged

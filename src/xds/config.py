@@ -114,8 +114,8 @@ def _toml_line(path: Path, field: str) -> int | None:
                 header_line = n
             continue
         key = re.match(r"([\w-]+)\s*=", text)
-        if key and [*table, (key.group(1), None)] == want:
-            return n
+        if key and [*table, (key.group(1), None)] in (want, [*want[:-1], (want[-1][0], None)]):
+            return n  # the key, or an element of the array it sets
     return header_line
 
 

@@ -101,11 +101,14 @@ def _sets_sorted(value: Any) -> Any:
             return entries  # a subclass (defaultdict, Counter) is recorded as a plain dict
         return value
     if isinstance(value, msgspec.Struct):
-        fields = msgspec.structs.asdict(value)
-        entries = {k: _sets_sorted(v) for k, v in fields.items()}
-        if any(entries[k] is not v for k, v in fields.items()):
-            return entries  # recorded as the object it encodes to, its sets sorted
-        return value
+        copy = None  # the same Struct type (its tag, renames, array_like...), sets sorted
+        for name in value.__struct_fields__:
+            old = getattr(value, name)
+            new = _sets_sorted(old)
+            if new is not old:
+                copy = copy or msgspec.structs.replace(value)
+                msgspec.structs.force_setattr(copy, name, new)
+        return value if copy is None else copy
     return value
 
 

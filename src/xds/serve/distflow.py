@@ -151,7 +151,7 @@ class KVMove:
             # the Decode DP's RECV is async (SPEC 10.2): it takes the decode die's AIVs only once
             # the sender's message has arrived. A receive holding them while it waits could
             # deadlock with other transfers waiting for each other's dies' AIVs.
-            receive = functools.partial(x.p2p.receive, hold_aivs=False, n_aiv=aivs)
+            receive = functools.partial(x.receive, n_aiv=aivs, hold_aivs=False)
             tg.start_soon(receive, dst, src, buf, event)
 
     def book(self, part_bytes: Sequence[float] | np.ndarray | float) -> int:

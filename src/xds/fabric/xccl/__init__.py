@@ -296,6 +296,7 @@ class XCCL:
         event_id: object,
         n_aiv: object,
         engine: object,
+        hold_aivs: bool = True,
     ) -> int:
         """A sync operation, posted now: it takes its turn on the pair after the operations
         posted before it, and the ones posted later wait for it."""
@@ -311,7 +312,16 @@ class XCCL:
         fn = self.p2p.send if op == "send" else self.p2p.receive
         try:
             await _wait_turn(what, before)
-            return await fn(die, peer, buf, event_id, n_aiv=n_aiv, engine=engine, posted_ns=start)
+            return await fn(
+                die,
+                peer,
+                buf,
+                event_id,
+                n_aiv=n_aiv,
+                engine=engine,
+                hold_aivs=hold_aivs,
+                posted_ns=start,
+            )
         finally:
             turn._done.set()
             self._retire(key, turn)
@@ -347,11 +357,19 @@ class XCCL:
         *,
         n_aiv: int = 2,
         engine: Engine = "mte",
+        hold_aivs: bool = True,
     ) -> int:
         """Receive the next message from ``src`` into ``buf``; return when copied and ACKed.
-        It waits for the operations posted on the pair before it (async ones too)."""
+        It waits for the operations posted on the pair before it (async ones too).
+        ``hold_aivs=False`` takes the AIVs only once the sender's message has arrived, as an
+        async receive does (a receive holding them while it waits can deadlock transfers
+        that wait for each other's dies' AIVs)."""
         self._check_open("receive()")
-        return await self._in_order("receive", dst, src, buf, event_id, n_aiv, engine)
+        if not isinstance(hold_aivs, bool):
+            raise ConfigError(f"hold_aivs must be a bool, got {hold_aivs!r:.40}", field="hold_aivs")
+        return await self._in_order(
+            "receive", dst, src, buf, event_id, n_aiv, engine, hold_aivs=hold_aivs
+        )
 
     # -- asynchronous --------------------------------------------------------------------------
     def completion_queue(self, die: int) -> CompletionQueue:

@@ -224,8 +224,9 @@ def forward_latency(
                 )
             for d in dies:
                 if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < n:
+                    shown = int(d) if isinstance(d, numbers.Integral) else repr(d)
                     raise ConfigError(
-                        f"uses die {d!r}, but config.dies is {n} (dies 0..{n - 1}; expert {e})",
+                        f"uses die {shown}, but config.dies is {n} (dies 0..{n - 1}; expert {e})",
                         field=f"plans[{layer}]",
                     )
     shares = die_shares(plans, evaluation, n)
