@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import anyio
@@ -795,3 +796,24 @@ def test_sync_and_async_operations_on_a_pair_run_in_posting_order(ops, backend):
         assert fab.p2p.monitor.violations == []
 
     xds.run(main, backend=backend)
+
+
+def test_a_receive_that_does_not_hold_its_aivs_takes_them_when_the_message_is_there():
+    """hold_aivs=False: while the sender is late, the receiving die's AIVs stay free."""
+    seen = {}
+
+    async def main():
+        fab = UBFabric(CloudMatrix384(servers=1), payload_mode="size")
+        async with XCCL(fab) as x, anyio.create_task_group() as tg:
+            tg.start_soon(
+                functools.partial(x.receive, 1, 0, AppBuffer(0, KiB), 1, n_aiv=48, hold_aivs=False)
+            )
+            await xds.sleep_ns(50_000)
+            seen["free while waiting"] = x.p2p.aivs(1).free
+            await x.send(0, 1, AppBuffer(0, KiB), 1, n_aiv=48)
+            with pytest.raises(ConfigError) as err:
+                await x.receive(1, 0, AppBuffer(0, KiB), 2, hold_aivs="no")  # type: ignore[arg-type]
+            seen["field"] = err.value.field
+
+    xds.run(main)
+    assert seen == {"free while waiting": 48, "field": "hold_aivs"}
