@@ -198,18 +198,21 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def is_integer(value: object) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def require_int(value: object, field: str, *, low: int = 0, high: int | None = None) -> int:
-    """``value`` as an int if it is an integer (numpy ones too; not a bool) in
-    ``low..high``; else one ConfigError naming ``field``."""
+    """``value`` as a plain int if it is an integer (numpy ones too; not a bool) in
+    ``low..high`` (``high`` None: no upper bound); else one ConfigError naming ``field``.
+    Floats, ``None`` and strings are refused, never truncated."""
+    if is_integer(value):
+        v = int(value)  # type: ignore[call-overload]
+        if v >= low and (high is None or v <= high):
+            return v
     bounds = f">= {low}" if high is None else f"in {low}..{high}"
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        raise ConfigError(f"must be an integer {bounds}, got {value!r:.40}", field=field)
-    return int(value)
+    raise ConfigError(f"must be an integer {bounds}, got {value!r:.40}", field=field)
 
 
 def check_fields(struct: msgspec.Struct) -> None:

@@ -1,8 +1,9 @@
 """Argument checks of the fabric's and XCCL's public calls: each bad argument is one
 :class:`~xds.errors.ConfigError` naming it as the function spells it (``field``).
 
-Integers are Python or numpy integers (returned as plain ``int``); bools, floats, ``None`` and
-strings are refused, never truncated. :mod:`xds.fabric.xccl.args` builds on these.
+Integers are Python or numpy integers (returned as plain ``int``; :func:`xds.config.require_int`,
+re-exported as ``integer``); bools, floats, ``None`` and strings are refused, never truncated.
+:mod:`xds.fabric.xccl.args` builds on these.
 """
 
 from __future__ import annotations
@@ -10,27 +11,14 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING
 
+from ..config import is_integer
+from ..config import require_int as integer
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..hw import CloudMatrix384
 
 ENGINES: tuple[str, ...] = ("mte", "dma")
-
-
-def is_integer(value: object) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def integer(value: object, field: str, *, low: int = 0, high: int | None = None) -> int:
-    """``value`` as a plain int in ``low..high`` (``high`` None: no upper bound)."""
-    if is_integer(value):
-        v = int(value)  # type: ignore[call-overload]
-        if v >= low and (high is None or v <= high):
-            return v
-    bounds = f"in {low}..{high}" if high is not None else f">= {low}"
-    raise ConfigError(f"must be an integer {bounds}, got {value!r}", field=field)
 
 
 def die(pod: CloudMatrix384, value: object, field: str) -> int:

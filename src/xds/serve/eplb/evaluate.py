@@ -10,11 +10,10 @@ on the collective tier with the skewed routing and the replicas in the expert ma
 
 from __future__ import annotations
 
-import numbers
-
 import msgspec
 import numpy as np
 
+from ...config import is_integer
 from ...errors import ConfigError
 from ...fabric.xccl.moe import ExpertMap
 from ..decode import DecodeConfig, DecodeModel, measure_comm
@@ -101,11 +100,7 @@ def plan_layers(
     function."""
     pol = resolve_policy(policy)
     _is(layout, Layout, "layout")
-    if (
-        isinstance(shared_dies, bool)
-        or not isinstance(shared_dies, numbers.Integral)
-        or not 0 <= shared_dies < layout.n_dies
-    ):
+    if not is_integer(shared_dies) or not 0 <= shared_dies < layout.n_dies:
         raise ConfigError(
             f"must be an integer in 0..{layout.n_dies - 1} (dies carrying a shared-expert "
             f"instance, fewer than the layout's {layout.n_dies}), got {shared_dies!r}",
@@ -223,8 +218,8 @@ def forward_latency(
                     field=f"plans[{layer}]",
                 )
             for d in dies:
-                if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < n:
-                    shown = int(d) if isinstance(d, numbers.Integral) else repr(d)
+                if not is_integer(d) or not 0 <= d < n:
+                    shown = int(d) if is_integer(d) else repr(d)
                     raise ConfigError(
                         f"uses die {shown}, but config.dies is {n} (dies 0..{n - 1}; expert {e})",
                         field=f"plans[{layer}]",
