@@ -63,6 +63,16 @@ class FaultError(XdsError):
     """An injected fault surfaced to the caller (link down, die failure, ...)."""
 
 
+class DieFailure(FaultError, ProtocolError):
+    """A point-to-point operation met a failed die (``XCCL.fail_die``): the die itself, or a
+    peer that learnt of the failure. ``die`` is the failed die, ``at_ns`` when it failed."""
+
+    def __init__(self, message: str, *, die: int, at_ns: int):
+        self.die = die
+        self.at_ns = at_ns
+        super().__init__(message)
+
+
 class WaitingTask(msgspec.Struct, frozen=True):
     """One task found blocked when the model deadlocked."""
 

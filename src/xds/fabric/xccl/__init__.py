@@ -348,6 +348,31 @@ class XCCL:
         """
         return self.p2p.reset_pair(src, dst)
 
+    def fail_die(self, die: int, *, detect_ns: int = 0) -> None:
+        """Fail ``die`` now, fail-stop, for point-to-point on this fabric (every XCCL on it).
+
+        The die issues nothing more (a chunk already being moved still lands): its own sends
+        and receives raise :class:`~xds.errors.DieFailure` as soon as they next look. Each
+        peer learns of it one metadata latency later plus ``detect_ns`` (model a heartbeat's
+        detection time with it), and never before the writes already in flight on their pair
+        have landed; from then on the peer's operations with the die (blocked or new) raise
+        ``DieFailure``. A message that had fully arrived before the failure still completes.
+        Collectives (dispatch/combine, A2E/E2A) do not see it. To fail a die at a later time,
+        call this from a task that sleeps until then.
+        """
+        self.p2p.fail_die(die, detect_ns=detect_ns)
+
+    def repair_die(self, die: int) -> int:
+        """Bring a failed die back: every pair it belongs to is re-initialised (as
+        :meth:`reset_pair`, both directions); returns the virtual time at which the last is
+        ready (operations on them wait until then). Raises ``ProtocolError`` while an
+        operation on one of its pairs is still running."""
+        return self.p2p.repair_die(die)
+
+    def failed_dies(self) -> dict[int, int]:
+        """Dies failed and not repaired, each with the virtual time (ns) it failed."""
+        return self.p2p.failed_dies()
+
     async def receive(
         self,
         dst: int,

@@ -27,6 +27,14 @@ message (a sender waiting for credits or the final ACK, a receiver waiting for a
 on it and raises the same error. :meth:`P2P.reset_pair` re-initialises the pair once every
 write posted on it has landed (real in-flight writes still arrive after a cancel); operations on
 the pair wait until then.
+
+Die failure. :meth:`P2P.fail_die` stops a die (fail-stop): from that instant it issues no
+chunk, credit or ACK, and every pair it belongs to is poisoned. Its peers learn of it as of an
+abort notice (once the writes already in flight have landed, ``detect_ns`` later if the caller
+models a slower detection): a peer blocked on a message from or to it, or starting one, raises
+:class:`~xds.errors.DieFailure`; the failed die's own operations raise it as soon as they
+next look. A message that had fully arrived before the failure still completes.
+:meth:`P2P.repair_die` brings the die back and re-initialises its pairs.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from ...errors import ConfigError, ProtocolError
+from ...errors import ConfigError, DieFailure, ProtocolError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ...runtime.sync import task_group_raising_single
 from .. import checks
@@ -107,6 +115,7 @@ class _Pair:
         self.quiescent_ns = 0  # when the latest write posted on the pair becomes visible
         self.ready: anyio.Event | None = None  # set when a deferred re-initialisation is done
         self.ready_ns = 0  # when that re-initialisation happens
+        self.failed_die: int | None = None  # the die whose failure poisoned the pair
 
     def posted_until(self, visible_ns: int) -> None:
         """Record a write posted on the pair's behalf that becomes visible at ``visible_ns``."""
@@ -140,6 +149,15 @@ async def _acquire_aivs(pool: AivPool, n: int, who: str) -> None:
         await pool.acquire(n)
 
 
+class _Failure:
+    """A failed die: when it failed and how long its peers take to learn of it."""
+
+    def __init__(self, die: int, at_ns: int, detect_ns: int):
+        self.die = die
+        self.at_ns = at_ns
+        self.detect_ns = detect_ns
+
+
 class P2P:
     """The point-to-point protocol engine over one :class:`UBFabric`.
 
@@ -162,6 +180,7 @@ class P2P:
         self.monitor = monitor or P2PMonitor()
         self._pairs: dict[tuple[int, int], _Pair] = {}
         self._aivs: dict[int, AivPool] = {}
+        self._failed: dict[int, _Failure] = {}
 
     def _restart(self) -> None:
         """A later run uses the fabric: re-initialise every pair (its task-bound state and
@@ -170,6 +189,7 @@ class P2P:
             self._reinitialise(src, dst)
         self._pairs.clear()
         self._aivs.clear()
+        self._failed.clear()  # failures belong to the earlier timeline
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def pair(self, src: int, dst: int) -> _Pair:
@@ -257,6 +277,7 @@ class P2P:
             pair.send_lock, f"{who}: the previous send on this pair to finish (one at a time)"
         ):
             await pair.wait_ready(who)
+            await self._check_alive(pair, src, who)
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(src)
@@ -334,8 +355,8 @@ class P2P:
         first = True
         published = pair.published.get(lane, 0)
         for j in range(lane, len(msg.chunks), msg.lanes):
-            if pair.aborted:
-                return  # the receiver abandoned the message: send() reports it
+            if pair.aborted or src in self._failed:
+                return  # abandoned, or this die failed: send() reports it
             size = msg.chunks[j]
             chunk = msg.base + j
             slot = chunk % ring_slots
@@ -343,7 +364,7 @@ class P2P:
             # until the slot's previous chunk (one ring earlier) has been issued by its lane.
             previous = chunk - ring_slots
             while previous >= 0 and pair.slot_last[slot] < previous:
-                if pair.aborted:
+                if pair.aborted or src in self._failed:
                     return
                 with waiting_for(
                     f"send eventID {msg.event_id}, die {src} -> die {dst}: ring slot {slot} "
@@ -354,7 +375,7 @@ class P2P:
             if owner is not None:  # R2: wait for the credit of the slot's previous chunk
                 field = sender_mem.meta(dst, owner[0], Direction.TX)
                 while field.ack < owner[1]:
-                    if pair.aborted:
+                    if pair.aborted or src in self._failed:
                         return
                     with waiting_for(
                         lambda f=field, o=owner, s=slot: (
@@ -441,9 +462,9 @@ class P2P:
             and field.flags & 0x1
             and (field.event_id == msg.event_id or field.flags & NACK)
         ):
-            if pair.aborted:  # the receiver abandoned the message: no ACK will come
-                raise ProtocolError(
-                    f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}: {pair.poisoned}"
+            if pair.aborted or pair.src in self._failed:  # no ACK will come, or be seen
+                raise self._pair_error(
+                    pair, f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}"
                 )
             with waiting_for(
                 f"send eventID {msg.event_id}, die {pair.src} -> die {pair.dst}: the receiver's "
@@ -481,6 +502,7 @@ class P2P:
             pair.recv_lock, f"{who}: the previous receive on this pair to finish (one at a time)"
         ):
             await pair.wait_ready(who)
+            await self._check_alive(pair, dst, who)
             if pair.poisoned:
                 raise ProtocolError(pair.poisoned)
             pool = self.aivs(dst)
@@ -528,10 +550,17 @@ class P2P:
                         writer=dst,
                     )
                     raise
-                if pair.aborted and sum(pair.consumed.values()) - consumed_before < msg.nbytes:
-                    # the sender abandoned the message before all of it arrived
-                    raise ProtocolError(
-                        f"die {dst} receiving eventID {event_id} from {src}: {pair.poisoned}"
+                if (pair.aborted or dst in self._failed) and sum(
+                    pair.consumed.values()
+                ) - consumed_before < msg.nbytes:
+                    # the sender abandoned the message before all of it arrived, or this die
+                    # failed before copying all of it out
+                    raise self._pair_error(
+                        pair, f"die {dst} receiving eventID {event_id} from {src}"
+                    )
+                if dst in self._failed:  # a failed die writes no final ACK
+                    raise self._pair_error(
+                        pair, f"die {dst} receiving eventID {event_id} from {src}"
                     )
                 if not hold_aivs:
                     pool.release(n_aiv)
@@ -570,6 +599,8 @@ class P2P:
 
     async def _await_descriptor(self, pair: _Pair) -> None:
         while not pair.posted:
+            if pair.failed_die is not None and (pair.aborted or pair.dst in self._failed):
+                raise self._pair_error(pair, f"receive at die {pair.dst} from die {pair.src}")
             pair.posted_event = anyio.Event()
             with waiting_for(
                 f"receive at die {pair.dst} from die {pair.src}: a send from die {pair.src} "
@@ -599,6 +630,12 @@ class P2P:
         """The abort notice lands: wake every task of the pair blocked on the abandoned message
         (they see ``pair.aborted`` and give up)."""
         pair.aborted = True
+        self._wake(pair)
+
+    def _wake(self, pair: _Pair) -> None:
+        """Wake every task blocked on the pair (credits, ACKs, tailPtrs, ring order and a
+        receiver waiting for a descriptor) to look at the pair's state again."""
+        pair.posted_event.set()
         for die, peer, direction in (
             (pair.src, pair.dst, Direction.TX),  # credits and the final ACK (sender side)
             (pair.dst, pair.src, Direction.RX),  # tailPtrs (receiver side)
@@ -649,6 +686,109 @@ class P2P:
             self.fabric.post(when, self._deferred_reinitialise, new)
         return when
 
+    # -- die failure ---------------------------------------------------------------------------
+    def fail_die(self, die: int, *, detect_ns: int = 0) -> None:
+        """Fail ``die`` now (fail-stop; see the module docstring). It issues nothing more (a
+        chunk already being moved still lands) and its own operations raise
+        :class:`~xds.errors.DieFailure` as soon as they next look; a peer learns of it
+        one metadata latency after the failure, plus ``detect_ns`` (a slower detection, e.g.
+        by heartbeat), and never before the writes already in flight on their pair have
+        landed: from then on its operations with the die raise ``DieFailure``.
+        """
+        self.fabric._enter_run()
+        die = checks.die(self.fabric.pod, die, "die")
+        detect_ns = checks.integer(detect_ns, "detect_ns")
+        if die in self._failed:
+            raise ProtocolError(
+                f"die {die} already failed at t={self._failed[die].at_ns} ns; "
+                f"xccl.repair_die({die}) brings it back"
+            )
+        now = now_ns()
+        failure = self._failed[die] = _Failure(die, now, detect_ns)
+        emit("xccl", "die_failed", die=die, detect_ns=detect_ns)
+        for (src, dst), pair in sorted(self._pairs.items()):
+            if die not in (src, dst):
+                continue
+            peer = dst if src == die else src
+            if pair.poisoned is None:
+                pair.poisoned = self._failure_text(failure)
+                pair.failed_die = die
+                when = max(self._known_ns(failure, peer), pair.quiescent_ns)
+                pair.posted_until(when)
+                self.fabric.post(when, self._abort_visible, pair)
+            self._wake(pair)  # the failed die's own tasks stop now
+
+    def repair_die(self, die: int) -> int:
+        """Bring a failed die back: re-initialise every pair it belongs to (as
+        :meth:`reset_pair`, each direction) and return when the last of them is ready. Its
+        application region keeps its bytes. Raises :class:`ProtocolError` while an operation
+        on one of its pairs is still running (its peers fail once they learn of the failure:
+        repair after that)."""
+        self.fabric._enter_run()
+        die = checks.die(self.fabric.pod, die, "die")
+        if die not in self._failed:
+            raise ProtocolError(f"die {die} has not failed (xccl.fail_die fails it)")
+        busy = [
+            f"{src}->{dst}"
+            for (src, dst), pair in sorted(self._pairs.items())
+            if die in (src, dst) and (pair.send_lock.locked() or pair.recv_lock.locked())
+        ]
+        if busy:
+            raise ProtocolError(
+                f"die {die} cannot be repaired while operations on pair(s) {', '.join(busy)} "
+                "are running; repair it once they have failed"
+            )
+        del self._failed[die]
+        emit("xccl", "die_repaired", die=die)
+        ready = now_ns()
+        for src, dst in sorted(self._pairs):
+            if die in (src, dst):
+                ready = max(ready, self.reset_pair(src, dst))
+        return ready
+
+    def failed_dies(self) -> dict[int, int]:
+        """The dies that have failed and not been repaired: die -> virtual time of failure."""
+        return {die: f.at_ns for die, f in sorted(self._failed.items())}
+
+    def _known_ns(self, failure: _Failure, peer: int) -> int:
+        """When ``peer`` learns that ``failure.die`` failed."""
+        return self.fabric.meta_visible_ns(failure.die, peer, failure.at_ns) + failure.detect_ns
+
+    @staticmethod
+    def _failure_text(failure: _Failure) -> str:
+        return (
+            f"die {failure.die} failed at t={failure.at_ns} ns; xccl.repair_die({failure.die}) "
+            "brings it back"
+        )
+
+    async def _check_alive(self, pair: _Pair, die: int, who: str) -> None:
+        """Before an operation of ``die`` on ``pair`` starts: if either die has failed, raise
+        :class:`DieFailure`, once ``die`` can know it (at once if ``die`` is the failed one)."""
+        peer = pair.dst if die == pair.src else pair.src
+        failure = self._failed.get(die) or self._failed.get(peer)
+        if failure is None:
+            return
+        if failure.die != die:
+            when = self._known_ns(failure, die)
+            if when > now_ns():
+                with waiting_for(f"{who}: (die {peer} has failed; learning of it)"):
+                    await sleep_until_ns(when)
+        raise DieFailure(
+            f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
+        )
+
+    def _pair_error(self, pair: _Pair, who: str) -> ProtocolError:
+        """The error an operation on an abandoned pair raises: :class:`DieFailure` if a die's
+        failure poisoned it."""
+        failure = self._failed.get(pair.failed_die) if pair.failed_die is not None else None
+        if failure is None:
+            failure = self._failed.get(pair.src) or self._failed.get(pair.dst)
+        if failure is not None:
+            return DieFailure(
+                f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
+            )
+        return ProtocolError(f"{who}: {pair.poisoned}")
+
     def _deferred_reinitialise(self, pair: _Pair) -> None:
         self._reinitialise(pair.src, pair.dst)
         assert pair.ready is not None
@@ -686,8 +826,10 @@ class P2P:
             size = msg.chunks[j]
             chunk = msg.base + j
             slot = chunk % ring_slots
+            if dst in self._failed:
+                return  # this die failed: it copies nothing out; receive() reports it
             while field.tail_ptr < consumed + size:  # step 5: poll the local tailPtr
-                if pair.aborted:
+                if pair.aborted or dst in self._failed:
                     return  # the sender abandoned the message: receive() reports it
                 with waiting_for(
                     lambda f=field, c=chunk, want=consumed + size: (
