@@ -186,3 +186,27 @@ def test_a_failing_callback_fails_the_run(xds_backend):
 
     with pytest.raises(ZeroDivisionError):
         xds.run(main, backend=xds_backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_write_is_visible_when_write_returns_and_at_its_visible_ns_on_every_schedule(backend):
+    """The fabric applies a write at its visibility instant; a task waking at that instant
+    (``await fabric.write``, or a sleep until ``visible_ns``) sees it. On trio the write is a
+    timed callback and the waking task a sleeper: the callback must run first, whatever the
+    schedule seed orders."""
+
+    async def main():
+        fab = UBFabric(POD)
+        seen = []
+        for i in range(12):
+            await fab.write(0, 11 + i, 0, bytes([i + 1]) * 8)
+            seen.append(fab.read_local(11 + i, 0, 8) == bytes([i + 1]) * 8)
+            t = fab.post_write(1, 40 + i, 0, b"W" * 8)
+            await xds.sleep_until_ns(t.visible_ns - 1)
+            seen.append(fab.read_local(40 + i, 0, 8) == bytes(8))  # not a nanosecond early
+            await xds.sleep_until_ns(t.visible_ns)
+            seen.append(fab.read_local(40 + i, 0, 8) == b"W" * 8)
+        return seen
+
+    for seed in range(6):
+        assert all(xds.run(main, backend=backend, seed=seed))

@@ -146,6 +146,29 @@ async def test_curio():
     )
 
 
+def test_an_xds_test_that_also_uses_anyios_plugin_is_an_error_not_a_wall_clock_run(pytester):
+    result = run(
+        pytester,
+        """
+import anyio
+
+pytestmark = pytest.mark.anyio  # e.g. set for a whole module of anyio tests
+
+@pytest.mark.xds
+async def test_both_markers():
+    await anyio.sleep(3600)  # would take an hour of wall time on anyio's own loop
+
+@pytest.mark.xds
+async def test_fixture(anyio_backend):
+    await anyio.sleep(3600)
+""",
+    )
+    result.assert_outcomes(errors=4)  # each test on each of anyio's backends
+    result.stdout.fnmatch_lines(
+        ["*@pytest.mark.xds this test also uses anyio's pytest plugin (@pytest.mark.anyio or *"]
+    )
+
+
 def test_marker_on_a_plain_test_is_an_error(pytester):
     result = run(
         pytester,

@@ -321,3 +321,17 @@ def test_both_backends_count_the_same_time_steps_with_float_deadlines():
         rt.run(main)
         counts.add((rt.time_steps, rt.end_ns))
     assert counts == {(3_334, 6_000_000)}
+
+
+def test_call_at_ns_refuses_what_it_cannot_call_at_the_call():
+    async def main():
+        with pytest.raises(
+            xds.errors.ConfigError, match=r"callback: call_at_ns\(\) takes a callable"
+        ):
+            xds.current_runtime().call_at_ns(5, 42)
+        fired = []
+        xds.current_runtime().call_at_ns(5, fired.append, 1)
+        await xds.sleep_ns(10)
+        return fired
+
+    assert xds.run(main) == [1]

@@ -35,6 +35,31 @@ def test_deadlock_names_every_waiting_task(xds_backend):
     assert "die-1" in str(err) and "nothing runnable" in str(err)
 
 
+def test_a_deadlock_report_counts_and_names_tasks_started_on_library_calls(xds_backend):
+    """Tasks started directly on a library or xds coroutine (no frame of the model's own) are
+    waiting tasks too: counted, placed at the call they were started on, with their notes."""
+
+    async def main() -> None:
+        barrier = xds.runtime.Barrier(3)
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(barrier.wait)
+            tg.start_soon(anyio.Event().wait)
+            tg.start_soon(anyio.sleep_forever)
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main, backend=xds_backend)
+    err = info.value
+    assert len(err.waiting) == 5 and "5 task(s) waiting" in str(err)
+    by_name = {w.name: w for w in err.waiting}
+    barrier = by_name["xds.runtime.sync.Barrier.wait"]
+    assert "in Barrier.wait" in barrier.waiting_in
+    assert barrier.waiting_for == "Barrier generation 0: 2 of 3 parties arrived"
+    assert "in sleep_forever" in by_name["anyio.sleep_forever"].waiting_in
+    event = next(w for w in err.waiting if w.name.endswith("Event.wait"))
+    assert "in Event.wait" in event.waiting_in
+
+
 def test_a_deadlock_report_says_what_each_task_waits_for(xds_backend):
     state = {"credits": 0}
 

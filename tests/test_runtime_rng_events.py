@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -247,3 +248,40 @@ def test_a_struct_holding_a_set_keeps_its_own_encoding():
         "row": [[8, 9]],
     }
     assert type(log[0].fields["tagged"]) is Tagged
+
+
+def test_emit_records_a_snapshot_of_what_the_caller_later_changes():
+    class Box(msgspec.Struct):
+        items: list[int]
+
+    log = xds.runtime.EventLog(lambda: 0)
+    flat, nested, arr, box = [1, 2], {"dp": [1, 2]}, np.arange(3), Box([7])
+    log.emit("router", "state", flat=flat, nested=nested, arr=arr, box=box)
+    flat.append(3)
+    nested["dp"].append(3)
+    arr[0] = 99
+    box.items.append(8)
+    fields = log[0].fields
+    assert fields["flat"] == [1, 2] and fields["nested"] == {"dp": [1, 2]}
+    assert fields["arr"].tolist() == [0, 1, 2] and fields["box"] == Box([7])
+    log.emit("router", "plain", flat=flat, other={"a"})  # the slow path copies flat ones too
+    flat.append(4)
+    assert log[1].fields["flat"] == [1, 2, 3]
+
+
+def test_nan_infinity_and_none_are_told_apart_in_the_log():
+    def digest(value):
+        log = xds.runtime.EventLog(lambda: 0)
+        log.emit("c", "e", x=value, xs=[1.0, value], d={"k": value})
+        return log.digest(), json.loads(log.to_jsonl())["fields"]
+
+    runs = {
+        name: digest(v)
+        for name, v in [("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf), ("none", None)]
+    }
+    assert len({d for d, _ in runs.values()}) == 4
+    assert runs["inf"][1] == {"x": "inf", "xs": [1.0, "inf"], "d": {"k": "inf"}}
+    assert runs["none"][1] == {"x": None, "xs": [1.0, None], "d": {"k": None}}
+    log = xds.runtime.EventLog(lambda: 0)
+    log.emit("c", "e", a=np.array([1.0, np.nan]), f=np.float32("inf"), ok=2.5)
+    assert json.loads(log.to_jsonl())["fields"] == {"a": [1.0, "nan"], "f": "inf", "ok": 2.5}

@@ -90,3 +90,12 @@ def test_ranks_stay_unique_after_a_cancelled_waiter(xds_backend):
 def test_barrier_needs_a_party():
     with pytest.raises(ValueError):
         Barrier(0)
+
+
+def test_a_barrier_takes_a_party_count_as_an_integer_from_one():
+    import numpy as np
+
+    assert Barrier(np.int64(2)).parties == 2
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(xds.errors.ConfigError, match="parties: must be an integer >= 1"):
+            Barrier(bad)

@@ -187,6 +187,11 @@ class Runtime:
         order they were scheduled.
         """
         when_ns = _as_ns(when_ns, "when_ns")
+        if not callable(callback):
+            raise ConfigError(
+                f"call_at_ns() takes a callable, got {_short_repr(callback)}",
+                field="callback",
+            )
         if self._loop is not None:
             return self._loop.call_at_ns(max(when_ns, self._loop._now_ns), callback, *args)
         if self._trio_clock is None:
@@ -194,6 +199,12 @@ class Runtime:
         if self._trio_timers is None:
             self._trio_timers = TrioTimerWheel(self.now_ns, self._on_callback_error)
         return self._trio_timers.call_at_ns(when_ns, callback, *args)
+
+    def _run_due_callbacks(self) -> None:
+        """Trio's clock jumped: apply the callbacks due now before any task resumes (as the
+        asyncio loop does: its due timers run before the tasks they wake)."""
+        if self._trio_timers is not None:
+            self._trio_timers.run_due()
 
     # -- running -----------------------------------------------------------------------------
     def run(self, main: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -292,6 +303,7 @@ class Runtime:
             self._on_time_limit,
             self.time_step_limit,
             self._on_time_step_limit,
+            self._run_due_callbacks,
         )
         livelock = LivelockInstrument(self._trio_clock, self.livelock_limit, self._on_livelock)
         try:

@@ -43,12 +43,15 @@ def _where(frame: FrameType) -> str:
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}"
 
 
-def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str, bool]:
+def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str, bool, bool]:
     """(innermost model frame, innermost library call, innermost frame of the user's own
-    code when the model frame is inside xds, whether any frame is the user's own) for a
-    task's await chain."""
+    code when the model frame is inside xds, whether any frame is the user's own, whether any
+    frame is the model's) for a task's await chain. A task with no model frame (started
+    directly on a library call: ``tg.start_soon(event.wait)``) is placed at its entry: the
+    first frame outside the async libraries (an xds primitive such as ``Barrier.wait``), or
+    the innermost one."""
     dirs = library_dirs()
-    waiting_in = "<unknown>"
+    waiting_in = ""
     waiting_on = ""
     user = ""
     for frame in frames:
@@ -62,8 +65,17 @@ def _describe_frames(frames: list[FrameType]) -> tuple[str, str, str, bool]:
             waiting_on = ""
             if not code.co_filename.startswith(_XDS_DIR):
                 user = waiting_in
+    model = bool(waiting_in)
+    if not model:
+        plumbing = tuple(d for d in dirs if d != _RUNTIME_DIR)
+        entry = next((f for f in frames if not _is_library(f.f_code.co_filename, plumbing)), None)
+        if entry is None and frames:  # the call the task was started on, below the
+            entry = frames[1] if len(frames) > 1 else frames[0]  # task runner's wrapper
+        waiting_in = _where(entry) if entry is not None else "<unknown>"
+        inner = frames[-1].f_code.co_qualname if frames else ""
+        waiting_on = inner if entry is not None and inner != entry.f_code.co_qualname else ""
     called_from = user if user and user != waiting_in else ""
-    return waiting_in, waiting_on, called_from, bool(user)
+    return waiting_in, waiting_on, called_from, bool(user), model
 
 
 def _coroutine_frames(coro: Any) -> list[FrameType]:
@@ -106,23 +118,29 @@ def _notes(entries: list[NoteEntry]) -> str:
     return NOTE_SEPARATOR.join(text for text in texts if text)
 
 
-def _waiting(name: str, where: tuple[str, str, str, bool], notes: list[NoteEntry]) -> WaitingTask:
-    waiting_in, waiting_on, called_from, own = where
-    return WaitingTask(name, waiting_in, waiting_on, called_from, _notes(notes), own)
+Waiting = tuple[WaitingTask, bool]
+"""A waiting task and whether it is the model's (see :func:`_model_tasks`)."""
 
 
-def _model_tasks(tasks: list[WaitingTask]) -> list[WaitingTask]:
-    """Drop tasks that are pure library plumbing (no frame of the model's code and a name the
-    library gave them), unless nothing else is left. A task the model named is kept even if it
-    runs a library call directly (``tg.start_soon(event.wait, name="w")``)."""
-    tasks.sort(key=lambda w: (w.name, w.waiting_in, w.waiting_for, w.called_from))
-    model = [w for w in tasks if w.waiting_in != "<unknown>" or not _library_named(w.name)]
-    return model or tasks
+def _waiting(name: str, where: tuple[str, str, str, bool, bool], notes: list[NoteEntry]) -> Waiting:
+    waiting_in, waiting_on, called_from, own, model = where
+    task = WaitingTask(name, waiting_in, waiting_on, called_from, _notes(notes), own)
+    return task, model or bool(task.waiting_for) or not _plumbing_named(name)
 
 
-def _library_named(name: str) -> bool:
-    """asyncio's ``Task-N``, anyio's dotted default names, trio's ``<...>`` system tasks."""
-    return name.startswith(("Task-", "<")) or "." in name
+def _model_tasks(tasks: list[Waiting]) -> list[WaitingTask]:
+    """Drop tasks that are pure event-loop plumbing (no frame of the model's code, nothing
+    said about what they wait for, and a name the event loop gave them: asyncio's ``Task-N``,
+    trio's ``<...>``), unless nothing else is left. A task started on a library call
+    (``tg.start_soon(event.wait)``, named by anyio after it) is the model's: it is kept."""
+    tasks.sort(key=lambda t: (t[0].name, t[0].waiting_in, t[0].waiting_for, t[0].called_from))
+    model = [w for w, keep in tasks if keep]
+    return model or [w for w, _ in tasks]
+
+
+def _plumbing_named(name: str) -> bool:
+    """asyncio's ``Task-N`` and trio's ``<...>`` system tasks."""
+    return name.startswith(("Task-", "<"))
 
 
 def waiting_asyncio_tasks(

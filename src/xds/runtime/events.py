@@ -10,13 +10,18 @@ the field and the event, rather than when the log is written. Plain values (ints
 bools, None, numpy numbers), and flat lists, tuples and dicts of them, pass type tests; anything
 else is encoded once on the spot. A set's iteration order depends on the process's hash seed, so
 a set, wherever it sits (a field, a list, a dict, a Struct), is recorded as a sorted list, its
-JSON form; a set whose elements do not sort together is refused.
+JSON form; a set whose elements do not sort together is refused. JSON has no NaN or infinity
+(it would write them as null, as it writes None), so a NaN or infinite float is recorded as the
+string ``"nan"``, ``"inf"`` or ``"-inf"``. A field is recorded as a snapshot: a list, dict or
+array the caller changes after ``emit`` does not change the event.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Iterator
+from math import isfinite
 from pathlib import Path
 from typing import IO, Any
 
@@ -67,29 +72,54 @@ _PLAIN: frozenset[type] = frozenset(
 """Field types that always encode: ``emit`` checks nothing else about them."""
 _KEYS: frozenset[type] = frozenset({str, int})
 """Dict key types that always encode."""
+_FLOATS: frozenset[type] = frozenset({float, np.float16, np.float32, np.float64})
+
+
+def _finite(values: Any) -> bool:
+    """No NaN or infinity among ``values``."""
+    return all(isfinite(v) for v in values if type(v) in _FLOATS)
+
+
+def _nonfinite(value: Any) -> bool:
+    """``value`` is a NaN or infinite float (JSON would write it as null, like None)."""
+    return type(value) in _FLOATS and not isfinite(value)
 
 
 def _flat(value: Any) -> bool:
-    """A list or tuple of plain values, or a dict of them under str or int keys: encodes as it
-    is, holds no set (type tests in C: this is emit's path for such fields)."""
+    """A list or tuple of plain values, or a dict of them under str or int keys, with no NaN or
+    infinity: encodes as it is, holds no set (type tests in C: emit's path for such fields)."""
     kind = type(value)
     if kind is list or kind is tuple:
-        return _PLAIN.issuperset(map(type, value))
+        return _PLAIN.issuperset(map(type, value)) and _finite(value)
     if kind is dict:
-        return _KEYS.issuperset(map(type, value)) and _PLAIN.issuperset(map(type, value.values()))
+        return (
+            _KEYS.issuperset(map(type, value))
+            and _PLAIN.issuperset(map(type, value.values()))
+            and _finite(value.values())
+        )
     return False
+
+
+def _nonfinite_text(value: Any) -> str:
+    """How the log records a NaN or infinite float: ``"nan"``, ``"inf"`` or ``"-inf"``."""
+    return "nan" if value != value else "inf" if value > 0 else "-inf"
 
 
 def _sets_sorted(value: Any) -> Any:
     """``value`` with every set in it (through lists, tuples, dicts and their subclasses, and
-    msgspec Structs) replaced by a sorted list; ``value`` itself if it holds none. A set's
+    msgspec Structs) replaced by a sorted list, and every NaN or infinite float (arrays too) by
+    its text (:func:`_nonfinite_text`); ``value`` itself if it holds neither. A set's
     elements are made set-free first, so a set of frozensets sorts as lists do. Raises
     TypeError if a set's elements do not compare."""
     kind = type(value)
     if kind in _PLAIN or _flat(value):
-        return value
+        return _nonfinite_text(value) if _nonfinite(value) else value
     if isinstance(value, (set, frozenset)):
         return sorted(_sets_sorted(v) for v in value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            return _sets_sorted(value.tolist())
+        return value
     if isinstance(value, (list, tuple)):
         items = [_sets_sorted(v) for v in value]
         if any(a is not b for a, b in zip(items, value, strict=True)):
@@ -124,7 +154,11 @@ def _checked_fields(component: object, event: object, fields: dict[str, Any]) ->
             field=name,
         )
     for name, value in fields.items():
-        if type(value) in _PLAIN or _flat(value):
+        if type(value) in _PLAIN and not _nonfinite(value):
+            continue
+        if _flat(value):
+            if type(value) is not tuple:
+                fields[name] = value.copy()  # a snapshot: later changes do not show
             continue
         try:
             recorded = _sets_sorted(value)
@@ -139,8 +173,9 @@ def _checked_fields(component: object, event: object, fields: dict[str, Any]) ->
         except (ValueError, OverflowError) as exc:
             problem = f"which the event log cannot encode ({exc})"
         else:
-            if recorded is not value:
-                fields[name] = recorded
+            if recorded is value and type(value) not in _PLAIN and type(value) is not tuple:
+                recorded = copy.deepcopy(value)  # a snapshot: later changes do not show
+            fields[name] = recorded
             continue
         raise ConfigError(
             f"emit({component!r}, {event!r}) got {type(value).__name__} {_short(value)}, "
@@ -168,8 +203,16 @@ class EventLog:
         if self.enabled:
             if type(component) is not str or type(event) is not str:
                 fields = _checked_fields(component, event, fields)
-            for value in fields.values():  # hot path: plain and flat values pass type tests
-                if type(value) not in _PLAIN and not _flat(value):
+            for name, value in fields.items():  # hot path: plain and flat values pass type tests
+                kind = type(value)
+                if kind in _PLAIN:
+                    if kind in _FLOATS and not isfinite(value):  # NaN or infinity
+                        fields = _checked_fields(component, event, fields)
+                        break
+                elif _flat(value):
+                    if kind is not tuple:
+                        fields[name] = value.copy()  # a snapshot: later changes do not show
+                else:
                     fields = _checked_fields(component, event, fields)
                     break
             self._events.append(Event(self._clock(), component, event, fields))

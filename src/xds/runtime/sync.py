@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import anyio
 import anyio.abc
 
+from ..config import require_int
 from .core import waiting_for
 
 
@@ -49,9 +50,7 @@ class Barrier:
     """
 
     def __init__(self, parties: int):
-        if not isinstance(parties, int) or parties < 1:
-            raise ValueError(f"a barrier needs at least one party, got {parties!r}")
-        self.parties = parties
+        self.parties = require_int(parties, "parties", low=1)
         self.generation = 0
         self._waiters: list[object] = []
         self._release = anyio.Event()

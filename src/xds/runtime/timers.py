@@ -3,8 +3,11 @@
 Posted writes on the fabric (data or metadata becoming visible at their completion time) are
 callbacks, not tasks: one timer each. On asyncio they go straight onto the loop's timer heap
 (``VirtualTimeEventLoop.call_at_ns``). Trio has no timed callbacks, so :class:`TrioTimerWheel`
-keeps a heap of them, served by one trio system task that sleeps until the earliest. In both,
-callbacks due at the same nanosecond run in the order they were scheduled.
+keeps a heap of them, served by one trio system task that sleeps until the earliest, and the
+clock runs the ones due as soon as it jumps (:meth:`TrioTimerWheel.run_due`). In both, callbacks
+due at the same nanosecond run in the order they were scheduled, and callbacks due at an
+instant the clock jumps to run before any task that wakes at that instant resumes (so a task
+sleeping until a write's ``visible_ns`` sees the write on either backend).
 
 A callback runs in the event loop's context: it must not block. It may set events, write
 memory, and schedule further callbacks.
@@ -87,11 +90,19 @@ class TrioTimerWheel:
                 self._scope = scope
                 await trio.sleep_forever()
             self._scope = None
-            now = self._now_ns()
-            while self._heap and self._heap[0][0] <= now:
-                _, _, handle = heapq.heappop(self._heap)
-                if not handle.cancelled:
-                    try:
-                        handle.callback(*handle.args)
-                    except Exception as exc:  # a model bug: fail the run, as on asyncio
-                        self._on_error(exc)
+            self.run_due()
+
+    def run_due(self) -> None:
+        """Run every callback due by now, in order (the clock calls this right after it jumps,
+        before the tasks woken at the new instant resume; the serving task catches the rest,
+        e.g. callbacks scheduled for the current instant)."""
+        now = self._now_ns()
+        while self._heap and self._heap[0][0] <= now:
+            _, _, handle = heapq.heappop(self._heap)
+            if not handle.cancelled:
+                try:
+                    handle.callback(*handle.args)
+                except Exception as exc:  # a model bug: fail the run, as on asyncio
+                    self._on_error(exc)
+        if self._scope is not None:  # the serving task sleeps until the next one
+            self._scope.deadline = self._heap[0][0] / 1e9 if self._heap else math.inf

@@ -24,11 +24,13 @@ def virtual_mock_clock(
     on_time_limit: Callable[[], None] | None = None,
     time_step_limit: int | None = None,
     on_time_step_limit: Callable[[], None] | None = None,
+    on_jump: Callable[[], None] | None = None,
 ) -> MockClock:
     """A ``MockClock(rate=0, autojump_threshold=0)`` that reports deadlocks to ``on_deadlock``
     and, instead of jumping past ``time_limit_ns``, calls ``on_time_limit``. It counts its
     jumps (time steps, ``clock._xds_steps``) and, instead of jumping once more than
-    ``time_step_limit``, calls ``on_time_step_limit``."""
+    ``time_step_limit``, calls ``on_time_step_limit``. ``on_jump`` runs right after each jump,
+    before any task woken at the new instant resumes (the timed callbacks due then)."""
     clock = MockClock(rate=0.0, autojump_threshold=0)
     clock._xds_stop = None  # type: ignore[attr-defined]
     clock._xds_steps = 0  # type: ignore[attr-defined]
@@ -63,6 +65,8 @@ def virtual_mock_clock(
                     return
                 clock._xds_steps = steps + 1  # type: ignore[attr-defined]
             clock.jump(jump)
+            if on_jump is not None:
+                on_jump()
 
     clock.current_time = current_time  # type: ignore[method-assign]
     clock._autojump = autojump  # type: ignore[method-assign]

@@ -106,6 +106,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _check_markers(item)
         if _is_async_test(item.obj):
             _check_fixtures(item)
+            if "anyio_backend" in item.fixturenames:  # anyio's plugin would run it first
+                _fail(
+                    "this test also uses anyio's pytest plugin (@pytest.mark.anyio or the "
+                    "anyio_backend fixture), which would run it on a real event loop in "
+                    "wall-clock time; drop that marker or fixture: xds runs the test through "
+                    "anyio itself (the xds_backend fixture picks asyncio or trio)"
+                )
 
 
 @pytest.hookimpl(tryfirst=True)
