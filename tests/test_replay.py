@@ -451,9 +451,18 @@ def test_replay_rejects_malformed_workloads_with_the_request_named():
     bad_ids = Workload((Request(0, 0, 10, 5), Request(7, 1, 10, 5)), source="t.jsonl")
     with pytest.raises(ConfigError, match=r"t\.jsonl: request 1 has request_id 7"):
         replay(bad_ids, SMALL)
-    with pytest.raises(ConfigError, match="token lengths"):
+    with pytest.raises(ConfigError, match="output_tokens must be >= 1, got 0") as err:
         replay(_workload((0, 10, 0)), SMALL)
-    with pytest.raises(ConfigError, match="arrives before"):
+    assert err.value.field == "output_tokens"
+    with pytest.raises(ConfigError, match="input_tokens must be >= 1, got 0") as err:
+        replay(Workload((Request(0, 0, 0, 5),)), SMALL)
+    assert err.value.field == "input_tokens"
+    with pytest.raises(ConfigError, match="arrival_ns must be >= 0, got -5") as err:
+        replay(Workload((Request(0, -5, 10, 5),)), SMALL)
+    assert err.value.field == "arrival_ns"
+    with pytest.raises(
+        ConfigError, match=r"arrives at 1 ns, before the request ahead of it \(5 ns\)"
+    ):
         replay(_workload((5, 10, 2), (1, 10, 2)), SMALL)
 
 
@@ -902,6 +911,27 @@ def test_least_work_prefers_the_group_holding_more_of_the_prompt_when_caps_tie()
     assert placed[0][0].dp == 1 and placed[0][0].cached_tokens == 512
 
 
+def test_a_prompt_batched_only_where_its_cache_is_waits_when_that_group_is_full():
+    """20K tokens, 16K of them cached on group 3: batched there it is 4K new tokens. Group 3
+    has no KV for it, and on any other group all 20K would be new, over ``sp_threshold``: the
+    job must not be batched elsewhere (such a prompt runs sequence-parallel alone); it waits
+    for group 3 and then runs there."""
+    from xds.serve.prefill import PrefillJob, PrefillTE
+
+    cfg = PrefillConfig()
+    te = PrefillTE(0, cfg, _prefill_cost(cfg), kv_blocks_per_dp=2_000)
+    hashes = tuple(range(40))  # 40 blocks of 512 tokens
+    te.cache[3].insert(hashes[:32])
+    te.kv[3].admit("earlier", te.kv[3].free * cfg.block_tokens)  # group 3 is full
+    te.pool.append((PrefillJob(0, 20_480, hashes, 0), None))
+    _, placed = te._assign()
+    assert placed == [] and len(te.pool) == 1
+    te.kv[3].release("earlier")
+    _, placed = te._assign()
+    ((job, _),) = placed
+    assert job.dp == 3 and job.cached_tokens == 16_384 and not job.alone  # batched, cached
+
+
 def test_colocated_decode_reports_a_routing_policys_error_as_itself():
     from xds.errors import ProtocolError
     from xds.serve.decode import DecodeInstance
@@ -1048,7 +1078,13 @@ def test_a_prompt_longer_than_one_groups_kv_runs_sequence_parallel_instead_of_fa
     assert rec.prefill_placement == "P0/SP8"  # spread over the TE's 8 groups
     no_sp = msgspec.structs.replace(prefill, sp_threshold=0)
     (rec,) = replay(Workload((long,)), msgspec.structs.replace(cfg, prefill=no_sp)).records
-    assert rec.outcome == "failed" and "exceeds a prefill DP's KV" in rec.reason
+    assert rec.outcome == "failed" and "exceeds a prefill DP's KV (" in rec.reason
+    # with sequence parallelism the limit is the whole TE's KV, and the reason says so
+    huge = Request(0, 0, 2_000_000, 20)
+    roomy = msgspec.structs.replace(cfg, max_context_tokens=4_000_000)
+    (rec,) = replay(Workload((huge,)), roomy).records
+    assert rec.outcome == "failed"
+    assert "exceeds a prefill TE's KV (" in rec.reason and "over its 8 DP groups" in rec.reason
 
 
 @pytest.mark.parametrize("when", ["waiting", "in its step"])

@@ -196,10 +196,10 @@ def test_real_traces_load():
 
 
 def test_generic_csv_hashes_and_physical_line_numbers(tmp_path):
-    c = write(tmp_path, "h.csv", "t,i,o,h\n0,5,2,12 7\n\n1,x,2,3\n")
+    c = write(tmp_path, "h.csv", "t,i,o,h\n0,600,2,12 7\n\n1,x,2,3\n")
     with pytest.raises(TraceError, match="line 4 field 'i'"):
         t.load_generic(c, mapping={"arrival": "t", "input": "i", "output": "o", "hashes": "h"})
-    ok = write(tmp_path, "ok.csv", "t,i,o,h\n0,5,2,12 7\n")
+    ok = write(tmp_path, "ok.csv", "t,i,o,h\n0,600,2,12 7\n")
     w = t.load_generic(ok, mapping={"arrival": "t", "input": "i", "output": "o", "hashes": "h"})
     assert w.requests[0].prefix_hashes == (12, 7)
     m = write(
@@ -213,6 +213,49 @@ def test_generic_csv_hashes_and_physical_line_numbers(tmp_path):
 
     with pytest.raises(ConfigError, match="rate"):
         t.fixed(10, 10, n=2, rate_per_s=0)
+
+
+@pytest.mark.parametrize(
+    ("hashes", "says"),
+    [
+        ("[true, 1]", "expected a list of integers"),
+        ("[1.9, 1]", "expected a list of integers"),  # 1.9 must not become a hit on 1
+        ("[-3]", "block hashes must be >= 0"),
+        ("[1, 2, 3]", "3 block hashes for 600 input tokens: a 512-token block each allows"),
+        ('"1 -2"', "expected integers >= 0 separated by spaces or semicolons"),
+    ],
+)
+def test_generic_hashes_are_checked_as_mooncakes_are(tmp_path, hashes, says):
+    j = write(tmp_path, "g.jsonl", f'{{"t": 0, "i": 600, "o": 5, "h": {hashes}}}\n')
+    with pytest.raises(TraceError, match=rf"g\.jsonl:line 1 field 'h': {says}"):
+        t.load_generic(j, mapping={"arrival": "t", "input": "i", "output": "o", "hashes": "h"})
+
+
+def test_generic_hashes_carry_their_block_size_and_csv_hashes_are_digits(tmp_path):
+    mapping = {"arrival": "t", "input": "i", "output": "o", "hashes": "h"}
+    c = write(tmp_path, "h.csv", "t,i,o,h\n0,600,2,12;7\n1,40,2,\n")
+    w = t.load_generic(c, mapping=mapping)
+    assert w.hash_block_tokens == 512 and w.requests[0].prefix_hashes == (12, 7)
+    w = t.load_generic(c, mapping=mapping, hash_block_tokens=16)
+    assert w.hash_block_tokens == 16
+    assert t.load_generic(c, mapping={k: mapping[k] for k in ("arrival", "input", "output")})
+    bad = write(tmp_path, "b.csv", "t,i,o,h\n0,600,2,12 -7\n")
+    with pytest.raises(TraceError, match=r"b\.csv:line 2 field 'h': expected integers >= 0"):
+        t.load_generic(bad, mapping=mapping)
+    from xds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hash_block_tokens"):
+        t.load_generic(c, mapping=mapping, hash_block_tokens=0)
+
+
+def test_a_line_of_spaces_inside_a_csv_is_blank(tmp_path):
+    p = write(
+        tmp_path,
+        "ws.csv",
+        "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n   \n1,2,2\n",
+    )
+    w = t.load(p)
+    assert [(r.input_tokens, r.source_line) for r in w.requests] == [(1, 2), (2, 4)]
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e300"])
@@ -454,3 +497,10 @@ def test_write_removes_a_csv_it_does_not_rewrite(tmp_path):
         "requests.jsonl",
         "summary.json",
     ]
+
+
+def test_azure_timestamps_take_a_comma_as_the_decimal_sign(tmp_path):
+    head = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    rows = '2023-11-16 18:15:46.5,3,2\n"2023-11-16 18:15:46,75",3,2\n'
+    w = t.load_azure(write(tmp_path, "a.csv", head + rows))
+    assert [r.arrival_ns for r in w.requests] == [0, 250_000_000]

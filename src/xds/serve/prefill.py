@@ -170,6 +170,8 @@ class PrefillJob(msgspec.Struct):
     input_tokens: int
     prefix_hashes: tuple[int, ...]
     submitted_ns: int
+    """When the request reached the deployment (its arrival): for placement policies that
+    weigh a job's age; the scheduler itself orders by pool position."""
     dp: int = -1
     """The DP group that ran it (for a sequence-parallel job, the leader group that caches its
     prompt hashes)."""
@@ -432,6 +434,8 @@ class PrefillTE:
                 new = max(1, job.input_tokens - cached)
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
                     continue
+                if self._is_sp(new, job.input_tokens):  # batched here it would break the rule
+                    continue  # that such a prompt runs sequence-parallel: wait for its cache
                 views.append(GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp], hit))
             if not views:
                 keep.append((job, ev))

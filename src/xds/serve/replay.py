@@ -475,8 +475,15 @@ class Replay(Failover):
         if total > self.config.max_context_tokens:
             limit = self.config.max_context_tokens
             return f"context {total} tokens {CONTEXT_FAILURE} {limit}"
-        if req.input_tokens > self.prefill[0].max_input_tokens():
-            return f"input {req.input_tokens} tokens exceeds a prefill DP's KV"
+        te = self.prefill[0]
+        limit = te.max_input_tokens()
+        if req.input_tokens > limit:
+            groups = len(te.kv)
+            if limit > te.kv[0].capacity * te.config.block_tokens:  # sequence-parallel
+                where = f"a prefill TE's KV ({limit} tokens over its {groups} DP groups)"
+            else:
+                where = f"a prefill DP's KV ({limit} tokens)"
+            return f"input {req.input_tokens} tokens exceeds {where}"
         dkv = self.decode[0].kv[0]
         if req.output_tokens > 1 and dkv.blocks_for(total) > dkv.capacity:  # 1: never decoded
             return f"sequence of {total} tokens exceeds a decode DP's KV"
@@ -866,10 +873,20 @@ def _check_workload(workload: Workload) -> None:
                 f"{where} has request_id {r.request_id}; ids must be 0..n-1 in order",
                 field="request_id",
             )
-        if r.input_tokens < 1 or r.output_tokens < 1:
-            raise ConfigError(f"{where}: token lengths must be >= 1", field="output_tokens")
+        for name in ("input_tokens", "output_tokens"):
+            if getattr(r, name) < 1:
+                raise ConfigError(
+                    f"{where}: {name} must be >= 1, got {getattr(r, name)}", field=name
+                )
+        if r.arrival_ns < 0:
+            raise ConfigError(
+                f"{where}: arrival_ns must be >= 0, got {r.arrival_ns}", field="arrival_ns"
+            )
         if r.arrival_ns < last:
-            raise ConfigError(f"{where} arrives before the request ahead of it", field="arrival")
+            raise ConfigError(
+                f"{where} arrives at {r.arrival_ns} ns, before the request ahead of it ({last} ns)",
+                field="arrival_ns",
+            )
         last = r.arrival_ns
     if last > MAX_ARRIVAL_NS:
         raise ConfigError(
@@ -877,7 +894,7 @@ def _check_workload(workload: Workload) -> None:
             f"replays arrivals up to {MAX_ARRIVAL_NS / DAY_NS:.1f} days (half its exact "
             "virtual-time horizon; the rest is for serving them): shorten the trace or raise "
             "its rate",
-            field="arrival",
+            field="arrival_ns",
         )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..config import require_int
 from ..errors import TraceError
 from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
 
@@ -173,6 +174,30 @@ MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
+def _block_hashes(
+    raw: object, input_tokens: int, block_tokens: int, *, path: str, line: int, field: str
+) -> tuple[int, ...]:
+    """A request's prefix block hashes: a list of integers >= 0 (no bools, no floats: a
+    truncated 1.9 would collide with 1 and fake a cache hit), at most one per ``block_tokens``
+    of its ``input_tokens``."""
+    if not isinstance(raw, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in raw
+    ):
+        raise TraceError("expected a list of integers", path=path, line=line, field=field)
+    if any(h < 0 for h in raw):
+        raise TraceError("block hashes must be >= 0", path=path, line=line, field=field)
+    most = -(-input_tokens // block_tokens)
+    if len(raw) > most:
+        raise TraceError(
+            f"{len(raw)} block hashes for {input_tokens} input tokens: a {block_tokens}-token "
+            f"block each allows at most {most}",
+            path=path,
+            line=line,
+            field=field,
+        )
+    return tuple(int(h) for h in raw)
+
+
 def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
     p = _open(path)
@@ -190,26 +215,15 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
         y = _int_field(
             obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
         )
-        hashes = obj.get("hash_ids", [])
-        if not isinstance(hashes, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) for h in hashes
-        ):
-            raise TraceError(
-                "expected a list of integers", path=str(p), line=line_no, field="hash_ids"
-            )
-        if any(h < 0 for h in hashes):
-            raise TraceError(
-                "block hashes must be >= 0", path=str(p), line=line_no, field="hash_ids"
-            )
-        if len(hashes) > -(-x // MOONCAKE_BLOCK_TOKENS):
-            raise TraceError(
-                f"{len(hashes)} block hashes for {x} input tokens: a {MOONCAKE_BLOCK_TOKENS}-token "
-                f"block each allows at most {-(-x // MOONCAKE_BLOCK_TOKENS)}",
-                path=str(p),
-                line=line_no,
-                field="hash_ids",
-            )
-        rows.append((ts_ns, x, y, tuple(int(h) for h in hashes), line_no))
+        hashes = _block_hashes(
+            obj.get("hash_ids", []),
+            x,
+            MOONCAKE_BLOCK_TOKENS,
+            path=str(p),
+            line=line_no,
+            field="hash_ids",
+        )
+        rows.append((ts_ns, x, y, hashes, line_no))
     workload = _finish(rows, str(p), sort)
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=MOONCAKE_BLOCK_TOKENS)
@@ -301,6 +315,9 @@ def _checked_rows(
             )
     for row in reader:
         line_no = reader.line_num + skipped  # the physical line (blank lines are skipped)
+        present = [v for v in row.values() if v is not None]
+        if len(present) == 1 and isinstance(present[0], str) and not present[0].strip():
+            continue  # a line of spaces only: blank, as the csv module skips empty ones
         if None in row or any(v is None for v in row.values()):
             raise TraceError("wrong number of fields", path=str(p), line=line_no)
         yield line_no, row
@@ -329,12 +346,12 @@ def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
     return _finish(rows, str(p), sort, "TIMESTAMP")
 
 
-_STAMP = re.compile(r"(?P<head>[^.]*?)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
+_STAMP = re.compile(r"(?P<head>[^.,]*?)(?:[.,](?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
 
 
 def _timestamp_ns(raw: str) -> int:
-    """An ISO date-time with up to nanosecond digits (Azure writes 7) and an optional UTC
-    offset (none means UTC), as nanoseconds since the epoch."""
+    """An ISO date-time with up to nanosecond digits (Azure writes 7; a decimal point or an
+    ISO comma) and an optional UTC offset (none means UTC), as nanoseconds since the epoch."""
     m = _STAMP.fullmatch(raw)
     if m is None or not m["head"]:
         raise ValueError(raw)
@@ -427,11 +444,20 @@ def load_lengths(
 
 
 def load_generic(
-    path: str | Path, *, mapping: dict[str, str], time_unit_ns: int = 1, sort: bool = False
+    path: str | Path,
+    *,
+    mapping: dict[str, str],
+    time_unit_ns: int = 1,
+    sort: bool = False,
+    hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> Workload:
     """A CSV or JSONL with your column names: ``mapping`` maps ``arrival``, ``input``,
     ``output`` (and optionally ``hashes``) to the file's columns; arrivals are multiplied by
-    ``time_unit_ns`` (e.g. 1_000_000 for milliseconds)."""
+    ``time_unit_ns`` (e.g. 1_000_000 for milliseconds). ``hashes`` holds each request's prefix
+    block hashes (a JSON list, or integers separated by spaces or semicolons in a CSV), one per
+    ``hash_block_tokens`` of its input (default 512, Mooncake's block); a replay checks that
+    the deployment's prefix cache uses the same block size."""
+    hash_block_tokens = require_int(hash_block_tokens, "hash_block_tokens", low=1)
     p = _open(path)
     for key in ("arrival", "input", "output"):
         if key not in mapping:
@@ -469,16 +495,24 @@ def load_generic(
         hashes: tuple[int, ...] = ()
         if "hashes" in mapping and mapping["hashes"] in row:
             raw = row[mapping["hashes"]]
-            try:
-                if isinstance(raw, str):  # CSV: space- or semicolon-separated integers
-                    raw = raw.replace(";", " ").split()
-                hashes = tuple(int(h) for h in raw)
-            except (TypeError, ValueError):
-                raise TraceError(
-                    "expected integers", path=str(p), line=line_no, field=mapping["hashes"]
-                ) from None
+            if isinstance(raw, str):  # CSV: space- or semicolon-separated integers
+                words = raw.replace(";", " ").split()
+                if not all(w.isascii() and w.isdigit() for w in words):
+                    raise TraceError(
+                        "expected integers >= 0 separated by spaces or semicolons",
+                        path=str(p),
+                        line=line_no,
+                        field=mapping["hashes"],
+                    )
+                raw = [int(w) for w in words]
+            hashes = _block_hashes(
+                raw, x, hash_block_tokens, path=str(p), line=line_no, field=mapping["hashes"]
+            )
         rows.append((arrival, x, y, hashes, line_no))
-    return _finish(rows, str(p), sort, mapping["arrival"])
+    workload = _finish(rows, str(p), sort, mapping["arrival"])
+    if any(r.prefix_hashes for r in workload.requests):
+        workload = msgspec.structs.replace(workload, hash_block_tokens=hash_block_tokens)
+    return workload
 
 
 def _getter(path: str) -> Callable[[dict[str, Any], str, int], Any]:

@@ -127,6 +127,9 @@ class Summary(msgspec.Struct):
     goodput: float
     sla: SLA
     duration_s: float
+    """From the first arrival to the last completed request's finish (the last failure's when
+    nothing completed): the span the tokens/s figures divide by, so a late failure does not
+    dilute them."""
     prefill_busy: list[float] = []
     """Per Prefill TE of a PD replay, the share of the prefill phase it spent in steps."""
     prefix_hit_ratio: float = 0.0
