@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in ("none", args.policy):
         cfg = DecodeConfig(eplb=OnlineEPLBConfig(policy=name, window_ns=round(args.window_s * S)))
-        comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp.k))
+        comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp_config.k))
         comm_mtp = measure_comm(cfg, cfg.batch_per_die)
 
         async def run(cfg=cfg, comm=comm, comm_mtp=comm_mtp):

@@ -174,6 +174,23 @@ def test_policy_plugs_your_function_into_replay_and_capacity(tmp_path, monkeypat
         assert says in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_policy_that_raises_is_reported_briefly_at_its_own_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "buggy.py").write_text(
+        "def helper(n):\n    return 1 // n\n"
+        "def route(eligible, dps, reserve):\n    return helper(0)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code = main(["replay", "--synthetic", "3", "--json", "--policy", "decode_routing=buggy:route"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "xds: error: ZeroDivisionError: integer division or modulo by zero"
+    assert err[1] == "(raised by the decode_routing policy 'route' for request 0)"
+    assert err[2:] == [  # the user's frames only: none of xds's, anyio's or click's
+        f"  {tmp_path / 'buggy.py'}, line 4, in route: return helper(0)",
+        f"  {tmp_path / 'buggy.py'}, line 2, in helper: return 1 // n",
+    ]
+
+
 def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
     import json
 

@@ -26,7 +26,7 @@ def test_toml_and_json_configs(tmp_path):
         "acceptance = [0.9, 0.4]\n"
     )
     cfg = decode_config(str(t))
-    assert cfg.dies == 32 and cfg.mtp.k == 2
+    assert cfg.dies == 32 and cfg.mtp_config.k == 2
     j = tmp_path / "d.json"
     j.write_text(json.dumps({"dies": 16, "shared_expert_dies": 0}))
     assert load_config(j, DecodeConfig).dies == 16
@@ -37,7 +37,7 @@ def test_toml_and_json_configs(tmp_path):
     ("text", "message"),
     [
         ("dies = -3\n", "dies: must be >= 1"),
-        ("diez = 3\n", "diez: Object contains unknown field"),
+        ("diez = 3\n", "diez: unknown field"),
         ("dies = 32\nshared_expert_dies = 0\n[mtp]\nk = 'two'\n", "mtp.k: Expected `int`"),
         ("dies = 32\nshared_expert_dies = 40\n", "shared_expert_dies: must be >= 0 and below"),
         ("dies = [\n", "cannot parse"),
@@ -110,7 +110,7 @@ def test_a_deployment_file_changes_only_what_it_writes(tmp_path):
     cfg = pd_config(str(f))
     base = PDConfig()
     assert cfg.decode.pull_order == "staggered" and cfg.decode.mtp.acceptance == (0.8,)
-    assert cfg.decode.mtp.k == base.decode.mtp.k
+    assert cfg.decode.mtp.k == base.decode.mtp_config.k
     assert (
         msgspec.structs.replace(cfg.decode, pull_order="static", mtp=base.decode.mtp) == base.decode
     )  # the 4P1D decode TE (128 dies, batch 32), not the peak-decode defaults
@@ -181,3 +181,60 @@ def test_a_bad_element_of_a_list_names_the_line_of_its_key(tmp_path):
     f.write_text("[rollback]\ncodes = ['LINK_FLAP', 3]\n")
     with pytest.raises(ConfigError, match=r"rollback\.codes\[1\]: Expected `str`.*\(line 2\)"):
         load_config(f, ReliabilityConfig)
+
+
+def test_mtp_defaults_to_the_models_own_and_needs_an_mtp_layer(tmp_path):
+    from xds.serve.ma_config import MADecodeConfig
+    from xds.serve.mtp import MTPConfig
+
+    kimi = dict(model="kimi-k2", dies=128, batch_per_die=16, shared_expert_dies=0)
+    assert DecodeConfig().mtp_config == MTPConfig(k=1, acceptance=(0.9,))  # DeepSeek: 1 layer
+    assert DecodeConfig(**kimi).mtp_config.k == 0  # Kimi K2 has none
+    with pytest.raises(ConfigError, match="Kimi K2 has no MTP layer") as err:
+        DecodeConfig(**kimi, mtp=MTPConfig(k=1))
+    assert err.value.field == "mtp.k"
+    with pytest.raises(ConfigError, match="Kimi K2 has no MTP layer"):
+        MADecodeConfig(model="kimi-k2", mtp=MTPConfig(k=2))
+    # a file that only switches the model gets that model's MTP, not the base's
+    f = tmp_path / "pk.toml"
+    f.write_text('[decode]\nmodel = "kimi-k2"\n')
+    from xds.serve.presets import pd_config
+
+    assert pd_config(str(f)).decode.mtp_config.k == 0
+    d = tmp_path / "dk.toml"
+    d.write_text('model = "kimi-k2"\ndies = 128\nbatch_per_die = 16\nshared_expert_dies = 0\n')
+    assert decode_config(str(d)).mtp_config.k == 0
+    from xds.model import Precision
+
+    with pytest.raises(ConfigError, match=r"layers 0\.\.60 \(no MTP layer\)"):
+        DecodeConfig(**kimi, precision=Precision(attention_int8_layers=(61,)))
+
+
+def test_memory_that_cannot_exist_is_refused():
+    from xds.serve.ma_config import MADecodeConfig
+
+    with pytest.raises(ConfigError, match="more than a die's 64 GiB of HBM") as err:
+        DecodeConfig(
+            batch_per_die=2048, kv_blocks_per_die=10_000_000, input_tokens=4096, output_tokens=64
+        )
+    assert err.value.field == "kv_blocks_per_die"
+    assert DecodeConfig(kv_blocks_per_die=12_000).kv_blocks_per_die == 12_000  # a what-if: fits
+    with pytest.raises(ConfigError, match=r"152\.2 GiB of weights") as err:
+        MADecodeConfig(
+            domains=1,
+            attention_dies_per_domain=4,
+            expert_dies=4,
+            shared_expert_dies=0,
+            batch_per_die=32,
+        )
+    assert err.value.field == "expert_dies"
+    with pytest.raises(ConfigError, match="shared_expert_dies = 127") as err:
+        DecodeConfig(model="kimi-k2", dies=128, shared_expert_dies=127)
+
+
+def test_a_pd_file_given_to_xds_decode_says_what_it_is(tmp_path, capsys):
+    f = tmp_path / "pd.toml"
+    f.write_text('[decode]\nmodel = "kimi-k2"\n')
+    assert main(["decode", "--deployment", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "decode: unknown field (a [decode] table makes this a PD deployment file" in err

@@ -145,7 +145,7 @@ def test_every_token_is_generated_once(small_curve):
     assert res.tokens == SMALL.attention_dies * SMALL.batch_per_die * SMALL.output_tokens
     # MTP acceptance may finish a domain an iteration early: the rotation then skips it
     assert {len(d.iteration_ns) for d in res.domains} <= {res.iterations - 1, res.iterations}
-    assert 1.0 <= res.mean_tokens_per_step <= 1 + SMALL.mtp.k
+    assert 1.0 <= res.mean_tokens_per_step <= 1 + SMALL.mtp_config.k
 
 
 def test_more_domains_keep_the_moe_kernel_busier(small_curve):

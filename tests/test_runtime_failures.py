@@ -449,7 +449,7 @@ def test_a_replay_beyond_the_horizon_is_refused_up_front():
 
     with pytest.raises(ConfigError) as info:
         replay(fixed(2000, 50, 3, rate_per_s=1e-7), pd_config("production-4p1d"))
-    assert info.value.field == "arrival" and "days" in str(info.value)
+    assert info.value.field == "arrival_ns" and "days" in str(info.value)
 
 
 def test_waiting_for_outside_a_run_does_nothing():

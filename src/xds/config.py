@@ -170,9 +170,17 @@ def _config_error(
     field = match.group(1) if match else None
     message = str(exc).split(" - at ")[0]
     unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
-    if unknown and field != unknown.group(1):  # msgspec names the table: name the key in it
-        field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+    if unknown:
+        if field != unknown.group(1):  # msgspec names the table: name the key in it
+            field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
         message = "unknown field"
+    if unknown and field in ("prefill", "decode", "probe") and kind is not None:
+        names = getattr(kind, "__struct_fields__", ())
+        if "prefill" not in names and "decode" not in names:  # a PD file given elsewhere
+            message += (
+                f" (a [{field}] table makes this a PD deployment file: it is for xds replay "
+                "and xds capacity --deployment)"
+            )
     if kind is not None and field and message.startswith("Invalid enum value"):
         choices = _choices(kind, field)
         if choices:

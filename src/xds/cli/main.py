@@ -445,11 +445,12 @@ def ma_decode(
             f"must be below the deployment's output_tokens ({cfg.output_tokens}), got {start}",
             field="from_token",
         )
-    most = (1 + cfg.mtp.k) * iterations  # tokens the window may take, every draft accepted
+    most = (1 + cfg.mtp_config.k) * iterations  # tokens the window may take, every draft accepted
     if not full and start + most > cfg.output_tokens:
         raise click.UsageError(
             f"{iterations} iterations from token {start} may run past the end of decode "
-            f"(output_tokens {cfg.output_tokens}, up to {1 + cfg.mtp.k} tokens per iteration): "
+            f"(output_tokens {cfg.output_tokens}, up to {1 + cfg.mtp_config.k} tokens per "
+            "iteration): "
             "lower --from-token or --iterations, or use --full"
         )
     curve = ae_curve(cfg, seed=seed)
@@ -1628,7 +1629,47 @@ def main(argv: list[str] | None = None) -> int:
     except XdsError as exc:
         print(f"xds: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        policy_error = _policy_error(exc)
+        if policy_error is None:
+            raise  # a bug in xds: the whole traceback is what a report needs
+        print(policy_error, file=sys.stderr)
+        return 1
     return int(result) if isinstance(result, int) else 0
+
+
+def _policy_error(exc: BaseException) -> str | None:
+    """An error raised by a ``--policy`` function of the user's: its message, the slot and
+    request it was asked about, and the user's own frames only (not xds's or click's);
+    None for any other error."""
+    import traceback
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if getattr(exc, "xds_policy", None) is None:
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if not f.filename.startswith(_LIBRARY_PREFIXES)] or frames[-1:]
+    lines = [f"xds: error: {type(exc).__name__}: {exc}"]
+    lines += [note for note in getattr(exc, "__notes__", [])]
+    lines += [f"  {f.filename}, line {f.lineno}, in {f.name}: {f.line}" for f in own[-5:]]
+    return "\n".join(lines)
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    import os
+
+    import anyio
+
+    import xds
+
+    prefixes = [os.path.dirname(xds.__file__) + os.sep, os.path.dirname(anyio.__file__) + os.sep]
+    prefixes.append(os.path.dirname(click.__file__) + os.sep)
+    prefixes.append(os.path.dirname(os.__file__) + os.sep)  # the standard library (asyncio)
+    return tuple(prefixes)
+
+
+_LIBRARY_PREFIXES = _library_prefixes()
 
 
 if __name__ == "__main__":

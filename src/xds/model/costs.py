@@ -85,11 +85,13 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         self, model: ModelSpec, *, field: str = "precision.attention_int8_layers"
     ) -> None:
         """Every layer named in ``attention_int8_layers`` exists in ``model``."""
-        beyond = [x for x in self.attention_int8_layers if x > model.layers]
+        last = model.layers if model.mtp_layers else model.layers - 1
+        beyond = [x for x in self.attention_int8_layers if x > last]
         if beyond:
+            mtp = f" (and its MTP layer, {model.layers})" if model.mtp_layers else " (no MTP layer)"
             raise ConfigError(
-                f"{model.name} has layers 0..{model.layers - 1} (and its MTP layer, "
-                f"{model.layers}); attention_int8_layers names {beyond}",
+                f"{model.name} has layers 0..{model.layers - 1}{mtp}; attention_int8_layers "
+                f"names {beyond}",
                 field=field,
             )
 

@@ -30,7 +30,7 @@ def measure(
     tier: str = "iteration",
 ) -> DecodeResult:
     cfg = config or DecodeConfig()
-    comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp.k), seed=seed)
+    comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp_config.k), seed=seed)
     comm_mtp = measure_comm(cfg, cfg.batch_per_die, seed=seed)
 
     async def main() -> DecodeResult:

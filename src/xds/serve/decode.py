@@ -258,7 +258,7 @@ class DecodeInstance:
                 # where DPs that already finished wait for the busy ones at every barrier
                 ratios.append(float(fd.max() / max(1, fd.min())))
             committed = np.stack(
-                [tokens_per_step(cfg.mtp, mtp_gens[r], cfg.batch_per_die) for r in range(n)]
+                [tokens_per_step(cfg.mtp_config, mtp_gens[r], cfg.batch_per_die) for r in range(n)]
             )
             committed = np.minimum(committed, self.remaining) * live
             self.remaining -= committed
@@ -320,7 +320,7 @@ class DecodeInstance:
             s = int(seqs[r])
             passes = [(1.0, 0, 0, [e], dm.comm_mtp, m.layers) for e in mtp_experts]
             passes.append(
-                (1.0 + cfg.mtp.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm, 0)
+                (1.0 + cfg.mtp_config.k, m.dense_layers, int(jitter[r]), main_experts, dm.comm, 0)
             )
             for tps, dense, jit, experts, comm, first in passes:
 

@@ -37,6 +37,26 @@ MAX_BATCH_PER_DIE = 2048
 context lengths (the KV checks then bind), and it bounds the dispatch/combine measurements."""
 
 
+MODEL_MTP = MTPConfig(k=1, acceptance=(0.9,))
+"""The MTP of a model with an MTP layer, unless a deployment sets its own (SPEC 12.2)."""
+NO_MTP = MTPConfig(k=0)
+"""The MTP of a model without one: no drafts."""
+
+
+def resolve_mtp(mtp: MTPConfig | None, model: ModelSpec, field: str = "mtp.k") -> MTPConfig:
+    """A deployment's MTP: ``mtp`` as given (drafts need the model to have an MTP layer), or,
+    for None, the model's own: one draft at 0.9 acceptance with an MTP layer, none without."""
+    if mtp is None:
+        return MODEL_MTP if model.mtp_layers else NO_MTP
+    if mtp.k and not model.mtp_layers:
+        raise ConfigError(
+            f"{model.name} has no MTP layer, so it cannot draft {mtp.k} token(s) a step: set "
+            "k = 0, or leave mtp out (the model's own: none)",
+            field=field,
+        )
+    return mtp
+
+
 class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A colocated decode deployment and its workload (defaults: SPEC 12.2's peak run)."""
 
@@ -45,7 +65,10 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     batch_per_die: int = 60
     input_tokens: int = 2048
     output_tokens: int = 2048
-    mtp: MTPConfig = MTPConfig(k=1, acceptance=(0.9,))
+    mtp: MTPConfig | None = None
+    """None: the model's own, one draft token at 0.9 acceptance (SPEC 12.2) if it has an MTP
+    layer (DeepSeek-V3/R1), none if it has not (Kimi K2); a draft needs an MTP layer. What
+    runs is :attr:`mtp_config`."""
     shared_expert_dies: int = 32
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
@@ -94,6 +117,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             )
         self.precision.check_layers(MODELS[self.model])
         m = MODELS[self.model]
+        resolve_mtp(self.mtp, m)  # checks it
         if self.dies > m.routed_experts + self.shared_expert_dies:
             raise ConfigError(
                 f"{self.dies} dies, but {m.name} has {m.routed_experts} routed experts and "
@@ -105,18 +129,36 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(
                 f"online EPLB places one routed expert per die, but {m.routed_experts} routed "
                 f"experts do not fit on {self.dies - self.shared_expert_dies} dies (dies - "
-                "shared_expert_dies)",
+                "shared_expert_dies); online EPLB runs in colocated decode (`xds decode`), and a "
+                "PD replay refuses it",
                 field="eplb",
             )
+        hbm = ASCEND_910C_DIE.hbm_bytes
         if self.kv_blocks_per_die == 0:
             weights = decode_weight_bytes(self)
-            hbm = ASCEND_910C_DIE.hbm_bytes
             if weights >= (1 - WORKSPACE_FRACTION) * hbm:
+                routed_dies = self.dies - self.shared_expert_dies
                 raise ConfigError(
-                    f"with {self.dies} dies each holds {weights / 2**30:.1f} GiB of weights, "
-                    f"no room for KV on a {hbm / 2**30:.0f} GiB die: use more dies",
+                    f"with {self.dies} dies ({routed_dies} for {m.routed_experts} routed experts "
+                    f"after shared_expert_dies = {self.shared_expert_dies}) each holds "
+                    f"{weights / 2**30:.1f} GiB of weights, no room for KV on a "
+                    f"{hbm / 2**30:.0f} GiB die: use more dies, or fewer shared-expert dies",
                     field="dies",
                 )
+        else:  # an override (a group after a scale-down, a what-if), but never beyond HBM
+            block = m.kv_bytes_per_token(int8_nope=self.precision.kv_int8_nope) * self.block_tokens
+            if self.kv_blocks_per_die * block > hbm:
+                raise ConfigError(
+                    f"{self.kv_blocks_per_die} blocks of {self.block_tokens} tokens are "
+                    f"{self.kv_blocks_per_die * block / 2**30:.1f} GiB of KV, more than a die's "
+                    f"{hbm / 2**30:.0f} GiB of HBM (0 derives what the weights leave)",
+                    field="kv_blocks_per_die",
+                )
+
+    @property
+    def mtp_config(self) -> MTPConfig:
+        """The MTP that runs: :attr:`mtp`, or the model's own."""
+        return resolve_mtp(self.mtp, MODELS[self.model])
 
     @property
     def spec(self):
@@ -327,7 +369,7 @@ class DecodeModel(KernelTimes):
         drawn in that order from the routing stream (both tiers draw through here)."""
         m = self.model
         total = int(seqs.sum())
-        k = self.config.mtp.k
+        k = self.config.mtp_config.k
         moe_layers = m.layers - m.dense_layers
         if self.online is not None:  # skewed routing under the current EPLB mapping
             busiest = self.online.busiest_die_tokens(total * (1 + k), m.top_k)
@@ -373,7 +415,7 @@ class DecodeModel(KernelTimes):
         """Time and per-kernel breakdown of one iteration given its expert-compute draws."""
         m = self.model
         eff = self.config.efficiency
-        k = self.config.mtp.k
+        k = self.config.mtp_config.k
         bd = Breakdown()
         t = 0
         proj = self.cost.mtp_projection(float(seqs.max())).time_ns  # the MTP eh_proj

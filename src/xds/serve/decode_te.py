@@ -55,7 +55,7 @@ def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
     if grid is None:
         if len(_GRIDS) >= 16:  # a sweep over many configurations: keep memory bounded
             _GRIDS.clear()
-        top = config.batch_per_die * (1 + config.mtp.k)
+        top = config.batch_per_die * (1 + config.mtp_config.k)
         points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
         grid = _GRIDS[key] = tuple(measure_comm(config, t, seed=seed) for t in points)
     return list(grid)
@@ -421,7 +421,7 @@ class DecodeTE:
 
     # -- the iteration loop --
     async def run(self) -> None:
-        k = self.config.mtp.k
+        k = self.config.mtp_config.k
         gen = rng(f"decode-te/{self.index}/iteration")
         jitter_gen = rng(f"decode-te/{self.index}/jitter")
         mtp_gen = rng(f"decode-te/{self.index}/mtp")
@@ -455,7 +455,7 @@ class DecodeTE:
             self.busy_ns += step
             self.iterations += 1
             committed = np.zeros_like(self.remaining)
-            np.place(committed, live, tokens_per_step(cfg.mtp, mtp_gen, n_live))
+            np.place(committed, live, tokens_per_step(cfg.mtp_config, mtp_gen, n_live))
             np.minimum(committed, self.remaining, out=committed)
             self.remaining -= committed
             self.context += committed

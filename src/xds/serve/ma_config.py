@@ -31,7 +31,8 @@ from ..hw import ASCEND_910C_DIE, CloudMatrix384
 from ..model import MODELS, KernelEfficiency, ModelSpec, Precision
 from ..runtime import now_ns, rng, run, sleep_until_ns
 from ..units import MS, US
-from .kv import kv_capacity_blocks
+from .decode_model import resolve_mtp
+from .kv import WORKSPACE_FRACTION, kv_capacity_blocks
 from .mtp import MTPConfig
 
 DomainStart = Literal["staggered", "together"]
@@ -64,7 +65,9 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Microbatches per attention die (A4: 96 per die in two microbatches of 48)."""
     input_tokens: int = 2048
     output_tokens: int = 2048
-    mtp: MTPConfig = MTPConfig(k=1, acceptance=(0.9,))
+    mtp: MTPConfig | None = None
+    """None: the model's own (see :class:`~xds.serve.decode_model.DecodeConfig`); what runs
+    is :attr:`mtp_config`."""
     a2e_dtype: WireDtype = "int8"
     e2a_dtype: WireDtype = "int8"
     """P089: expert outputs are quantised before they cross dies too."""
@@ -130,6 +133,19 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"{m.name} has {m.routed_experts} routed experts: every die needs one",
                 field="expert_dies",
             )
+        routed_dies = self.expert_dies - self.shared_expert_dies
+        per_die = max(-(-m.routed_experts // routed_dies), m.shared_experts)
+        weights = per_die * m.moe_layers * m.expert_params  # INT8 experts, every MoE layer
+        room = (1 - WORKSPACE_FRACTION) * ASCEND_910C_DIE.hbm_bytes
+        if weights > room:
+            raise ConfigError(
+                f"{routed_dies} routed-expert dies hold {per_die} of {m.name}'s "
+                f"{m.routed_experts} routed experts each: {weights / 2**30:.1f} GiB of weights, "
+                f"more than the {room / 2**30:.1f} GiB a {ASCEND_910C_DIE.hbm_bytes / 2**30:.0f}"
+                f" GiB die leaves beside its workspace: use more expert dies",
+                field="expert_dies",
+            )
+        resolve_mtp(self.mtp, m)  # checks it
         dies = self.attention_dies + self.expert_dies
         pod_dies = CloudMatrix384().n_pod_dies
         if dies > pod_dies:
@@ -162,6 +178,11 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def spec(self) -> ModelSpec:
         return MODELS[self.model]
+
+    @property
+    def mtp_config(self) -> MTPConfig:
+        """The MTP that runs: :attr:`mtp`, or the model's own."""
+        return resolve_mtp(self.mtp, self.spec)
 
     @property
     def attention_dies(self) -> int:

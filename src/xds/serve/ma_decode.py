@@ -559,7 +559,7 @@ class MADecodeInstance:
     ) -> None:
         """Domain ``d``'s decode loop, recorded into ``run``."""
         cfg, m = self.config, self.config.spec
-        k = cfg.mtp.k
+        k = cfg.mtp_config.k
         shape = (cfg.attention_dies_per_domain, cfg.batch_per_die)
         remaining = np.full(shape, cfg.output_tokens - from_token, dtype=np.int64)
         context = np.full(shape, cfg.input_tokens + from_token, dtype=np.int64)
@@ -586,7 +586,7 @@ class MADecodeInstance:
                 await self._pass(
                     d, mbs, 1.0 + k, 0, dense=m.dense_layers, moe=m.moe_layers, steady=steady
                 )
-                committed = tokens_per_step(cfg.mtp, gen, remaining.size).reshape(shape)
+                committed = tokens_per_step(cfg.mtp_config, gen, remaining.size).reshape(shape)
                 committed = np.minimum(committed, remaining) * live
                 remaining -= committed
                 context += committed
@@ -604,7 +604,7 @@ class MADecodeInstance:
         launches, every layer's stage per microbatch, MTP projection, LM head and sampling
         (no waiting on the expert dies)."""
         cfg, m, times = self.config, self.config.spec, self.times
-        k = cfg.mtp.k
+        k = cfg.mtp_config.k
         mbs = self._microbatches(live, context)
         total = sum(seqs for seqs, _ in mbs)
         t = cfg.scheduler_gap_ns + (k + 1) * cfg.efficiency.graph_launch_ns
@@ -702,7 +702,7 @@ def ae_curve(config: MADecodeConfig, *, seed: int = 0) -> AECurve:
     MTP pass (the run's steady state), and at 1 token per die (the fixed costs, for the
     small batches at the end of a run)."""
     first = config.microbatch_seqs[0]
-    counts = sorted({1, first * (1 + config.mtp.k), first})
+    counts = sorted({1, first * (1 + config.mtp_config.k), first})
     return AECurve([measure_ae(config, n, seed=seed) for n in counts])
 
 

@@ -74,6 +74,7 @@ def ask(policy: Callable[..., object], field: str, request: object, *args: objec
         exc.add_note(
             f"(raised by the {field} policy {policy_name(policy)} for request {request!r})"
         )
+        exc.xds_policy = field  # type: ignore[attr-defined]  # the CLI reports it briefly
         raise
     if inspect.isawaitable(answer):
         close = getattr(answer, "close", None)

@@ -161,7 +161,7 @@ def score(
     load = evaluation.sum(axis=0)
     bal = [balancedness(p, load[layer], layout.n_dies) for layer, p in enumerate(plans)]
     model = DecodeModel(config, comm=None)  # type: ignore[arg-type]
-    tokens = config.dies * config.batch_per_die * (1 + config.mtp.k) * config.spec.top_k
+    tokens = config.dies * config.batch_per_die * (1 + config.mtp_config.k) * config.spec.top_k
     shares = die_shares(plans, evaluation, layout.n_dies)
     moe = sum(model.expert_ns(float(s.max() * tokens)) for s in shares)
     used = int(sum(int(p.copies.sum()) - len(p.copies) for p in plans))
@@ -231,7 +231,7 @@ def forward_latency(
     rep = int(np.argsort(ratio)[len(ratio) // 2])
     popularity = load[rep] / load[rep].sum()
     emap = expert_map_for(plans[rep], m.routed_experts, config.shared_expert_dies, n)
-    tokens = config.batch_per_die * (1 + config.mtp.k)
+    tokens = config.batch_per_die * (1 + config.mtp_config.k)
     comm = measure_comm(config, tokens, seed=seed, expert_map=emap, popularity=popularity)
     comm_mtp = measure_comm(
         config, config.batch_per_die, seed=seed, expert_map=emap, popularity=popularity

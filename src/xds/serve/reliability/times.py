@@ -15,7 +15,7 @@ def layer_times(
     from the collective tier (:func:`xds.serve.decode_model.measure_comm`), the LM head and
     sampling once per iteration. Main-model pass with its MTP draft tokens."""
     cfg = config or DecodeConfig()
-    tps = 1 + cfg.mtp.k
+    tps = 1 + cfg.mtp_config.k
     tokens = cfg.batch_per_die * tps
     comm = measure_comm(cfg, tokens, seed=seed)
     dm = DecodeModel(cfg, comm)
