@@ -149,3 +149,29 @@ def test_cli_built_in_workload_with_and_without_conversations(tmp_path, capsys, 
     # the flag belongs to the built-in workload
     assert main(["replay", str(tmp_path / "t.jsonl"), "--unique-prompts"]) == 2
     assert "--unique-prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [NO_CONVERSATIONS, Conversations(history_s=0.0)],  # (no parents hidden before time 0)
+    ids=["unique", "chat"],
+)
+def test_one_seed_gives_the_same_requests_at_every_rate_and_length(conv):
+    """Common random numbers: a rate only scales the gaps between arrivals; outputs and first
+    turns are the same requests, and a shorter workload is the longer one's prefix."""
+    slow = production_workload(400, rate_per_s=2.0, seed=5, conversations=conv)
+    fast = production_workload(400, rate_per_s=8.0, seed=5, conversations=conv)
+    assert [r.output_tokens for r in slow.requests] == [r.output_tokens for r in fast.requests]
+    gaps = np.diff([r.arrival_ns for r in slow.requests])
+    assert np.allclose(gaps, 4 * np.diff([r.arrival_ns for r in fast.requests]), atol=4)
+    firsts = [i for i, r in enumerate(slow.requests) if i not in _parents(slow)]
+    firsts = [i for i in firsts if i not in _parents(fast)]  # a first turn at both rates
+    assert len(firsts) > 200
+    same = [slow.requests[i].input_tokens == fast.requests[i].input_tokens for i in firsts]
+    assert np.mean(same) > 0.95  # (a follow-up of a prompt under one block shares no hash)
+    if conv is NO_CONVERSATIONS:
+        assert [r.input_tokens for r in slow.requests] == [r.input_tokens for r in fast.requests]
+    short = production_workload(100, rate_per_s=2.0, seed=5, conversations=conv)
+    assert short.requests == slow.requests[:100]
+    other = production_workload(400, rate_per_s=2.0, seed=6, conversations=conv)
+    assert [r.output_tokens for r in other.requests] != [r.output_tokens for r in slow.requests]

@@ -41,6 +41,11 @@ its first request cannot hit: early in a replay, hits are a lower bound.
 location chosen (by bisection on a fixed reference run of this generator) so the mean over
 *all* requests lands on 13K; a follow-up never passes 64K (the context limit). Outputs are
 log-normal (sigma 1) with mean 2.1K.
+
+**Common random numbers.** Every request's draws come from per-quantity streams of the seed,
+indexed by the request, so one seed at two rates gives the same requests (same lengths, same
+turn structure up to which earlier turn a gap reaches), arriving faster or slower: comparing
+rates, or a capacity search's points, compares deployments' answers to one workload.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from msgspec import Meta
 from ..config import check_fields
 from ..errors import ConfigError
 from ..units import S
-from .workload import Request, Workload, poisson_arrivals
+from .workload import Request, Workload, arrival_times
 
 INPUT_MEAN = 13_000
 INPUT_MAX = 65_536
@@ -89,16 +94,10 @@ MOONCAKE_CONVERSATIONS = Conversations()
 NO_CONVERSATIONS = Conversations(follow_up=0.0)
 
 
-def _clipped_lognormal(
-    rng: np.random.Generator, n: int, mean: float, cap: int, sigma: float = 1.0
-) -> np.ndarray:
-    """Log-normal lengths in [1, cap] whose clipped mean is ``mean`` (location by bisection on
-    a fixed reference sample, so the result does not depend on ``n``)."""
-    return _lognormal_at(rng, n, _location(mean, cap, sigma), cap, sigma)
-
-
 @functools.cache
 def _location(mean: float, cap: int, sigma: float) -> float:
+    """Location of a log-normal whose values clipped to [1, ``cap``] average ``mean`` (by
+    bisection on a fixed reference sample, so it does not depend on the workload's size)."""
     ref = np.random.default_rng(12_4).standard_normal(200_000)
     lo, hi = np.log(1.0), np.log(float(cap))
     for _ in range(60):
@@ -108,10 +107,51 @@ def _location(mean: float, cap: int, sigma: float) -> float:
     return (lo + hi) / 2
 
 
-def _lognormal_at(
-    rng: np.random.Generator, n: int, mu: float, cap: int, sigma: float = 1.0
-) -> np.ndarray:
-    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, cap).astype(np.int64)
+def _lengths(z: np.ndarray, mu: float, cap: int, sigma: float = 1.0) -> np.ndarray:
+    """Log-normal lengths ``exp(mu + sigma z)`` rounded and clipped to [1, cap]."""
+    return np.clip(np.rint(np.exp(mu + sigma * z)), 1, cap).astype(np.int64)
+
+
+class _Draws(msgspec.Struct):
+    """The random draws behind a run of requests, one row per request. Each column comes from
+    its own seeded stream, so request ``i``'s draws are the ``i``-th of every stream: the same
+    whatever the rate (which only scales ``interval``) and however many requests follow. Two
+    workloads of one seed at different rates are the same requests, arriving faster or slower
+    (common random numbers: rate comparisons are paired)."""
+
+    interval: np.ndarray
+    """Exp(1) gap to the previous request (times 1/rate)."""
+    first_z: np.ndarray
+    """Standard normal of the first-turn prompt length."""
+    follow_u: np.ndarray
+    """Uniform: the request is a follow-up turn below ``follow_up``."""
+    gap_z: np.ndarray
+    """Standard normal of the turn gap it looks back over."""
+    new_z: np.ndarray
+    """Standard normal of a follow-up's new tokens."""
+    output_z: np.ndarray
+    """Standard normal of the output length."""
+
+    @classmethod
+    def of(cls, n: int, *key: int) -> _Draws:
+        def stream(column: int) -> np.random.Generator:
+            return np.random.default_rng(np.random.SeedSequence([*key, column]))
+
+        return cls(
+            stream(0).exponential(1.0, n),
+            *(stream(c).standard_normal(n) for c in (1,)),
+            stream(2).random(n),
+            *(stream(c).standard_normal(n) for c in (3, 4, 5)),
+        )
+
+    def then(self, later: _Draws) -> _Draws:
+        """These requests followed by ``later``'s."""
+        return _Draws(
+            *(np.concatenate([getattr(self, f), getattr(later, f)]) for f in self.__struct_fields__)
+        )
+
+    def reversed(self) -> _Draws:
+        return _Draws(*(getattr(self, f)[::-1] for f in self.__struct_fields__))
 
 
 class _Turns(msgspec.Struct):
@@ -120,20 +160,17 @@ class _Turns(msgspec.Struct):
     """Index of the request whose prompt this one extends, -1 for a first turn."""
 
 
-def _turns(
-    rng: np.random.Generator, arrivals: np.ndarray, first_mu: float, conv: Conversations
-) -> _Turns:
+def _turns(draws: _Draws, arrivals: np.ndarray, first_mu: float, conv: Conversations) -> _Turns:
     """Input lengths and parents, in arrival order (a parent always arrived earlier)."""
-    n = len(arrivals)
-    first = _lognormal_at(rng, n, first_mu, INPUT_MAX)
-    follow = rng.random(n) < conv.follow_up
-    gaps = rng.lognormal(np.log(conv.gap_median_s * S), conv.gap_sigma, n)
-    new = np.maximum(1, np.rint(rng.lognormal(np.log(conv.new_median), conv.new_sigma, n)))
+    first = _lengths(draws.first_z, first_mu, INPUT_MAX)
+    follow = draws.follow_u < conv.follow_up
+    gaps = np.exp(np.log(conv.gap_median_s * S) + conv.gap_sigma * draws.gap_z)
+    new = np.maximum(1, np.rint(np.exp(np.log(conv.new_median) + conv.new_sigma * draws.new_z)))
     new = new.astype(np.int64)
     targets = np.searchsorted(arrivals, arrivals - gaps, side="right") - 1
     inputs = first.copy()
-    parent = np.full(n, -1, dtype=np.int64)
-    continued = np.zeros(n, dtype=bool)
+    parent = np.full(len(arrivals), -1, dtype=np.int64)
+    continued = np.zeros(len(arrivals), dtype=bool)
     full = inputs // BLOCK_TOKENS * BLOCK_TOKENS  # tokens in a prompt's full blocks
     for i in np.nonzero(follow)[0]:
         j = int(targets[i])
@@ -154,15 +191,14 @@ def _turns(
 def _first_turn_location(conv: Conversations) -> float:
     """Location of the first-turn log-normal that puts the mean over all requests on 13K,
     by bisection on a fixed reference run (at 10/s, 1,000 s or more after its history)."""
-    ref_rng = np.random.default_rng(np.random.SeedSequence([12_4, 1]))
-    arrivals = poisson_arrivals(ref_rng, max(20_000, round(10 * (conv.history_s + 1_000))), 10.0)
+    n = max(20_000, round(10 * (conv.history_s + 1_000)))
+    ref = _Draws.of(n, 12_4, 1)
+    arrivals = np.cumsum(ref.interval) * (S / 10.0)
     kept = arrivals >= arrivals[0] + conv.history_s * S
-    state = ref_rng.bit_generator.state
     lo, hi = np.log(1.0), np.log(float(INPUT_MAX))
     for _ in range(40):
         mu = (lo + hi) / 2
-        ref_rng.bit_generator.state = state
-        m = _turns(ref_rng, arrivals, mu, conv).inputs[kept].mean()
+        m = _turns(ref, arrivals, mu, conv).inputs[kept].mean()
         lo, hi = (mu, hi) if m < INPUT_MEAN else (lo, mu)
     return (lo + hi) / 2
 
@@ -176,26 +212,35 @@ def production_workload(
 ) -> Workload:
     """``n`` requests of the SPEC 12.4 mix arriving as a Poisson process at ``rate_per_s``,
     with the multi-turn prefix structure of ``conversations`` (``NO_CONVERSATIONS``: every
-    prompt unique)."""
+    prompt unique). One seed gives the same requests at every rate (their draws do not
+    depend on it; only the gaps between arrivals scale), and its first ``k`` requests for any
+    ``n >= k``; the conversations already under way before the first request are drawn from
+    a stream of their own."""
     if n < 1:
         raise ConfigError(f"n must be >= 1, got {n}", field="n")
-    if rate_per_s <= 0:
+    if not 0 < rate_per_s < float("inf"):
         raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 124]))
     conv = conversations
     history = 0 if conv.follow_up == 0.0 else round(rate_per_s * conv.history_s)
-    arrivals = poisson_arrivals(rng, history + n, rate_per_s)
-    arrivals -= arrivals[history]
+    ahead = _Draws.of(n, seed, 124, 0)  # the workload's requests
+    before = _Draws.of(history, seed, 124, 1)  # under way before them, most recent first
+    draws = before.reversed().then(ahead)
+    unit = S / rate_per_s
+    gaps = ahead.interval * unit
+    gaps[0] = 0.0  # the first request arrives at 0
+    times = arrival_times(gaps, rate_per_s)
+    past = -np.cumsum(before.interval * unit)[::-1]  # before 0, in arrival order
+    arrivals = np.concatenate([np.rint(past).astype(np.int64), times])
     if conv.follow_up == 0.0:
-        turns = _Turns(_clipped_lognormal(rng, n, INPUT_MEAN, INPUT_MAX), np.full(n, -1))
+        inputs = _lengths(ahead.first_z, _location(INPUT_MEAN, INPUT_MAX, 1.0), INPUT_MAX)
+        turns = _Turns(inputs, np.full(n, -1))
     else:
-        turns = _turns(rng, arrivals, _first_turn_location(conv), conv)
-    outputs = _clipped_lognormal(rng, history + n, OUTPUT_MEAN, OUTPUT_MAX)
+        turns = _turns(draws, arrivals, _first_turn_location(conv), conv)
+    outputs = _lengths(ahead.output_z, _location(OUTPUT_MEAN, OUTPUT_MAX, 1.0), OUTPUT_MAX)
     hashes = _block_hashes(turns)[history:]
     inputs = turns.inputs[history:]
     requests = tuple(
-        Request(i, int(arrivals[history + i]), int(inputs[i]), int(outputs[history + i]), hashes[i])
-        for i in range(n)
+        Request(i, int(times[i]), int(inputs[i]), int(outputs[i]), hashes[i]) for i in range(n)
     )
     follow = "" if conv.follow_up == 0.0 else ", conversations"
     return Workload(

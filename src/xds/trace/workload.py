@@ -128,7 +128,7 @@ _MAX_ARRIVAL_NS = 2**62
 """Arrival times stay well inside int64 nanoseconds (about 146 years)."""
 
 
-def _arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
+def arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
     times = np.cumsum(gaps_ns)
     if len(times) and not times[-1] < _MAX_ARRIVAL_NS:
         raise ConfigError(
@@ -142,7 +142,7 @@ def _arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
 def poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
     if not 0 < rate_per_s < float("inf"):
         raise ConfigError(f"rate must be positive and finite, got {rate_per_s}", field="rate_per_s")
-    return _arrival_times(rng.exponential(S / rate_per_s, n), rate_per_s)
+    return arrival_times(rng.exponential(S / rate_per_s, n), rate_per_s)
 
 
 def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: float) -> np.ndarray:
@@ -153,7 +153,7 @@ def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: floa
     if cv <= 0:
         raise ConfigError(f"cv must be positive, got {cv}", field="cv")
     shape = 1.0 / cv**2
-    return _arrival_times(rng.gamma(shape, S / rate_per_s / shape, n), rate_per_s)
+    return arrival_times(rng.gamma(shape, S / rate_per_s / shape, n), rate_per_s)
 
 
 def synthetic(
