@@ -550,15 +550,10 @@ class P2P:
                         writer=dst,
                     )
                     raise
-                if (pair.aborted or dst in self._failed) and sum(
-                    pair.consumed.values()
-                ) - consumed_before < msg.nbytes:
-                    # the sender abandoned the message before all of it arrived, or this die
-                    # failed before copying all of it out
-                    raise self._pair_error(
-                        pair, f"die {dst} receiving eventID {event_id} from {src}"
-                    )
-                if dst in self._failed:  # a failed die writes no final ACK
+                incomplete = sum(pair.consumed.values()) - consumed_before < msg.nbytes
+                if dst in self._failed or (pair.aborted and incomplete):
+                    # this die failed (it copies nothing more and writes no final ACK), or the
+                    # sender abandoned the message before all of it arrived
                     raise self._pair_error(
                         pair, f"die {dst} receiving eventID {event_id} from {src}"
                     )
