@@ -285,3 +285,22 @@ def test_an_outage_costs_its_length_and_a_restart_however_short(outage_ms):
 
     took, duration, restart = run(main)
     assert abs(took - (duration + outage_ms * MS + restart)) <= 2
+
+
+def test_a_probe_queues_on_the_ports_of_the_dps_it_travels_between():
+    """A 1 GiB transfer from prefill DP 1 to decode DP 1 fills DP 1's egress port for ~5.5 ms:
+    a probe from DP 1 waits behind it; one from DP 0 to DP 0 does not."""
+
+    async def main():
+        flow = _flow()
+        big = flow.register(0, 1, 4, 1 << 30)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flow.recv, big, 1)
+            await sleep_ns(1)  # the transfer is on the wire
+            free = await probe(flow, prefill_dp=0, decode_dp=0)
+            busy = await probe(flow, ProbeConfig(timeout_ns=50 * MS), prefill_dp=1, decode_dp=0)
+        return free, busy
+
+    free, busy = run(main)
+    assert free.verdict is LinkVerdict.HEALTHY
+    assert busy.verdict is LinkVerdict.SATURATED and busy.latency_ns > 5 * MS

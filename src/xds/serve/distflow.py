@@ -470,9 +470,12 @@ class DistFlow:
         """Transfers registered before ``transfer_id`` still waiting for their RECV."""
         return sum(t < transfer_id for t in self._awaiting_recv)
 
-    async def probe(self, state: ProbeState, *, decode_dp: int = 0, nbytes: int = 64) -> None:
-        """Send a dummy payload of ``nbytes`` to decode DP ``decode_dp`` through the pair's
-        FIFO; ``state`` tracks where it is (queued, on the wire, delivered)."""
+    async def probe(
+        self, state: ProbeState, *, decode_dp: int = 0, prefill_dp: int = 0, nbytes: int = 64
+    ) -> None:
+        """Send a dummy payload of ``nbytes`` from prefill DP ``prefill_dp`` (its TP rank 0's
+        die) to decode DP ``decode_dp`` through the pair's FIFO, queueing on both dies' ports
+        behind their transfers; ``state`` tracks where it is (queued, on the wire, delivered)."""
         state.sent_ns = now_ns()
         behind = self._next_id  # every transfer registered so far is ahead of the probe
         while self.queued_before(behind):
@@ -483,7 +486,7 @@ class DistFlow:
             await self._gate.wait()
         if self.failed and not self.link_up:
             await anyio.sleep_forever()  # a failed link never delivers (the caller times out)
-        state.expected_ns = self._through_ports([0], decode_dp, nbytes)
+        state.expected_ns = self._through_ports(self._rank_ports(prefill_dp)[:1], decode_dp, nbytes)
         await sleep_until_ns(state.expected_ns)
         state.delivered_ns = now_ns()
 

@@ -70,13 +70,14 @@ class ProbeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def link_probe(
-    flow: DistFlow, config: ProbeConfig | None = None, *, decode_dp: int = 0
+    flow: DistFlow, config: ProbeConfig | None = None, *, decode_dp: int = 0, prefill_dp: int = 0
 ) -> ProbeResult:
-    """Probe one DistFlow pair and classify the outcome (table above)."""
+    """Probe one DistFlow pair, from prefill DP ``prefill_dp`` to decode DP ``decode_dp``,
+    and classify the outcome (table above)."""
     cfg = config or ProbeConfig()
     state = ProbeState()
     with anyio.move_on_after(cfg.timeout_ns / 1e9):
-        await flow.probe(state, decode_dp=decode_dp, nbytes=cfg.nbytes)
+        await flow.probe(state, decode_dp=decode_dp, prefill_dp=prefill_dp, nbytes=cfg.nbytes)
     if state.delivered_ns >= 0:
         latency = state.delivered_ns - state.sent_ns
         verdict = LinkVerdict.HEALTHY if latency <= cfg.healthy_ns else LinkVerdict.SATURATED
