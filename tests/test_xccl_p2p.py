@@ -721,6 +721,23 @@ async def test_a_sync_send_waits_for_an_async_send_posted_before_it(xds_backend)
         assert x.fabric.read_local(1, 8192, 64) == b"b" * 64
 
 
+@pytest.mark.xds
+async def test_two_xccls_side_by_side_keep_one_posting_order_per_pair(xds_backend):
+    """Sends posted through two communicators on one pair go in the order they were posted:
+    the order is the fabric's, not one XCCL's."""
+    fab = fabric()
+    fab.write_local(0, 0, b"a" * 64 + b"b" * 64)
+    async with XCCL(fab) as first, XCCL(fab) as second:
+        h1 = first.send_async(0, 1, AppBuffer(0, 64), 1)  # posted first, by one XCCL
+        h2 = second.send_async(0, 1, AppBuffer(64, 64), 2)  # then by the other
+        r1 = second.receive_async(1, 0, AppBuffer(4096, 64), 1)
+        r2 = first.receive_async(1, 0, AppBuffer(8192, 64), 2)
+        for h in (h1, h2, r1, r2):
+            assert (await h.wait()).ok
+    assert h1.completion.end_ns <= h2.completion.end_ns
+    assert fab.read_local(1, 4096, 64) == b"a" * 64 and fab.read_local(1, 8192, 64) == b"b" * 64
+
+
 def test_a_sync_operation_waiting_behind_an_async_one_says_so():
     async def main():
         async with XCCL(fabric()) as x:

@@ -221,9 +221,10 @@ class XCCL:
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closed"] = "new"
         self._cq: dict[int, CompletionQueue] = {}
-        self._last_posted: dict[tuple[str, int, int], Handle] = {}
-        """Per (op, die, peer): the latest operation posted, sync or async, which the next one
-        waits for, so operations on a pair run in posting order on every backend."""
+        self._last_posted = self.p2p.last_posted
+        """Per (op, die, peer): the latest operation posted, sync or async, by any XCCL on the
+        fabric, which the next one waits for, so operations on a pair run in posting order on
+        every backend (the fabric's P2P keeps it: two XCCLs side by side share the order)."""
 
     @property
     def monitor(self) -> P2PMonitor:

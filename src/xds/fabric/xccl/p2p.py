@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -181,6 +182,9 @@ class P2P:
         self._pairs: dict[tuple[int, int], _Pair] = {}
         self._aivs: dict[int, AivPool] = {}
         self._failed: dict[int, _Failure] = {}
+        self.last_posted: dict[tuple[str, int, int], Any] = {}
+        """Per (op, die, peer): the latest operation any XCCL on the fabric posted (its
+        ``Handle``), which the next one waits for: posting order across communicators."""
 
     def _restart(self) -> None:
         """A later run uses the fabric: re-initialise every pair (its task-bound state and
@@ -190,6 +194,7 @@ class P2P:
         self._pairs.clear()
         self._aivs.clear()
         self._failed.clear()  # failures belong to the earlier timeline
+        self.last_posted.clear()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def pair(self, src: int, dst: int) -> _Pair:
