@@ -127,8 +127,10 @@ class KVMove:
 
     async def send(self, rank: int, nbytes: int, event: int) -> None:
         """``xccl`` tier: one XCCL point-to-point message of ``nbytes`` from rank ``rank``'s
-        prefill die to the decode die (the 8-step protocol, size mode), with the pair's AIVs;
-        returns when it has landed. ``event`` (>= 1) tags it; messages between the same two
+        prefill die to the decode die (the 8-step protocol, size mode), with its share of the
+        transfer's AIVs (``kv_aivs`` split over the TP ranks, so the ranks' parts move side
+        by side into the decode die, as the closed form books them); returns when it has
+        landed. ``event`` (>= 1) tags it; messages between the same two
         dies go one at a time, so each RECV matches its own SEND."""
         if self.xccl is None:
             raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
@@ -145,7 +147,7 @@ class KVMove:
         x, src, dst = self.xccl, self.sources[rank], self.destination
         buf = AppBuffer(0, nbytes)
         lock = self.flow._pair_locks.setdefault((src, dst), anyio.Lock())
-        aivs = self.flow.aivs
+        aivs = max(1, self.flow.aivs // self.flow.tp)
         async with lock, anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(x.send, src, dst, buf, event, n_aiv=aivs))
             # the Decode DP's RECV is async (SPEC 10.2): it takes the decode die's AIVs only once

@@ -123,7 +123,8 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """How DistFlow moves KV: a closed form on the link (long replays) or real XCCL
     point-to-point transfers on the UB fabric (short replays; 910C prefill only)."""
     kv_aivs: Annotated[int, Meta(ge=1, le=48)] = 48
-    """AIVs per XCCL transfer in the ``xccl`` tier."""
+    """AIVs per KV transfer in the ``xccl`` tier, split over its TP rank parts (which then
+    move side by side: 12 AIVs each at TP 4)."""
     record_token_times: bool | None = None
     """Per-token times (for inter-token latency); None: only for workloads up to 5,000
     requests (they cost memory on long traces)."""
