@@ -914,8 +914,10 @@ def test_least_work_prefers_the_group_holding_more_of_the_prompt_when_caps_tie()
 def test_a_prompt_batched_only_where_its_cache_is_waits_when_that_group_is_full():
     """20K tokens, 16K of them cached on group 3: batched there it is 4K new tokens. Group 3
     has no KV for it, and on any other group all 20K would be new, over ``sp_threshold``: the
-    job must not be batched elsewhere (such a prompt runs sequence-parallel alone); it waits
-    for group 3 and then runs there."""
+    job must not be batched elsewhere. Such a prompt runs sequence-parallel alone (its cache
+    read over UB), which needs a share of every group's KV, group 3's too: first in line, it
+    holds the step until group 3 frees (nothing behind it takes KV meanwhile), and then the
+    cheaper batched placement on group 3 is open."""
     from xds.serve.prefill import PrefillJob, PrefillTE
 
     cfg = PrefillConfig()

@@ -267,6 +267,13 @@ def test_emit_records_a_snapshot_of_what_the_caller_later_changes():
     log.emit("router", "plain", flat=flat, other={"a"})  # the slow path copies flat ones too
     flat.append(4)
     assert log[1].fields["flat"] == [1, 2, 3]
+    inner, arr = [1, 2], np.array([1.0, 2.0])
+    log.emit("router", "mixed", a=[inner, {3}], c=[arr, {4}], d=[inner, math.nan])
+    inner.append(99)  # shared parts of a field whose sets (or NaN) were rewritten
+    arr[0] = 42
+    fields = log[2].fields
+    assert fields["a"] == [[1, 2], [3]] and fields["d"] == [[1, 2], "nan"]
+    assert fields["c"][0].tolist() == [1.0, 2.0]
 
 
 def test_nan_infinity_and_none_are_told_apart_in_the_log():

@@ -250,6 +250,20 @@ def test_whenever_a_die_fails_every_operation_ends_and_repair_recovers(
         fab = fabric()
         fab.write_local(0, 0, data)
         out: dict[str, BaseException | int] = {}
+        after: list[str] = []  # what the failed die started writing after it failed
+        mte, meta = fab.mte_transfer, fab.post_meta
+
+        def watched_mte(src, dst, size, **kw):
+            if src in fab.p2p.failed_dies():
+                after.append(f"data {src}->{dst}")
+            return mte(src, dst, size, **kw)
+
+        def watched_meta(when, owner, writer, *a, **kw):
+            if writer in fab.p2p.failed_dies():
+                after.append(f"metadata {writer}->{owner}")
+            return meta(when, owner, writer, *a, **kw)
+
+        fab.mte_transfer, fab.post_meta = watched_mte, watched_meta
         async with XCCL(fab) as x:
 
             async def send():
@@ -282,6 +296,7 @@ def test_whenever_a_die_fails_every_operation_ends_and_repair_recovers(
             if isinstance(out["receive"], int):
                 assert fab.read_local(20, 4 * MiB, nbytes) == data
             assert x.p2p.aivs(0).free == x.p2p.aivs(20).free == 48
+            assert after == []  # fail-stop: no chunk, credit, tailPtr or ACK after the failure
             ready = x.repair_die(victim)
             await xds.sleep_until_ns(ready)
             fab.write_local(20, 4 * MiB, bytes(nbytes))
@@ -292,3 +307,63 @@ def test_whenever_a_die_fails_every_operation_ends_and_repair_recovers(
         assert fab.p2p.monitor.violations == []
 
     xds.run(main, backend=backend)
+
+
+@pytest.mark.xds
+async def test_a_receive_waiting_on_a_pair_a_cancelled_send_abandoned_fails_promptly(xds_backend):
+    """The sender gives up on its final ACK (cancelled) after the receiver got the message: a
+    second receive already waiting for the next send on that pair fails once the abort notice
+    lands, instead of waiting for a send that can never come."""
+    async with XCCL(fabric(payload_mode="size")) as x:
+        scope = anyio.CancelScope()
+        out = {}
+
+        async def send():
+            with scope:
+                await x.p2p.send(0, 20, AppBuffer(0, 64 * KiB), 1)
+
+        async def receives():
+            await x.p2p.receive(20, 0, AppBuffer(0, 64 * KiB), 1)
+            scope.cancel()
+            out["second"] = await outcome(x.p2p.receive(20, 0, AppBuffer(0, KiB), 2))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(receives)
+        when, err = out["second"]
+        assert isinstance(err, ProtocolError) and not isinstance(err, DieFailure)
+        assert "abandoned by a cancelled send" in str(err) and when < 20_000
+
+
+@pytest.mark.xds
+async def test_a_sender_failing_during_its_launch_posts_nothing_even_an_empty_message(
+    xds_backend,
+):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        out = await both(x, 0, 20, 0, (0, 1), detect_ns=100_000)
+        send_t, send_err = out["send"]
+        recv_t, recv_err = out["receive"]
+        assert isinstance(send_err, DieFailure) and send_t < 5_000
+        assert isinstance(recv_err, DieFailure) and 100_000 < recv_t < 105_000  # when it knows
+
+
+@pytest.mark.xds
+async def test_each_die_names_its_own_failure_before_a_peers_it_cannot_know_yet(xds_backend):
+    async with XCCL(fabric(payload_mode="size")) as x:
+        out = {}
+
+        async def fail_both():
+            await xds.sleep_until_ns(20_000)
+            x.fail_die(20, detect_ns=1_000_000)  # die 0 would learn of it after ~1 ms
+            await xds.sleep_until_ns(30_000)
+            x.fail_die(0)
+
+        async def run(name, coro):
+            out[name] = await outcome(coro)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "send", x.send(0, 20, AppBuffer(0, 4 * MiB), 1))
+            tg.start_soon(run, "receive", x.receive(20, 0, AppBuffer(0, 4 * MiB), 1))
+            tg.start_soon(fail_both)
+        assert out["receive"][1].die == 20 and out["receive"][0] < 21_000
+        assert out["send"][1].die == 0 and 30_000 <= out["send"][0] < 31_000

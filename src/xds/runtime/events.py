@@ -173,8 +173,8 @@ def _checked_fields(component: object, event: object, fields: dict[str, Any]) ->
         except (ValueError, OverflowError) as exc:
             problem = f"which the event log cannot encode ({exc})"
         else:
-            if recorded is value and type(value) not in _PLAIN and type(value) is not tuple:
-                recorded = copy.deepcopy(value)  # a snapshot: later changes do not show
+            if type(recorded) not in _PLAIN:  # a snapshot: later changes do not show
+                recorded = copy.deepcopy(recorded)  # (what sorting sets left shared too)
             fields[name] = recorded
             continue
         raise ConfigError(

@@ -415,7 +415,26 @@ class PrefillTE:
                 keep.append((job, ev))
                 continue
             hit = self._best_hit(job)
-            if self._is_sp(job.input_tokens - hit, job.input_tokens):
+            sp = self._is_sp(job.input_tokens - hit, job.input_tokens)
+            views = []
+            over = False  # a group could take it batched, but over sp_threshold uncached
+            for dp, kv in enumerate(() if sp else self.kv):
+                if not kv.can_admit(job.input_tokens):
+                    continue
+                hit_dp = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
+                cached = min(hit_dp, job.input_tokens - 1)
+                new = max(1, job.input_tokens - cached)
+                if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
+                    continue
+                if self._is_sp(new, job.input_tokens):  # batched here it would break the rule
+                    over = True  # that such a prompt runs sequence-parallel
+                    continue
+                views.append(
+                    GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp], hit_dp)
+                )
+            if not views and over:  # only groups without its cache can take it: SP, where
+                sp = True  # the cached prefix counts (read over UB)
+            if sp:
                 if not placed and self._place_sp(job, hit, groups):
                     placed.append((job, ev))
                     sp_step = True
@@ -425,18 +444,6 @@ class PrefillTE:
                 else:
                     keep.append((job, ev))  # waits for a step it can have alone
                 continue
-            views = []
-            for dp, kv in enumerate(self.kv):
-                if not kv.can_admit(job.input_tokens):
-                    continue
-                hit = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
-                cached = min(hit, job.input_tokens - 1)
-                new = max(1, job.input_tokens - cached)
-                if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
-                    continue
-                if self._is_sp(new, job.input_tokens):  # batched here it would break the rule
-                    continue  # that such a prompt runs sequence-parallel: wait for its cache
-                views.append(GroupView(dp, load[dp], new, cached, kv.free, self._assigned[dp], hit))
             if not views:
                 keep.append((job, ev))
                 continue

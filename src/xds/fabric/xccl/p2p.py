@@ -116,7 +116,6 @@ class _Pair:
         self.quiescent_ns = 0  # when the latest write posted on the pair becomes visible
         self.ready: anyio.Event | None = None  # set when a deferred re-initialisation is done
         self.ready_ns = 0  # when that re-initialisation happens
-        self.failed_die: int | None = None  # the die whose failure poisoned the pair
 
     def posted_until(self, visible_ns: int) -> None:
         """Record a write posted on the pair's behalf that becomes visible at ``visible_ns``."""
@@ -290,6 +289,7 @@ class P2P:
             held = True
             try:
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
+                await self._check_alive(pair, src, who)  # it may have failed meanwhile
                 lanes, chunks = self.layout(buf.nbytes, n_aiv, engine, src)
                 data = None
                 if self.fabric.mode == "bytes":
@@ -391,6 +391,8 @@ class P2P:
                     ):
                         await field.changed()
             await self.delay("sender", pair, lane)
+            if src in self._failed:
+                return  # failed while this lane waited: it issues nothing more
             start = now_ns()
             if msg.engine == "dma":
                 t = (
@@ -469,7 +471,7 @@ class P2P:
         ):
             if pair.aborted or pair.src in self._failed:  # no ACK will come, or be seen
                 raise self._pair_error(
-                    pair, f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}"
+                    pair, f"die {pair.src} sending eventID {msg.event_id} to {pair.dst}", pair.src
                 )
             with waiting_for(
                 f"send eventID {msg.event_id}, die {pair.src} -> die {pair.dst}: the receiver's "
@@ -518,6 +520,7 @@ class P2P:
             try:
                 await sleep_ns(self.fabric.engines.kernel_launch_ns)
                 await self._await_descriptor(pair)  # rendezvous with the sender's descriptor
+                await self._check_alive(pair, dst, who)  # it may have failed meanwhile
                 msg = pair.posted.popleft()
                 problems: list[str] = []
                 if msg.event_id != event_id:  # R3 (also for messages without chunks)
@@ -560,7 +563,7 @@ class P2P:
                     # this die failed (it copies nothing more and writes no final ACK), or the
                     # sender abandoned the message before all of it arrived
                     raise self._pair_error(
-                        pair, f"die {dst} receiving eventID {event_id} from {src}"
+                        pair, f"die {dst} receiving eventID {event_id} from {src}", dst
                     )
                 if not hold_aivs:
                     pool.release(n_aiv)
@@ -599,8 +602,10 @@ class P2P:
 
     async def _await_descriptor(self, pair: _Pair) -> None:
         while not pair.posted:
-            if pair.failed_die is not None and (pair.aborted or pair.dst in self._failed):
-                raise self._pair_error(pair, f"receive at die {pair.dst} from die {pair.src}")
+            if pair.aborted or pair.dst in self._failed:  # no send will come, or be taken
+                raise self._pair_error(
+                    pair, f"receive at die {pair.dst} from die {pair.src}", pair.dst
+                )
             pair.posted_event = anyio.Event()
             with waiting_for(
                 f"receive at die {pair.dst} from die {pair.src}: a send from die {pair.src} "
@@ -712,7 +717,6 @@ class P2P:
             peer = dst if src == die else src
             if pair.poisoned is None:
                 pair.poisoned = self._failure_text(failure)
-                pair.failed_die = die
                 when = max(self._known_ns(failure, peer), pair.quiescent_ns)
                 pair.posted_until(when)
                 self.fabric.post(when, self._abort_visible, pair)
@@ -777,12 +781,16 @@ class P2P:
             f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
         )
 
-    def _pair_error(self, pair: _Pair, who: str) -> ProtocolError:
-        """The error an operation on an abandoned pair raises: :class:`DieFailure` if a die's
-        failure poisoned it."""
-        failure = self._failed.get(pair.failed_die) if pair.failed_die is not None else None
+    def _pair_error(self, pair: _Pair, who: str, die: int) -> ProtocolError:
+        """The error an operation of ``die`` on an abandoned pair raises: :class:`DieFailure`
+        for ``die``'s own failure, else for its peer's once ``die`` can know of it, else the
+        pair's poisoning (a cancelled transfer)."""
+        peer = pair.dst if die == pair.src else pair.src
+        failure = self._failed.get(die)
         if failure is None:
-            failure = self._failed.get(pair.src) or self._failed.get(pair.dst)
+            failure = self._failed.get(peer)
+            if failure is not None and self._known_ns(failure, die) > now_ns():
+                failure = None  # not known here yet (an abort notice of a cancel woke it)
         if failure is not None:
             return DieFailure(
                 f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
@@ -849,6 +857,8 @@ class P2P:
             await self.delay("receiver", pair, lane)
             t = fabric.mte_transfer(dst, dst, size, start_ns=now_ns(), fill=first)
             await sleep_until_ns(t.end_ns)
+            if dst in self._failed:
+                return  # failed during the copy: it posts no credit; receive() reports it
             if fabric.mode == "bytes" and not problems:
                 offset = buf.offset + msg.offsets[j]
                 mem.app[offset : offset + size] = mem.slot(src, slot)[:size]
