@@ -1649,27 +1649,44 @@ def _policy_error(exc: BaseException) -> str | None:
     if getattr(exc, "xds_policy", None) is None:
         return None
     frames = traceback.extract_tb(exc.__traceback__)
-    own = [f for f in frames if not f.filename.startswith(_LIBRARY_PREFIXES)] or frames[-1:]
+    own = [f for f in frames if not _is_library_frame(f.filename)] or frames[-1:]
     lines = [f"xds: error: {type(exc).__name__}: {exc}"]
     lines += [note for note in getattr(exc, "__notes__", [])]
     lines += [f"  {f.filename}, line {f.lineno}, in {f.name}: {f.line}" for f in own[-5:]]
     return "\n".join(lines)
 
 
-def _library_prefixes() -> tuple[str, ...]:
+def _library_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directories whose frames are not the user's: xds, anyio, click and the standard
+    library; directories inside those that are the user's after all: site-packages, which an
+    installation without a venv keeps under the standard library's)."""
     import os
+    import sysconfig
 
     import anyio
 
     import xds
 
-    prefixes = [os.path.dirname(xds.__file__) + os.sep, os.path.dirname(anyio.__file__) + os.sep]
-    prefixes.append(os.path.dirname(click.__file__) + os.sep)
-    prefixes.append(os.path.dirname(os.__file__) + os.sep)  # the standard library (asyncio)
-    return tuple(prefixes)
+    def folder(path: str) -> str:
+        return os.path.join(os.path.realpath(path), "")
+
+    ours = [os.path.dirname(m.__file__) for m in (xds, anyio, click)]  # type: ignore[type-var]
+    paths = sysconfig.get_paths()
+    library = (*map(folder, ours), folder(paths["stdlib"]))
+    packages = tuple(folder(paths[k]) for k in ("purelib", "platlib"))
+    return library, packages
 
 
-_LIBRARY_PREFIXES = _library_prefixes()
+_LIBRARY_PREFIXES, _PACKAGE_PREFIXES = _library_prefixes()
+
+
+def _is_library_frame(filename: str) -> bool:
+    import os
+
+    path = os.path.realpath(filename)
+    if path.startswith(_LIBRARY_PREFIXES[:-1]):  # xds, anyio, click
+        return True
+    return path.startswith(_LIBRARY_PREFIXES[-1]) and not path.startswith(_PACKAGE_PREFIXES)
 
 
 if __name__ == "__main__":
