@@ -13,7 +13,7 @@ requests that arrive in the middle half of the window (steady state). The window
 times a request's mean decode lifetime (2.1K tokens at 20-35 ms: 40-75 s; the log-normal
 tail decodes for minutes), so the decode TE has filled up before the measured arrivals and is
 still fed while they decode. The prefix caches start cold: a follow-up whose earlier turn came
-before the replay's first request cannot hit (at 8 req/s about a sixth of the measured
+before the replay's first request cannot hit (at 8 req/s about a fifth of the measured
 follow-ups), so the hit column is a lower bound.
 The search (:func:`xds.serve.capacity.search_capacity`) doubles the rate until it fails, then
 bisects.
