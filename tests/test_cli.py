@@ -276,7 +276,9 @@ def test_out_of_range_fault_numbers_are_one_line_errors(capsys):
             "repair must be in",
         ),
         (["replay", "--synthetic", "10", "--fault", "node:at=1,server=2.7"], "whole number"),
-        (["dataflow", "--slow", "attention:0:inf"], "expected COMPONENT:EXTRA_US"),
+        (["dataflow", "--slow", "attention:0:inf"], "the extra delay must be 0..1e9 us, got inf"),
+        (["dataflow", "--slow", "attention:0:-5"], "the extra delay must be 0..1e9 us, got -5"),
+        (["dataflow", "--slow", "attention:0:x"], "expected COMPONENT:EXTRA_US"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err

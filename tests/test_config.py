@@ -238,3 +238,58 @@ def test_a_pd_file_given_to_xds_decode_says_what_it_is(tmp_path, capsys):
     assert main(["decode", "--deployment", str(f)]) == 2
     err = capsys.readouterr().err
     assert "decode: unknown field (a [decode] table makes this a PD deployment file" in err
+
+
+def test_weights_are_sized_at_the_deployments_precision():
+    from xds.model import Precision
+    from xds.serve.decode_model import decode_weight_bytes
+    from xds.serve.ma_config import MADecodeConfig
+
+    bf16 = Precision(moe_int8=False, mla_int8=False)
+    int8 = DecodeConfig(dies=64, shared_expert_dies=0)
+    wide = DecodeConfig(dies=64, shared_expert_dies=0, precision=bf16)
+    assert decode_weight_bytes(wide) > 1.8 * decode_weight_bytes(int8)  # 2 bytes a parameter
+    assert DecodeConfig(dies=16, shared_expert_dies=0, batch_per_die=1, kv_blocks_per_die=0)
+    with pytest.raises(ConfigError, match="no room for KV") as err:
+        DecodeConfig(dies=16, shared_expert_dies=0, precision=Precision(moe_int8=False))
+    assert err.value.field == "dies"
+    small = dict(
+        domains=1,
+        attention_dies_per_domain=8,
+        expert_dies=16,
+        shared_expert_dies=0,
+        batch_per_die=8,
+        output_tokens=16,
+    )
+    assert MADecodeConfig(**small).expert_dies == 16  # INT8: 16 experts a die fit
+    with pytest.raises(ConfigError, match="GiB of weights") as err:
+        MADecodeConfig(**small, precision=Precision(moe_int8=False))
+    assert err.value.field == "expert_dies"
+    assert (
+        MADecodeConfig(**small).kv_blocks_per_die
+        > MADecodeConfig(**small, precision=Precision(mla_int8=False)).kv_blocks_per_die
+    )  # BF16 attention weights leave less room for KV
+
+
+def test_a_window_must_start_on_a_whole_token():
+    import anyio
+
+    import xds
+    from xds.serve.ma_config import MADecodeConfig
+    from xds.serve.ma_decode import MADecodeInstance
+
+    cfg = MADecodeConfig(
+        domains=1,
+        attention_dies_per_domain=4,
+        expert_dies=16,
+        shared_expert_dies=0,
+        batch_per_die=4,
+        output_tokens=8,
+    )
+
+    async def main():
+        with pytest.raises(ConfigError, match=r"from_token: must be an integer in 0\.\.7"):
+            await MADecodeInstance(cfg).serve(from_token=1.5)
+        await anyio.sleep(0)
+
+    xds.run(main)

@@ -574,6 +574,48 @@ def test_forward_latency_refuses_plans_for_another_deployment():
         forward_latency(cfg, wide, np.ones((2, 58, 256)))
 
 
+def test_forward_latency_refuses_plans_no_placement_can_hold():
+    """A plan is checked as a policy's answer is: the deployment's primaries, one die per
+    replica, the redundant slots each die has (one), the budget. It is refused, not priced."""
+    cfg = DecodeConfig()
+    counts = np.ones((2, 58, 256))
+    layout = Layout.one_expert_per_die(256, 288, 1)
+
+    def plans_with(change):
+        plans = plan_layers("none", counts, layout, 0)
+        change(plans[5])
+        return plans
+
+    def twice(p):
+        p.replica_dies[0] = [0, 0]
+        p.copies[0] = 2
+
+    def moved(p):
+        p.replica_dies[3] = [4]
+
+    def everywhere(p):  # every expert on 5 dies: 1,024 redundant replicas in 288 slots
+        for e in range(256):
+            p.replica_dies[e] = [e, *((e + k) % 288 for k in range(1, 5))]
+            p.copies[e] = 5
+
+    for change, says in (
+        (twice, "expert 0: die 0 listed twice"),
+        (moved, "expert 3: its first replica must be its primary on die 3"),
+        (everywhere, "redundant slot and it is taken"),
+    ):
+        with pytest.raises(ConfigError, match=says) as err:
+            forward_latency(cfg, plans_with(change), counts)
+        assert err.value.field == "plans[5]"
+
+    def two_replicas(p):  # legal in the slots, but over a budget of one
+        for e, die in ((0, 256), (1, 257)):
+            p.replica_dies[e] = [e, die]
+            p.copies[e] = 2
+
+    with pytest.raises(ConfigError, match="2 redundant replicas, over the budget of 1"):
+        forward_latency(cfg, plans_with(two_replicas), counts, budget=1)
+
+
 def _online_eplb(policy_name: str, spare: int) -> OnlineEPLB:
     return OnlineEPLB(
         OnlineEPLBConfig(policy=policy_name, window_ns=10, spare_slots=spare),

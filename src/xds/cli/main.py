@@ -1459,8 +1459,11 @@ def faults(
             )
         console.print(rb)
     if res.verdicts:
-        hb = Table(title="heartbeat verdicts (TE-shell)")
-        for col in ("DP", "ping sent", "marked", "control plane saw", "fault injected"):
+        hb = Table(
+            title="heartbeat verdicts (TE-shell; executor stopped = by an injected hang or "
+            "crash; no = a false positive, or a DP stalled behind another's fault)"
+        )
+        for col in ("DP", "ping sent", "marked", "control plane saw", "executor stopped"):
             hb.add_column(col, justify="right")
         for v in res.verdicts:
             seen = fmt_ns(v.seen_by_control_plane_ns) if v.seen_by_control_plane_ns >= 0 else "-"
@@ -1525,13 +1528,15 @@ def dataflow(
         component, _, extra = spec.rpartition(":")
         try:
             extra_us = float(extra)
-            if not math.isfinite(extra_us) or not 0 <= extra_us <= 1e9:
-                raise ValueError
-            extra_ns = round(extra_us * 1e3)
         except ValueError:
             raise click.UsageError(
                 f"--slow {spec}: expected COMPONENT:EXTRA_US, e.g. attention:0:200"
             ) from None
+        if not math.isfinite(extra_us) or not 0 <= extra_us <= 1e9:
+            raise click.UsageError(
+                f"--slow {spec}: the extra delay must be 0..1e9 us, got {extra}"
+            ) from None
+        extra_ns = round(extra_us * 1e3)
         try:
             delays.append(ComponentDelay(component=component, extra_ns=extra_ns))
         except ConfigError as exc:

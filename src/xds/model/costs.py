@@ -95,6 +95,16 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 field=field,
             )
 
+    def weight_bytes(self, model: ModelSpec, *, experts: int = 0, tp: int = 1) -> int:
+        """Bytes of weights one die holds: attention (split over ``tp`` ranks), dense MLP and
+        ``experts`` expert instances (per MoE layer, e.g. routed + redundant + shared slots)
+        at 1 byte per parameter in INT8 (``mla_int8`` for attention, ``moe_int8`` for experts
+        and dense MLP, P087-P088) and 2 in BF16; embeddings and LM head in BF16."""
+        attention = model.attention_params * (1 if self.mla_int8 else 2)
+        mlp = 1 if self.moe_int8 else 2
+        replicated = attention + model.dense_mlp_params * mlp + 2 * model.embedding_params
+        return replicated // tp + experts * model.moe_layers * model.expert_params * mlp
+
     def int8_attention(self, layer: int | None) -> bool:
         """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer
         list, i.e. only the all-layer switch counts)."""

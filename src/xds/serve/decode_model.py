@@ -625,11 +625,10 @@ def expert_slots_per_die(config: DecodeConfig) -> int:
 
 def decode_weight_bytes(config: DecodeConfig) -> int:
     """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
-    routed experts + its redundant slots per MoE layer in INT8 (one, or the online EPLB's
-    ``spare_slots``), embeddings and LM head in BF16."""
-    m = config.spec
-    experts = expert_slots_per_die(config) * m.moe_layers * m.expert_params
-    return m.attention_params + m.dense_mlp_params + experts + 2 * m.embedding_params
+    routed experts + its redundant slots per MoE layer (one, or the online EPLB's
+    ``spare_slots``), at the config's precision (INT8 by default), embeddings and LM head in
+    BF16."""
+    return config.precision.weight_bytes(config.spec, experts=expert_slots_per_die(config))
 
 
 def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:

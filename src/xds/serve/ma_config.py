@@ -135,7 +135,8 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         routed_dies = self.expert_dies - self.shared_expert_dies
         per_die = max(-(-m.routed_experts // routed_dies), m.shared_experts)
-        weights = per_die * m.moe_layers * m.expert_params  # INT8 experts, every MoE layer
+        mlp = 1 if self.precision.moe_int8 else 2  # bytes per expert parameter
+        weights = per_die * m.moe_layers * m.expert_params * mlp  # every MoE layer
         room = (1 - WORKSPACE_FRACTION) * ASCEND_910C_DIE.hbm_bytes
         if weights > room:
             raise ConfigError(
@@ -201,9 +202,10 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def kv_blocks_per_die(self) -> int:
         """KV blocks of an attention die: HBM after attention and dense weights (replicated per
-        DP group, INT8) and the embedding and LM head (BF16); no expert weights."""
+        DP group, at the precision: INT8 by default) and the embedding and LM head (BF16); no
+        expert weights."""
         m = self.spec
-        weights = m.attention_params + m.dense_mlp_params + 2 * m.embedding_params
+        weights = self.precision.weight_bytes(m)  # attention, dense MLP, embeddings
         return kv_capacity_blocks(
             m,
             ASCEND_910C_DIE,

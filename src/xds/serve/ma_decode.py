@@ -44,8 +44,9 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..config import require_int
 from ..docfields import document_fields
-from ..errors import ConfigError, ProtocolError
+from ..errors import ProtocolError
 from ..fabric.xccl.moe import ExpertMap
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
@@ -508,15 +509,10 @@ class MADecodeInstance:
         ``input_tokens + from_token``). Means and rates skip each domain's first ``warmup``
         iterations, where the domains start together rather than in their rotation."""
         cfg = self.config
-        if not 0 <= from_token < cfg.output_tokens:
-            raise ConfigError(
-                f"must be in [0, output_tokens={cfg.output_tokens}), got {from_token}",
-                field="from_token",
-            )
-        if warmup < 0:
-            raise ConfigError(f"must be >= 0, got {warmup}", field="warmup")
-        if max_iterations is not None and max_iterations < 1:
-            raise ConfigError(f"must be >= 1, got {max_iterations}", field="max_iterations")
+        from_token = require_int(from_token, "from_token", high=cfg.output_tokens - 1)
+        warmup = require_int(warmup, "warmup")
+        if max_iterations is not None:
+            max_iterations = require_int(max_iterations, "max_iterations", low=1)
         if self._served:
             raise ProtocolError(
                 "this MADecodeInstance has served its workload (its expert dies' kernels have "

@@ -902,11 +902,11 @@ def _check_workload(workload: Workload) -> None:
 def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
-    INT8) and the workspace. MLA's latent cache is replicated on the TP ranks."""
+    at the prefill's precision) and the workspace. MLA's latent cache is replicated on the TP
+    ranks."""
     m = d.spec
-    experts = (max(1, m.routed_experts // p.dies_per_te) + m.shared_experts) * m.moe_layers
-    replicated = m.attention_params + m.dense_mlp_params + 2 * m.embedding_params
-    weights = replicated // p.attention_tp + experts * m.expert_params
+    experts = max(1, m.routed_experts // p.dies_per_te) + m.shared_experts
+    weights = p.precision.weight_bytes(m, experts=experts, tp=p.attention_tp)
     return kv_capacity_blocks(
         m,
         die,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from ...config import is_integer
-from ...errors import ConfigError
+from ...config import is_integer, require_int
+from ...errors import ConfigError, ProtocolError
 from ...fabric.xccl.moe import ExpertMap
 from ..decode import DecodeConfig, DecodeModel, measure_comm
 from .policies import (
@@ -23,6 +23,7 @@ from .policies import (
     PlanFunction,
     Policy,
     balancedness,
+    checked_plan,
     load_counts,
     plan_layer,
 )
@@ -185,10 +186,22 @@ def expert_map_for(plan: Plan, n_routed: int, n_shared: int, n_dies: int) -> Exp
 
 
 def forward_latency(
-    config: DecodeConfig, plans: list[Plan], evaluation: np.ndarray, *, seed: int = 0
+    config: DecodeConfig,
+    plans: list[Plan],
+    evaluation: np.ndarray,
+    *,
+    seed: int = 0,
+    layout: Layout | None = None,
+    budget: int | None = None,
 ) -> float:
     """Iteration time (ns) of decode at the config's batch with this placement: one plan per
-    MoE layer of the model, and ``evaluation[t, l, e]`` counts over those layers."""
+    MoE layer of the model, and ``evaluation[t, l, e]`` counts over those layers.
+
+    Each plan is checked as a policy's is (:func:`~xds.serve.eplb.policies.checked_plan`)
+    against ``layout`` (default: the deployment's, one routed expert per die with one
+    redundant slot, or its online EPLB's ``spare_slots``) and ``budget`` redundant replicas
+    (default: what the slots hold): a plan no placement can hold is a
+    :class:`~xds.errors.ConfigError` naming ``plans[layer]``, never a price."""
     m = config.spec
     n = config.dies
     evaluation = _counts("evaluation", evaluation, m.routed_experts)
@@ -224,6 +237,23 @@ def forward_latency(
                         f"uses die {shown}, but config.dies is {n} (dies 0..{n - 1}; expert {e})",
                         field=f"plans[{layer}]",
                     )
+    if layout is None:
+        spare = config.eplb.spare_slots if config.eplb is not None else 1
+        layout = Layout.one_expert_per_die(m.routed_experts, n, spare)
+    _matches(layout, config)
+    if budget is not None:
+        budget = require_int(budget, "budget")
+    checked = []
+    for layer, plan in enumerate(plans):
+        try:
+            checked.append(
+                checked_plan(
+                    plan, policy="", layer=layer, layout=layout, budget=budget, where="the plan"
+                )
+            )
+        except ProtocolError as exc:
+            raise ConfigError(str(exc), field=f"plans[{layer}]") from None
+    plans = checked
     shares = die_shares(plans, evaluation, n)
     load = evaluation.sum(axis=0).astype(np.float64)
     # dispatch/combine on the layer with the median imbalance, replicas in the expert map

@@ -510,12 +510,19 @@ def _whole(value: object) -> int | None:
 
 
 def checked_plan(
-    plan: object, *, policy: str, layer: int, layout: Layout, budget: int | None
+    plan: object,
+    *,
+    policy: str,
+    layer: int,
+    layout: Layout,
+    budget: int | None,
+    where: str | None = None,
 ) -> Plan:
     """``plan``, the answer of policy ``policy`` for ``layer``, checked and normalised
     (``copies`` as int64, dies as Python ints). Raises :class:`~xds.errors.ProtocolError`
-    naming the policy, the layer, the expert and what is wrong."""
-    where = f"EPLB policy {policy!r}, layer {layer}"
+    naming the policy (or ``where`` the plan came from), the layer, the expert and what is
+    wrong."""
+    where = where or f"EPLB policy {policy!r}, layer {layer}"
     n_e, n_d = len(layout.primary_die), layout.n_dies
 
     def bad(what: str) -> ProtocolError:
