@@ -233,7 +233,7 @@ def test_faults_rejects_bad_fault_specs_in_one_line(capsys):
     for spec, expected in (
         ("bogus:dp=1", "unknown fault kind 'bogus'"),
         ("network_error:dp=x,iteration=1", "Expected `int`"),
-        ("network_error:dp=9,iteration=1", "faults[0].dp: DP 9 does not exist"),
+        ("network_error:dp=9,iteration=1", "--fault #1 dp: DP 9 does not exist"),
         ("network_error:dp", "expected KEY=VALUE"),
     ):
         assert main(["faults", "--fault", spec]) == 2
@@ -386,3 +386,18 @@ def test_replay_says_which_fault_never_struck(tmp_path, capsys):
     assert "xds: --fault node:at=100000,server=0 never struck: every request had finished" in err
     faults = json.loads((out / "faults.json").read_text())
     assert faults["unfired"] == [{"at_ns": 100_000 * 10**9, "server": 0, "repair_ns": 0}]
+
+
+def test_an_empty_out_directory_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", "--synthetic", "3", "--out", ""]) == 2
+    assert "--out takes a directory name" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written in the current directory
+
+
+def test_a_quick_reproduce_run_says_so_in_its_json():
+    from xds.reproduce import Result, Row
+
+    rows = [Row("iteration_ms", 93.0, 81.6, "ms", "approx", 0.1)]
+    assert Result("peak-decode", 1.0, rows, quick=True).to_json_object()["quick"] is True
+    assert "quick" not in Result("peak-decode", 1.0, rows).to_json_object()

@@ -149,7 +149,7 @@ def test_a_toml_error_names_the_key_path_and_its_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(f, PDConfig)
     assert err.value.field == "prefill.tess"
-    assert str(err.value) == f"{f}: prefill.tess: unknown field (line 4)"
+    assert str(err.value) == f"{f}: prefill.tess: unknown field (did you mean 'tes'?) (line 4)"
     f.write_text('[decode]\n\nbatch_per_die = "x"\n')
     with pytest.raises(ConfigError, match=r"decode\.batch_per_die: Expected `int`.*\(line 3\)"):
         load_config(f, PDConfig)
@@ -293,3 +293,22 @@ def test_a_window_must_start_on_a_whole_token():
         await anyio.sleep(0)
 
     xds.run(main)
+
+
+def test_a_misspelt_key_or_preset_gets_a_suggestion(tmp_path):
+    from xds.serve.presets import pd_config
+
+    f = tmp_path / "t.toml"
+    f.write_text("decode_te = 2\n")
+    with pytest.raises(
+        ConfigError, match=r"decode_te: unknown field \(did you mean 'decode_tes'\?\)"
+    ):
+        pd_config(str(f))
+    f.write_text("[decode]\nbatch_per_dei = 8\n")
+    with pytest.raises(ConfigError, match="did you mean 'batch_per_die'"):
+        pd_config(str(f))
+    f.write_text("[decode]\nzzz = 8\n")
+    with pytest.raises(ConfigError, match=r"decode.zzz: unknown field \(line 2\)"):
+        pd_config(str(f))  # nothing close: no suggestion
+    with pytest.raises(ConfigError, match="did you mean 'production-4p1d'"):
+        pd_config("production-4pld")

@@ -79,7 +79,7 @@ def test_unservable_requests_fail_with_a_reason_and_one_token_outputs_finish_at_
     assert ok.outcome == "completed"
     assert too_long.outcome == "failed" and "max_context_tokens" in too_long.reason
     assert one.outcome == "completed" and one.finish_ns == one.first_token_ns
-    assert res.summary.failures == {"context N tokens exceeds max_context_tokens 131072": 1}
+    assert res.summary.failures == {"context <n> tokens exceeds max_context_tokens 131072": 1}
 
 
 def test_backpressure_defers_recv_and_kv_is_freed_only_after_completion():
@@ -289,7 +289,7 @@ def test_a_one_token_request_never_needs_decode_kv():
         long.outcome == "failed"
         and long.reason == "sequence of 1010 tokens exceeds a decode DP's KV"
     )
-    assert res.summary.failures == {"sequence of N tokens exceeds a decode DP's KV": 1}
+    assert res.summary.failures == {"sequence of <n> tokens exceeds a decode DP's KV": 1}
     everything_fails = replay(_workload((0, 1000, 10), (2_000_000_000, 1000, 10)), tiny_kv)
     assert everything_fails.summary.duration_s == 2.0  # first arrival to the last failure
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import xds.trace as t
-from xds.errors import TraceError
+from xds.errors import ConfigError, TraceError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
@@ -504,3 +504,41 @@ def test_azure_timestamps_take_a_comma_as_the_decimal_sign(tmp_path):
     rows = '2023-11-16 18:15:46.5,3,2\n"2023-11-16 18:15:46,75",3,2\n'
     w = t.load_azure(write(tmp_path, "a.csv", head + rows))
     assert [r.arrival_ns for r in w.requests] == [0, 250_000_000]
+
+
+def test_a_limit_reads_a_file_only_up_to_its_nth_request(tmp_path):
+    bad_late = "arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,1\n1,2,2\n2,0,2\n"
+    p = write(tmp_path, "r.csv", bad_late)
+    assert [r.input_tokens for r in t.load(p, limit=2).requests] == [1, 2]
+    with pytest.raises(TraceError, match="line 4"):
+        t.load(p)  # the whole file: its bad row counts
+    with pytest.raises(TraceError, match="line 4"):
+        t.load(p, sort=True, limit=2)  # sorting needs every row
+    lengths = write(tmp_path, "l.csv", "i,o\n0,3\n5,3\n6,3\n7,0\n")
+    w = t.load_lengths(
+        lengths,
+        input_column="i",
+        output_column="o",
+        rng=np.random.default_rng(0),
+        rate_per_s=1.0,
+        invalid="drop",
+        limit=2,
+    )
+    assert [r.input_tokens for r in w.requests] == [5, 6] and [d[0] for d in w.dropped] == [2]
+    with pytest.raises(ConfigError, match="limit: must be an integer >= 1"):
+        t.load(p, limit=0)
+
+
+def test_json_token_counts_are_numbers_not_strings(tmp_path):
+    row = '{{"timestamp": 0, "input_length": {}, "output_length": 5, "hash_ids": []}}\n'
+    assert (
+        t.load_mooncake(write(tmp_path, "a.jsonl", row.format("1e3"))).requests[0].input_tokens
+        == 1000
+    )
+    with pytest.raises(
+        TraceError, match=r"field 'input_length': expected a number, got '10' \(a string\)"
+    ):
+        t.load_mooncake(write(tmp_path, "b.jsonl", row.format('"10"')))
+    g = write(tmp_path, "g.jsonl", '{"t": 0, "i": "7", "o": 2}\n')
+    with pytest.raises(TraceError, match="expected a number"):
+        t.load_generic(g, mapping={"arrival": "t", "input": "i", "output": "o"})

@@ -8,6 +8,7 @@ file and the field path (``$.mtp.acceptance[0]`` style).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import numbers
@@ -141,24 +142,45 @@ def convert(data: Any, kind: type[T], *, source: str | None = None) -> T:
         raise ConfigError(exc.message, field=exc.field, source=source) from None
 
 
+def _field_names(kind: Any, path: str) -> tuple[str, ...]:
+    """The field names of the struct at dotted ``path`` in struct ``kind`` ("" is ``kind``
+    itself; empty if the path does not lead to a struct)."""
+    info = _info_at(kind, path) if path else msgspec.inspect.type_info(kind)
+    while isinstance(info, msgspec.inspect.UnionType):  # e.g. an optional struct
+        structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
+        if not structs:
+            return ()
+        info = structs[0]
+    if isinstance(info, msgspec.inspect.StructType):
+        return tuple(f.name for f in info.fields)
+    return ()
+
+
 def _choices(kind: Any, path: str) -> tuple[str, ...]:
     """The allowed values of the literal field at dotted ``path`` in struct ``kind`` (empty if
     it is not a literal, or the path does not resolve)."""
+    info = _info_at(kind, path)
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return tuple(str(v) for v in info.values)
+    return ()
+
+
+def _info_at(kind: Any, path: str) -> Any:
+    """The msgspec type info of the field at dotted ``path`` in struct ``kind`` (None if the
+    path does not resolve)."""
     info: Any = msgspec.inspect.type_info(kind)
     for name in path.split("."):
         while isinstance(info, msgspec.inspect.UnionType):  # e.g. an optional struct
             structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
             if not structs:
-                return ()
+                return None
             info = structs[0]
         if not isinstance(info, msgspec.inspect.StructType):
-            return ()
+            return None
         info = next((f.type for f in info.fields if f.name == name), None)
         if info is None:
-            return ()
-    if isinstance(info, msgspec.inspect.LiteralType):
-        return tuple(str(v) for v in info.values)
-    return ()
+            return None
+    return info
 
 
 def _config_error(
@@ -174,6 +196,11 @@ def _config_error(
         if field != unknown.group(1):  # msgspec names the table: name the key in it
             field = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
         message = "unknown field"
+        if kind is not None and field and "[" not in field:
+            table, _, key = field.rpartition(".")
+            close = difflib.get_close_matches(key, _field_names(kind, table), n=1)
+            if close:
+                message += f" (did you mean {close[0]!r}?)"
     if unknown and field in ("prefill", "decode", "probe") and kind is not None:
         names = getattr(kind, "__struct_fields__", ())
         if "prefill" not in names and "decode" not in names:  # a PD file given elsewhere

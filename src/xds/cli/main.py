@@ -7,6 +7,7 @@ give one clear line on stderr and exit code 2.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from xds import __version__
-from xds.errors import ConfigError, XdsError
+from xds.errors import ConfigError, TraceError, XdsError
 from xds.units import GB, fmt_bytes, fmt_ns
 
 
@@ -353,7 +354,13 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     show_default=True,
     help="Fidelity tier.",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_json: bool) -> None:
     """Run a colocated decode deployment and print its serving numbers."""
@@ -417,7 +424,13 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     help="Start the window this many tokens into the output (default: half way).",
 )
 @click.option("--full", is_flag=True, help="Decode every sequence to the end instead.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def ma_decode(
     deployment: str,
@@ -563,7 +576,13 @@ def _trace_options(f):
                 help="Sort the TRACE by arrival time (default: timestamps going backwards "
                 "are an error).",
             ),
-            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+            click.option(
+                "--seed",
+                type=click.IntRange(min=0),
+                default=0,
+                show_default=True,
+                help="Seed of every random stream of the run (workload, routing, faults).",
+            ),
         ]
     ):
         f = option(f)
@@ -608,10 +627,12 @@ def _load_trace(
     sort: bool,
     span: str = "0,600",
     drop_invalid: bool = False,
+    limit: int | None = None,
 ):
     """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``, and leaves
     out unreadable rows with ``drop_invalid``; a ServeGen directory is sampled over
-    ``span``)."""
+    ``span``). With ``limit`` a file is read only up to its ``limit``-th request (all of it
+    with ``sort``, which needs every row)."""
     from pathlib import Path
 
     import numpy as np
@@ -625,11 +646,17 @@ def _load_trace(
             start, seconds = (float(v) for v in span.split(","))
         except ValueError:
             raise click.UsageError(f"--span takes START,SECONDS, got {span!r}") from None
-        return load_servegen(trace, start_s=start, duration_s=seconds, seed=seed)
+        try:
+            return load_servegen(trace, start_s=start, duration_s=seconds, seed=seed)
+        except (ConfigError, TraceError) as exc:
+            if "start_s" not in (exc.field or "") and "duration_s" not in (exc.field or ""):
+                raise
+            message = exc.message if isinstance(exc, ConfigError) else str(exc).split(": ", 1)[-1]
+            raise click.UsageError(f"--span {span}: {message}") from None
     if _given("span"):
         raise click.UsageError("--span applies to a ServeGen directory")
     if fmt != "lengths":
-        return load(trace, fmt, sort=sort)
+        return load(trace, fmt, sort=sort, limit=limit)
     cols = [c.strip() for c in columns.split(",")]
     if len(cols) != 2 or not all(cols):
         raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
@@ -641,6 +668,7 @@ def _load_trace(
         rate_per_s=rate,
         cv=cv,
         invalid="drop" if drop_invalid else "error",
+        limit=limit,
     )
 
 
@@ -673,6 +701,8 @@ def _check_out_dir(out_dir: str) -> None:
     write in; the directory is created only when the results are written."""
     import os
 
+    if not out_dir.strip():
+        raise click.UsageError("--out takes a directory name, got an empty one")
     path = Path(out_dir)
     if path.exists():
         if not path.is_dir():
@@ -854,7 +884,7 @@ def replay(
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid)
+        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid, limit)
     workload = workload.scaled(rate_scale).limited(limit)
     _note_dropped(workload)
     with Progress(
@@ -1156,6 +1186,7 @@ def _ms(value: float, digits: int) -> str:
     "--jobs",
     type=click.IntRange(min=0),
     default=0,
+    show_default=True,
     help="Worker processes replaying the rates the search may try next (0: one per core, up "
     "to 4). The points tried and the result do not depend on it.",
 )
@@ -1192,7 +1223,8 @@ def capacity(
     Replays the workload at a sequence of rates (doubling or halving from --start, then
     bisecting) and judges each on the requests arriving in the middle half of its window.
     Without TRACE the built-in SPEC 12.4 workload is generated at each rate (--window seconds
-    of arrivals, a fresh Poisson sample per rate); with a TRACE its arrivals are compressed or
+    of arrivals; one seed gives the same requests at every rate, their gaps scaled); with a
+    TRACE its arrivals are compressed or
     stretched (the rate scale is searched). Repeat --deployment to compare several on the
     same workload: a table of capacity per chip ends the output (--json: one line each)."""
     import msgspec
@@ -1226,7 +1258,7 @@ def capacity(
     else:
         unit, knob = "x trace rate", "rate scale"
         base = _load_trace(
-            trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid
+            trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid, limit
         ).limited(limit)
         _note_dropped(base)
         if len(base) < MIN_SEARCH_REQUESTS or not base.duration_ns:
@@ -1397,7 +1429,13 @@ def capacity(
     default=None,
     help="What the control plane does with DPs that miss heartbeats (default: the config's).",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
+)
 @_backend_option
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def faults(
@@ -1506,7 +1544,13 @@ def faults(
 )
 @click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--queue-depth", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print both results as JSON.")
 def dataflow(
     slow_specs: tuple[str, ...],
@@ -1629,6 +1673,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ConfigError as exc:
         flag = _FLAG_OF_FIELD.get(exc.field or "") if exc.source is None else None
+        fault = re.match(r"faults\[(\d+)\]\.?(.*)", exc.field or "")
+        if fault and exc.source is None:  # the k-th --fault of the command line
+            flag = f"--fault #{int(fault[1]) + 1}" + (f" {fault[2]}" if fault[2] else "")
         print(f"xds: error: {f'{flag}: {exc.message}' if flag else exc}", file=sys.stderr)
         return 2
     except XdsError as exc:

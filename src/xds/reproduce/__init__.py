@@ -51,14 +51,20 @@ class Result(msgspec.Struct):
     wall_s: float
     rows: list[Row]
     tables: list[TableData] = []
+    quick: bool = False
+    """A ``--quick`` smoke run on a smaller configuration: its rows are not the paper's."""
 
     def to_json_object(self) -> dict[str, object]:
-        """The ``--json`` object of ARCHITECTURE.md (target, wall_s, rows)."""
-        return {
+        """The ``--json`` object of ARCHITECTURE.md (target, wall_s, rows), with ``quick``
+        set for a ``--quick`` run (whose rows a script must not take for the paper's)."""
+        out: dict[str, object] = {
             "target": self.target,
             "wall_s": round(self.wall_s, 3),
             "rows": [msgspec.to_builtins(r) for r in self.rows],
         }
+        if self.quick:
+            out["quick"] = True
+        return out
 
 
 QUICK = {"peak-decode", "production"}
@@ -96,5 +102,6 @@ def run_target(name: str, *, quick: bool = False) -> Result:
         )
     wall = time.perf_counter()  # noqa: TID251 - reports the simulator's own run time
     fn = targets[name]
-    rows, tables = fn(quick=True) if quick and name in QUICK else fn()
-    return Result(name, time.perf_counter() - wall, rows, tables)  # noqa: TID251
+    short = quick and name in QUICK
+    rows, tables = fn(quick=True) if short else fn()
+    return Result(name, time.perf_counter() - wall, rows, tables, quick=short)  # noqa: TID251

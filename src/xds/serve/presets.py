@@ -7,6 +7,7 @@ PD-disaggregated deployment (for ``xds replay``).
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,8 +41,11 @@ def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) 
         return presets[name_or_path]
     if Path(name_or_path).suffix in (".toml", ".json"):
         return load_config(name_or_path, kind)
+    close = difflib.get_close_matches(name_or_path, list(presets), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
-        f"unknown {what} {name_or_path!r}: a preset ({', '.join(presets)}) or a .toml/.json file",
+        f"unknown {what} {name_or_path!r}{hint}: a preset ({', '.join(presets)}) or a "
+        ".toml/.json file",
         field="deployment",
     )
 

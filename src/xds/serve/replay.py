@@ -481,9 +481,12 @@ class Replay(Failover):
         if req.input_tokens > limit:
             groups = len(te.kv)
             if limit > te.kv[0].capacity * te.config.block_tokens:  # sequence-parallel
-                where = f"a prefill TE's KV ({limit} tokens over its {groups} DP groups)"
+                where = (
+                    f"a prefill TE's KV (room for {limit} prompt tokens over its {groups} DP "
+                    "groups)"
+                )
             else:
-                where = f"a prefill DP's KV ({limit} tokens)"
+                where = f"a prefill DP's KV (room for {limit} prompt tokens)"
             return f"input {req.input_tokens} tokens exceeds {where}"
         dkv = self.decode[0].kv[0]
         if req.output_tokens > 1 and dkv.blocks_for(total) > dkv.capacity:  # 1: never decoded

@@ -116,10 +116,14 @@ def _int_field(
     field: str,
     minimum: int = 0,
     maximum: int = MAX_TOKENS,
+    json: bool = False,
 ) -> int:
-    """A token count: an integer (written as plain digits in text) in ``minimum..maximum``."""
-    if isinstance(value, bool):
-        raise TraceError(f"expected an integer, got {value!r}", path=path, line=line, field=field)
+    """A token count in ``minimum..maximum``: an integer, written as plain digits in a CSV
+    field, or a JSON number of integral value (``json``: a JSON string is refused)."""
+    if isinstance(value, bool) or (json and isinstance(value, str)):
+        shown = f"{value!r} (a string)" if isinstance(value, str) else repr(value)
+        what = "a number" if json else "an integer"
+        raise TraceError(f"expected {what}, got {shown}", path=path, line=line, field=field)
     if isinstance(value, int):
         out = value
     elif isinstance(value, float) and value.is_integer():
@@ -139,6 +143,17 @@ def _int_field(
             field=field,
         )
     return out
+
+
+def _check_limit(limit: object) -> int | None:
+    """``limit``: None (every request) or a count of requests >= 1."""
+    return None if limit is None else require_int(limit, "limit", low=1)
+
+
+def _reached(rows: list[Any], limit: int | None, sort: bool) -> bool:
+    """A loader has read ``limit`` requests and may stop (the rows after them are not read,
+    nor checked); never when sorting, which needs every row first."""
+    return limit is not None and not sort and len(rows) >= limit
 
 
 def _finish(
@@ -198,8 +213,9 @@ def _block_hashes(
     return tuple(int(h) for h in raw)
 
 
-def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
+def load_mooncake(path: str | Path, *, sort: bool = False, limit: int | None = None) -> Workload:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
+    limit = _check_limit(limit)
     p = _open(path)
     rows = []
     for line_no, obj in _json_objects(p, MOONCAKE_KEYS):
@@ -210,10 +226,20 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
             obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
         )
         x = _int_field(
-            obj["input_length"], path=str(p), line=line_no, field="input_length", minimum=1
+            obj["input_length"],
+            path=str(p),
+            line=line_no,
+            field="input_length",
+            minimum=1,
+            json=True,
         )
         y = _int_field(
-            obj["output_length"], path=str(p), line=line_no, field="output_length", minimum=1
+            obj["output_length"],
+            path=str(p),
+            line=line_no,
+            field="output_length",
+            minimum=1,
+            json=True,
         )
         hashes = _block_hashes(
             obj.get("hash_ids", []),
@@ -224,6 +250,8 @@ def load_mooncake(path: str | Path, *, sort: bool = False) -> Workload:
             field="hash_ids",
         )
         rows.append((ts_ns, x, y, hashes, line_no))
+        if _reached(rows, limit, sort):
+            break
     workload = _finish(rows, str(p), sort)
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=MOONCAKE_BLOCK_TOKENS)
@@ -323,9 +351,10 @@ def _checked_rows(
         yield line_no, row
 
 
-def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
+def load_azure(path: str | Path, *, sort: bool = False, limit: int | None = None) -> Workload:
     """Azure LLM inference trace CSV: ``TIMESTAMP`` (date-time), ``ContextTokens``,
     ``GeneratedTokens``."""
+    limit = _check_limit(limit)
     p = _open(path)
     rows = []
     for line_no, row in _csv_rows(p, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]):
@@ -343,6 +372,8 @@ def load_azure(path: str | Path, *, sort: bool = False) -> Workload:
             row["GeneratedTokens"], path=str(p), line=line_no, field="GeneratedTokens", minimum=1
         )
         rows.append((ns, x, y, (), line_no))
+        if _reached(rows, limit, sort):
+            break
     return _finish(rows, str(p), sort, "TIMESTAMP")
 
 
@@ -363,9 +394,10 @@ def _timestamp_ns(raw: str) -> int:
     return int(stamp.timestamp()) * 1_000_000_000 + frac
 
 
-def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
+def load_request_csv(path: str | Path, *, sort: bool = False, limit: int | None = None) -> Workload:
     """The request CSV of Vidur and Frontier: ``arrived_at`` (s), ``num_prefill_tokens``,
     ``num_decode_tokens``."""
+    limit = _check_limit(limit)
     p = _open(path)
     rows = []
     for line_no, row in _csv_rows(p, ["arrived_at", "num_prefill_tokens", "num_decode_tokens"]):
@@ -385,6 +417,8 @@ def load_request_csv(path: str | Path, *, sort: bool = False) -> Workload:
             minimum=1,
         )
         rows.append((arrival, x, y, (), line_no))
+        if _reached(rows, limit, sort):
+            break
     return _finish(rows, str(p), sort, "arrived_at")
 
 
@@ -397,6 +431,7 @@ def load_lengths(
     rate_per_s: float,
     cv: float = 1.0,
     invalid: str = "error",
+    limit: int | None = None,
 ) -> Workload:
     """A lengths-only CSV (e.g. ShareGPT or Vidur's processed lengths) with arrivals from a
     Poisson (``cv = 1``) or Gamma process at ``rate_per_s``. ``invalid="drop"`` leaves out
@@ -404,6 +439,7 @@ def load_lengths(
     ``Workload.dropped``; the default raises."""
     if invalid not in ("error", "drop"):
         raise TraceError(f"invalid must be 'error' or 'drop', got {invalid!r}", field="invalid")
+    limit = _check_limit(limit)
     p = _open(path)
     lengths = []
     lines = []
@@ -424,6 +460,8 @@ def load_lengths(
             continue
         lengths.append((x, y))
         lines.append(line_no)
+        if _reached(lengths, limit, False):
+            break
     n = len(lengths)
     if not n:
         why = f" ({len(dropped):,} rows had unusable lengths)" if dropped else ""
@@ -450,6 +488,7 @@ def load_generic(
     time_unit_ns: int = 1,
     sort: bool = False,
     hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    limit: int | None = None,
 ) -> Workload:
     """A CSV or JSONL with your column names: ``mapping`` maps ``arrival``, ``input``,
     ``output`` (and optionally ``hashes``) to the file's columns; arrivals are multiplied by
@@ -458,13 +497,15 @@ def load_generic(
     ``hash_block_tokens`` of its input (default 512, Mooncake's block); a replay checks that
     the deployment's prefix cache uses the same block size."""
     hash_block_tokens = require_int(hash_block_tokens, "hash_block_tokens", low=1)
+    limit = _check_limit(limit)
     p = _open(path)
     for key in ("arrival", "input", "output"):
         if key not in mapping:
             raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
     records: Iterator[tuple[int, dict[str, Any]]]
     read = {mapping[k] for k in ("arrival", "input", "output", "hashes") if k in mapping}
-    if p.suffix in (".jsonl", ".json"):
+    from_json = p.suffix in (".jsonl", ".json")
+    if from_json:
         records = _json_objects(p, read)
     else:
         records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")], read)
@@ -484,6 +525,7 @@ def load_generic(
             line=line_no,
             field=mapping["input"],
             minimum=1,
+            json=from_json,
         )
         y = _int_field(
             get(row, mapping["output"], line_no),
@@ -491,6 +533,7 @@ def load_generic(
             line=line_no,
             field=mapping["output"],
             minimum=1,
+            json=from_json,
         )
         hashes: tuple[int, ...] = ()
         if "hashes" in mapping and mapping["hashes"] in row:
@@ -509,6 +552,8 @@ def load_generic(
                 raw, x, hash_block_tokens, path=str(p), line=line_no, field=mapping["hashes"]
             )
         rows.append((arrival, x, y, hashes, line_no))
+        if _reached(rows, limit, sort):
+            break
     workload = _finish(rows, str(p), sort, mapping["arrival"])
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=hash_block_tokens)
@@ -561,6 +606,12 @@ def guess_format(path: str | Path) -> str:
         return "azure"
     if "arrived_at" in first:
         return "request-csv"
+    if re.fullmatch(r"chunk-\d+-(trace\.csv|dataset\.json)", p.name):
+        raise TraceError(
+            "a file of a ServeGen client pool: pass the pool's directory "
+            f"({p.parent}), which xds reads whole",
+            path=str(p),
+        )
     raise TraceError(
         "cannot tell the trace format from its first line; name it (--format mooncake, azure, "
         "request-csv, servegen or lengths on the command line; in Python fmt='mooncake', "

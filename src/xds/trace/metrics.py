@@ -201,9 +201,10 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
 
 
 def failure_kind(reason: str) -> str:
-    """A failure reason with its request's own token counts replaced by N, so that the summary
-    counts failures of one kind together (the record keeps the full reason)."""
-    return re.sub(r"\b\d[\d,]* tokens\b", "N tokens", reason) if reason else "unknown"
+    """A failure reason with its request's own token counts (``N tokens``) replaced by
+    ``<n> tokens``, so that the summary counts failures of one kind together (each record keeps
+    the full reason)."""
+    return re.sub(r"\b\d[\d,]* tokens\b", "<n> tokens", reason) if reason else "unknown"
 
 
 def check_complete(records: Sequence[RequestRecord], n_requests: int) -> None:

@@ -43,9 +43,11 @@ location chosen (by bisection on a fixed reference run of this generator) so the
 log-normal (sigma 1) with mean 2.1K.
 
 **Common random numbers.** Every request's draws come from per-quantity streams of the seed,
-indexed by the request, so one seed at two rates gives the same requests (same lengths, same
-turn structure up to which earlier turn a gap reaches), arriving faster or slower: comparing
-rates, or a capacity search's points, compares deployments' answers to one workload.
+indexed by the request, so one seed at two rates gives the same requests arriving faster or
+slower: the same outputs, first-turn prompts, follow-up flags, turn gaps and new tokens. Only
+which earlier turn a follow-up extends (the one its gap reaches at that rate), and so its
+prompt length, depends on the rate. Comparing rates, or a capacity search's points, compares
+the deployment's answers to one workload.
 """
 
 from __future__ import annotations
@@ -213,9 +215,9 @@ def production_workload(
     """``n`` requests of the SPEC 12.4 mix arriving as a Poisson process at ``rate_per_s``,
     with the multi-turn prefix structure of ``conversations`` (``NO_CONVERSATIONS``: every
     prompt unique). One seed gives the same requests at every rate (their draws do not
-    depend on it; only the gaps between arrivals scale), and its first ``k`` requests for any
-    ``n >= k``; the conversations already under way before the first request are drawn from
-    a stream of their own."""
+    depend on it; only the gaps between arrivals scale, and with them which earlier turn a
+    follow-up extends), and its first ``k`` requests for any ``n >= k``; the conversations
+    already under way before the first request are drawn from a stream of their own."""
     if n < 1:
         raise ConfigError(f"n must be >= 1, got {n}", field="n")
     if not 0 < rate_per_s < float("inf"):
