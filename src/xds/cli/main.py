@@ -32,6 +32,13 @@ class _LazyConsole:
 
 console = _LazyConsole()
 
+_seed_option = click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of every random stream of the run (workload, jitter, routing, MTP, faults).",
+)
 _backend_option = click.option(
     "--backend",
     type=click.Choice(["asyncio", "trio"]),
@@ -238,13 +245,7 @@ def info(servers: int, sources: bool) -> None:
     help="Compute + barrier rounds.",
 )
 @_servers_option
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of every random stream.",
-)
+@_seed_option
 @_backend_option
 def demo(steps: int, servers: int, seed: int, backend: str) -> None:
     """The built-in demo: pod summary and a timed virtual-time run with one task per die."""
@@ -354,13 +355,7 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     show_default=True,
     help="Fidelity tier.",
 )
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
-)
+@_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_json: bool) -> None:
     """Run a colocated decode deployment and print its serving numbers."""
@@ -424,13 +419,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     help="Start the window this many tokens into the output (default: half way).",
 )
 @click.option("--full", is_flag=True, help="Decode every sequence to the end instead.")
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
-)
+@_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def ma_decode(
     deployment: str,
@@ -576,13 +565,7 @@ def _trace_options(f):
                 help="Sort the TRACE by arrival time (default: timestamps going backwards "
                 "are an error).",
             ),
-            click.option(
-                "--seed",
-                type=click.IntRange(min=0),
-                default=0,
-                show_default=True,
-                help="Seed of every random stream of the run (workload, routing, faults).",
-            ),
+            _seed_option,
         ]
     ):
         f = option(f)
@@ -1429,13 +1412,7 @@ def capacity(
     default=None,
     help="What the control plane does with DPs that miss heartbeats (default: the config's).",
 )
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
-)
+@_seed_option
 @_backend_option
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def faults(
@@ -1544,13 +1521,7 @@ def faults(
 )
 @click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--queue-depth", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option(
-    "--seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of every random stream of the run (jitter, routing, MTP acceptance, faults).",
-)
+@_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print both results as JSON.")
 def dataflow(
     slow_specs: tuple[str, ...],

@@ -225,21 +225,9 @@ def load_mooncake(path: str | Path, *, sort: bool = False, limit: int | None = N
         ts_ns = _arrival_ns(
             obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
         )
-        x = _int_field(
-            obj["input_length"],
-            path=str(p),
-            line=line_no,
-            field="input_length",
-            minimum=1,
-            json=True,
-        )
-        y = _int_field(
-            obj["output_length"],
-            path=str(p),
-            line=line_no,
-            field="output_length",
-            minimum=1,
-            json=True,
+        x, y = (
+            _int_field(obj[key], path=str(p), line=line_no, field=key, minimum=1, json=True)
+            for key in ("input_length", "output_length")
         )
         hashes = _block_hashes(
             obj.get("hash_ids", []),
