@@ -304,3 +304,13 @@ def test_a_probe_queues_on_the_ports_of_the_dps_it_travels_between():
     free, busy = run(main)
     assert free.verdict is LinkVerdict.HEALTHY
     assert busy.verdict is LinkVerdict.SATURATED and busy.latency_ns > 5 * MS
+
+
+def test_a_probe_between_dps_the_pair_lacks_is_a_clear_error():
+    async def main():
+        with pytest.raises(ConfigError, match=r"prefill_dp: must be an integer in 0\.\.1"):
+            await probe(_flow(), prefill_dp=2)
+        with pytest.raises(ConfigError, match=r"decode_dp: must be an integer in 0\.\.1"):
+            await probe(_flow(), decode_dp=-1)
+
+    run(main)

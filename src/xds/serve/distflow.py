@@ -47,6 +47,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..config import require_int
 from ..errors import ConfigError
 from ..fabric.xccl import XCCL, AppBuffer
 from ..fabric.xccl import args as xccl_args
@@ -478,6 +479,8 @@ class DistFlow:
         """Send a dummy payload of ``nbytes`` from prefill DP ``prefill_dp`` (its TP rank 0's
         die) to decode DP ``decode_dp`` through the pair's FIFO, queueing on both dies' ports
         behind their transfers; ``state`` tracks where it is (queued, on the wire, delivered)."""
+        prefill_dp = require_int(prefill_dp, "prefill_dp", high=len(self.prefill_cq) - 1)
+        decode_dp = require_int(decode_dp, "decode_dp", high=len(self.decode_cq) - 1)
         state.sent_ns = now_ns()
         behind = self._next_id  # every transfer registered so far is ahead of the probe
         while self.queued_before(behind):
