@@ -166,7 +166,10 @@ def test_policy_plugs_your_function_into_replay_and_capacity(tmp_path, monkeypat
         ("decode_routing=mine:nope", "--policy decode_routing=mine:nope: mine has no 'nope'"),
         ("routing=mine:first", "unknown slot 'routing'; one of decode_routing, "),
         ("decode_routing", "write SLOT=MODULE:FUNCTION"),
-        ("decode_routing=gone:first", "--policy decode_routing=gone: no module named 'gone'"),
+        (
+            "decode_routing=gone:first",
+            "--policy decode_routing=gone:first: no module named 'gone'",
+        ),
         ("decode_routing=mine:two", "decode_routing policy 'two'(eligible, dps) must take 3"),
     ):
         assert main([*replay, "--policy", spec]) == 2

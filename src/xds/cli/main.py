@@ -91,7 +91,11 @@ def _policies(specs: tuple[str, ...]) -> dict[str, Any]:
             )
         if slot in out:
             raise click.UsageError(f"--policy {spec}: {slot} is given twice")
-        module = _import_plugin(module_name, option=f"--policy {slot}=")
+        try:
+            module = _import_plugin(module_name, option=f"--policy {slot}=")
+        except click.UsageError as exc:  # name the whole spec, as the user wrote it
+            said = exc.format_message().replace(f"--policy {slot}={module_name}", "", 1)
+            raise click.UsageError(f"--policy {spec}{said}") from None
         fn = getattr(module, function, None)
         if fn is None:
             raise click.UsageError(f"--policy {spec}: {module_name} has no {function!r}")
