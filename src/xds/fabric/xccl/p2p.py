@@ -765,37 +765,39 @@ class P2P:
             "brings it back"
         )
 
+    def _failure_of(self, pair: _Pair, die: int) -> tuple[_Failure | None, int]:
+        """The failure an operation of ``die`` on ``pair`` meets, and when ``die`` knows of it:
+        its own failure first (known at once), else its peer's (None if neither failed)."""
+        own = self._failed.get(die)
+        if own is not None:
+            return own, own.at_ns
+        peer = self._failed.get(pair.dst if die == pair.src else pair.src)
+        return peer, (self._known_ns(peer, die) if peer is not None else 0)
+
+    def _die_failure(self, failure: _Failure, who: str) -> DieFailure:
+        return DieFailure(
+            f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
+        )
+
     async def _check_alive(self, pair: _Pair, die: int, who: str) -> None:
         """Before an operation of ``die`` on ``pair`` starts: if either die has failed, raise
         :class:`DieFailure`, once ``die`` can know it (at once if ``die`` is the failed one)."""
-        peer = pair.dst if die == pair.src else pair.src
-        failure = self._failed.get(die) or self._failed.get(peer)
+        failure, known_ns = self._failure_of(pair, die)
         if failure is None:
             return
-        if failure.die != die:
-            when = self._known_ns(failure, die)
-            if when > now_ns():
-                with waiting_for(f"{who}: (die {peer} has failed; learning of it)"):
-                    await sleep_until_ns(when)
-        raise DieFailure(
-            f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
-        )
+        if known_ns > now_ns():
+            with waiting_for(f"{who}: (die {failure.die} has failed; learning of it)"):
+                await sleep_until_ns(known_ns)
+        raise self._die_failure(failure, who)
 
     def _pair_error(self, pair: _Pair, who: str, die: int) -> ProtocolError:
         """The error an operation of ``die`` on an abandoned pair raises: :class:`DieFailure`
         for ``die``'s own failure, else for its peer's once ``die`` can know of it, else the
         pair's poisoning (a cancelled transfer)."""
-        peer = pair.dst if die == pair.src else pair.src
-        failure = self._failed.get(die)
-        if failure is None:
-            failure = self._failed.get(peer)
-            if failure is not None and self._known_ns(failure, die) > now_ns():
-                failure = None  # not known here yet (an abort notice of a cancel woke it)
-        if failure is not None:
-            return DieFailure(
-                f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
-            )
-        return ProtocolError(f"{who}: {pair.poisoned}")
+        failure, known_ns = self._failure_of(pair, die)
+        if failure is not None and known_ns <= now_ns():
+            return self._die_failure(failure, who)
+        return ProtocolError(f"{who}: {pair.poisoned}")  # (an abort notice of a cancel woke it)
 
     def _deferred_reinitialise(self, pair: _Pair) -> None:
         self._reinitialise(pair.src, pair.dst)
