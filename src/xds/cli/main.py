@@ -6,6 +6,7 @@ give one clear line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -1683,10 +1684,11 @@ def _policy_error(exc: BaseException) -> str | None:
     return "\n".join(lines)
 
 
-def _library_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(directories whose frames are not the user's: xds, anyio, click and the standard
-    library; directories inside those that are the user's after all: site-packages, which an
-    installation without a venv keeps under the standard library's)."""
+@functools.cache
+def _frame_dirs() -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """(directories of xds, anyio and click; the standard library's; the site-packages
+    directories, which an installation without a venv keeps under the standard library's and
+    which hold the user's installed code)."""
     import os
     import sysconfig
 
@@ -1697,23 +1699,19 @@ def _library_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     def folder(path: str) -> str:
         return os.path.join(os.path.realpath(path), "")
 
-    ours = [os.path.dirname(m.__file__) for m in (xds, anyio, click)]  # type: ignore[type-var]
     paths = sysconfig.get_paths()
-    library = (*map(folder, ours), folder(paths["stdlib"]))
+    ours = tuple(folder(os.path.dirname(m.__file__)) for m in (xds, anyio, click))  # type: ignore[type-var]
     packages = tuple(folder(paths[k]) for k in ("purelib", "platlib"))
-    return library, packages
-
-
-_LIBRARY_PREFIXES, _PACKAGE_PREFIXES = _library_prefixes()
+    return ours, folder(paths["stdlib"]), packages
 
 
 def _is_library_frame(filename: str) -> bool:
+    """A frame of xds, anyio, click or the standard library, not of the user's code."""
     import os
 
+    ours, stdlib, packages = _frame_dirs()
     path = os.path.realpath(filename)
-    if path.startswith(_LIBRARY_PREFIXES[:-1]):  # xds, anyio, click
-        return True
-    return path.startswith(_LIBRARY_PREFIXES[-1]) and not path.startswith(_PACKAGE_PREFIXES)
+    return path.startswith(ours) or (path.startswith(stdlib) and not path.startswith(packages))
 
 
 if __name__ == "__main__":
