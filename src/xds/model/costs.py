@@ -103,7 +103,12 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         attention = model.attention_params * (1 if self.mla_int8 else 2)
         mlp = 1 if self.moe_int8 else 2
         replicated = attention + model.dense_mlp_params * mlp + 2 * model.embedding_params
-        return replicated // tp + experts * model.moe_layers * model.expert_params * mlp
+        return replicated // tp + self.expert_bytes(model, experts)
+
+    def expert_bytes(self, model: ModelSpec, experts: int) -> int:
+        """Bytes of ``experts`` expert instances per MoE layer, over every MoE layer (1 byte
+        per parameter with ``moe_int8``, 2 in BF16)."""
+        return experts * model.moe_layers * model.expert_params * (1 if self.moe_int8 else 2)
 
     def int8_attention(self, layer: int | None) -> bool:
         """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer

@@ -135,8 +135,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         routed_dies = self.expert_dies - self.shared_expert_dies
         per_die = max(-(-m.routed_experts // routed_dies), m.shared_experts)
-        mlp = 1 if self.precision.moe_int8 else 2  # bytes per expert parameter
-        weights = per_die * m.moe_layers * m.expert_params * mlp  # every MoE layer
+        weights = self.precision.expert_bytes(m, per_die)
         room = (1 - WORKSPACE_FRACTION) * ASCEND_910C_DIE.hbm_bytes
         if weights > room:
             raise ConfigError(
