@@ -64,8 +64,9 @@ class FaultError(XdsError):
 
 
 class DieFailure(FaultError, ProtocolError):
-    """A point-to-point operation met a failed die (``XCCL.fail_die``): the die itself, or a
-    peer that learnt of the failure. ``die`` is the failed die, ``at_ns`` when it failed."""
+    """An XCCL operation (point-to-point or collective) met a failed die (``XCCL.fail_die``):
+    the die itself, or a peer or group member that learnt of the failure. ``die`` is the failed
+    die, ``at_ns`` when it failed."""
 
     def __init__(self, message: str, *, die: int, at_ns: int):
         self.die = die

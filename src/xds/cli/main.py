@@ -335,7 +335,8 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
             rows.add_column(col, justify="right" if col in ("paper", "xds") else "left")
         for r in result.rows:
             rel = {"lt": "<", "gt": ">"}.get(r.relation, f"within {r.tolerance:.0%}")
-            rows.add_row(r.name, f"{r.paper:g}", f"{r.xds:g}", r.unit, rel, "yes" if r.ok else "NO")
+            shown = r.shown or f"{r.xds:g}"
+            rows.add_row(r.name, f"{r.paper:g}", shown, r.unit, rel, "yes" if r.ok else "NO")
         console.print(rows)
     return 0 if ok or not strict else 1
 

@@ -32,6 +32,7 @@ from ..runtime.core import _current as _current_run
 from . import checks
 from .checks import ENGINES
 from .config import FabricConfig, validated
+from .failures import DieFailures
 from .memory import DieMemory, Direction, MetaField
 from .ports import Port, finish_ns
 
@@ -92,6 +93,8 @@ class UBFabric:
         self._links: dict[tuple[int, int], tuple[tuple[Port, ...], float, int]] = {}
         self._collective_fields = 0
         self._p2p: P2P | None = None
+        self.failures = DieFailures(self)
+        """The failed dies (``XCCL.fail_die``), seen by point-to-point and collectives."""
         self._run: weakref.ref[Runtime] | None = None
 
     @property
@@ -132,6 +135,7 @@ class UBFabric:
             for mem in self._memories.values():
                 for field in mem._meta.values():
                     field._changed = None  # an event of the earlier run's loop; none waits
+            self.failures.clear()
             if self._p2p is not None:
                 self._p2p._restart()
         self._run = weakref.ref(rt)

@@ -27,6 +27,9 @@ class Row(msgspec.Struct, frozen=True):
     unit: str
     relation: Relation
     tolerance: float = 0.0
+    shown: str = ""
+    """How the human table shows ``xds`` when a number alone would mislead (e.g. a crossover
+    that does not exist); empty: the number."""
 
     @property
     def ok(self) -> bool:
@@ -60,11 +63,19 @@ class Result(msgspec.Struct):
         out: dict[str, object] = {
             "target": self.target,
             "wall_s": round(self.wall_s, 3),
-            "rows": [msgspec.to_builtins(r) for r in self.rows],
+            "rows": [_row_json(r) for r in self.rows],
         }
         if self.quick:
             out["quick"] = True
         return out
+
+
+def _row_json(row: Row) -> dict[str, object]:
+    """A row's JSON object; ``shown`` only where the number alone would mislead."""
+    out = msgspec.to_builtins(row)
+    if not row.shown:
+        del out["shown"]
+    return out
 
 
 QUICK = {"peak-decode", "production"}

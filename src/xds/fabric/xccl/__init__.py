@@ -358,8 +358,10 @@ class XCCL:
         detection time with it), and never before the writes already in flight on their pair
         have landed; from then on the peer's operations with the die (blocked or new) raise
         ``DieFailure``. A message that had fully arrived before the failure still completes.
-        Collectives (dispatch/combine, A2E/E2A) do not see it. To fail a die at a later time,
-        call this from a task that sleeps until then.
+        Collective groups with the die (dispatch/combine, A2E/E2A) break: each member's
+        operation in flight raises ``DieFailure`` when its die learns of the failure (the
+        failed die at once), later ones too (:mod:`xds.fabric.xccl.group_failure`). To fail a
+        die at a later time, call this from a task that sleeps until then.
         """
         self.p2p.fail_die(die, detect_ns=detect_ns)
 

@@ -16,11 +16,16 @@ weight 1. Logical experts map to expert dies through an :class:`ExpertMap`.
 
 SPMD use: attention dies call :meth:`AEGroup.a2e` then :meth:`AEGroup.e2a`; expert dies call
 :meth:`AEGroup.expert_receive`, compute, then :meth:`AEGroup.expert_return`.
+
+Die failure (``XCCL.fail_die``) of any attention or expert die breaks the group: operations in
+flight raise :class:`~xds.errors.DieFailure` as each die learns of it, later ones at once
+(:mod:`xds.fabric.xccl.group_failure`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -32,8 +37,11 @@ from ...errors import ConfigError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..ub import UBFabric
 from . import args, wire
+from .group_failure import GroupFailures
 from .moe import ExpertMap, WireDtype, payload_bytes, route
 from .push import Block, PushExchange
+
+T = TypeVar("T")
 
 Mode = Literal["trampoline", "direct"]
 _NAMES = ("hop1", "hop2", "back2", "back1", "direct", "direct_back")
@@ -135,6 +143,7 @@ class AEGroup:
         self.N, self.M = n, m
         self.width = config.top_k + (1 if config.n_shared else 0)
         self.push = PushExchange(fabric, _NAMES, tier=tier)
+        self._failures = GroupFailures(fabric, [*attention, *experts], "A2E/E2A")
         self._lanes = fabric.pod.spec_of(experts[0]).dma_engines
 
     # -- row formats ----------------------------------------------------------------------------
@@ -180,6 +189,13 @@ class AEGroup:
         ops = n_rows * self.config.hidden * e.vector_ops_per_quant_element
         return round(ops / die.vector_flops * 1e9) + (e.quant_fixed_ns if sender else 0)
 
+    async def _guarded(
+        self, die: int, op: str, event_id: object, body: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``body`` as die ``die``'s part of a collective that a member's failure breaks
+        (:mod:`xds.fabric.xccl.group_failure`)."""
+        return await self._failures.run(die, f"{op} eventID {event_id} at die {die}", body)
+
     # -- attention side --------------------------------------------------------------------------
     def columns(self, att: int, topk_idx: np.ndarray) -> np.ndarray:
         """Logical expert per (token, column): the routed top-k plus the shared instance."""
@@ -198,6 +214,14 @@ class AEGroup:
         self, att: int, x: np.ndarray | int, topk_idx: np.ndarray, event_id: int
     ) -> A2EHandle:
         """Send this attention die's tokens toward their experts."""
+        att = args.index(att, self.N, "att")
+        return await self._guarded(
+            self.attention[att], "A2E", event_id, lambda: self._a2e(att, x, topk_idx, event_id)
+        )
+
+    async def _a2e(
+        self, att: int, x: np.ndarray | int, topk_idx: np.ndarray, event_id: int
+    ) -> A2EHandle:
         cfg = self.config
         start = now_ns()
         att = args.index(att, self.N, "att")
@@ -248,6 +272,18 @@ class AEGroup:
         self, handle: A2EHandle, weights: np.ndarray | None, event_id: int
     ) -> np.ndarray | None:
         """Collect this die's expert outputs and accumulate them with the gate weights."""
+        if not isinstance(handle, A2EHandle):
+            return await self._e2a(handle, weights, event_id)  # reports the bad handle
+        return await self._guarded(
+            self.attention[handle.att],
+            "E2A",
+            event_id,
+            lambda: self._e2a(handle, weights, event_id),
+        )
+
+    async def _e2a(
+        self, handle: A2EHandle, weights: np.ndarray | None, event_id: int
+    ) -> np.ndarray | None:
         cfg = self.config
         if not isinstance(handle, A2EHandle):
             raise ConfigError(
@@ -306,6 +342,12 @@ class AEGroup:
     # -- expert side ------------------------------------------------------------------------------
     async def expert_receive(self, j: int, event_id: int) -> ExpertInput:
         """Everything sent to expert die ``j`` (relaying first if it is a trampoline)."""
+        j = args.index(j, self.M, "j")
+        return await self._guarded(
+            self.experts[j], "A2E receive", event_id, lambda: self._expert_receive(j, event_id)
+        )
+
+    async def _expert_receive(self, j: int, event_id: int) -> ExpertInput:
         cfg = self.config
         start = now_ns()
         j = args.index(j, self.M, "j")
@@ -365,6 +407,17 @@ class AEGroup:
     ) -> int:
         """Send expert die ``j``'s outputs back (``outputs``: [n, k', H] per row and column,
         used where ``inp.slots >= 0``); trampolines then relay to their attention die."""
+        j = args.index(j, self.M, "j")
+        return await self._guarded(
+            self.experts[j],
+            "E2A send",
+            event_id,
+            lambda: self._expert_return(j, inp, outputs, event_id),
+        )
+
+    async def _expert_return(
+        self, j: int, inp: ExpertInput, outputs: np.ndarray | None, event_id: int
+    ) -> int:
         cfg = self.config
         j = args.index(j, self.M, "j")
         event_id = args.event_id(event_id)

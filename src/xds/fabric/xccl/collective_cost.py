@@ -12,12 +12,24 @@ heap: no task, no timer, and the ports see the same traffic in the same order.
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
 from ...hw import collective_efficiency
 from ..ub import UBFabric
 from .moe import PullOrder, pull_lanes
+
+
+class ExchangeTimes(NamedTuple):
+    """Per rank of a collective-tier exchange (virtual ns)."""
+
+    posted: np.ndarray
+    """When it posts its metadata (launch and packing done)."""
+    barrier: np.ndarray
+    """When it has seen every rank's metadata."""
+    end: np.ndarray
+    """When its exchange completes."""
 
 
 def exchange_completion(
@@ -33,8 +45,9 @@ def exchange_completion(
     per_row_ns: float,
     post_ns: np.ndarray,
     now_ns: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(barrier time, completion time) of every rank; ``counts[s, r]`` rows go s -> r."""
+) -> ExchangeTimes:
+    """Every rank's metadata post, barrier and completion times; ``counts[s, r]`` rows go
+    s -> r."""
     e = fabric.engines
     n = len(ranks)
     # launch, then pack into the own managed area (local MTE through the HBM port)
@@ -82,4 +95,4 @@ def exchange_completion(
         end[r] = max(end[r], done)
         if pos + 1 < len(plan[(r, lane)]):
             heapq.heappush(heap, (done, r, lane, pos + 1))
-    return barrier, np.ceil(end + post_ns).astype(np.int64)
+    return ExchangeTimes(packed, barrier, np.ceil(end + post_ns).astype(np.int64))

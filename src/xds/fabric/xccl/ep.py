@@ -20,6 +20,10 @@ output, grouped by source rank; the token's owner pulls its copies and accumulat
 SPEC 4.4). Managed blocks and metadata are double-buffered by eventID parity, so consecutive
 layers never read each other's metadata.
 
+Die failure (``XCCL.fail_die``) of a rank breaks the group: operations in flight raise
+:class:`~xds.errors.DieFailure` as each rank learns of it (the failed rank at once), later ones
+too; build a new group after repairing the die (:mod:`xds.fabric.xccl.group_failure`).
+
 Two fidelity tiers share this API (ARCHITECTURE.md "Fidelity tiers"): ``tier="protocol"`` moves
 every block and metadata write through the fabric; ``tier="collective"`` makes one event per
 collective and computes every rank's completion from all arrival times with the same costs and
@@ -43,7 +47,8 @@ from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ..memory import Direction
 from ..ub import UBFabric
 from . import args, wire
-from .collective_cost import exchange_completion
+from .collective_cost import ExchangeTimes, exchange_completion
+from .group_failure import GroupFailures
 from .moe import (
     ExpertMap,
     Layout,
@@ -165,6 +170,7 @@ class EPGroup:
             raise ConfigError(f"unknown tier {tier!r}", field="tier")
         self.fabric = fabric
         self._fields = fabric.reserve_collective_fields(4)  # (dispatch, combine) x parity
+        self._failures = GroupFailures(fabric, list(ranks), "dispatch/combine")
         self.ranks = list(ranks)
         self.expert_map = expert_map
         self.config = config
@@ -383,14 +389,17 @@ class EPGroup:
                     f"capacity of {cap} (max_tokens_per_rank); nothing was written"
                 )
         costs = (round(pack_vector_ns), per_row_ns, round(post_ns))
-        self._joined[(rank, phase)] = event_id
-        if self.tier == "collective":
-            return await self._exchange_collective(
-                rank, event_id, phase, blocks, counts, row_bytes, costs
-            )
-        return await self._exchange_protocol(
-            rank, event_id, phase, blocks, counts, row_bytes, costs
+        exchange = (
+            self._exchange_collective if self.tier == "collective" else self._exchange_protocol
         )
+        die = self.ranks[rank]
+        who = f"{_PHASE_NAMES[phase]} eventID {event_id} at rank {rank} (die {die})"
+
+        async def body() -> tuple[list[_Block], int]:
+            self._joined[(rank, phase)] = event_id
+            return await exchange(rank, event_id, phase, blocks, counts, row_bytes, costs)
+
+        return await self._failures.run(die, who, body)
 
     async def _exchange_protocol(
         self,
@@ -563,7 +572,7 @@ class EPGroup:
         if len(arrivals) == self.R:
             ordered = [arrivals[s] for s in range(self.R)]
             count_matrix = np.stack([a.counts for a in ordered])
-            barrier, end = exchange_completion(
+            times = exchange_completion(
                 self.fabric,
                 self.ranks,
                 n_aiv=self.config.n_aiv,
@@ -577,7 +586,7 @@ class EPGroup:
                 now_ns=now_ns(),
             )
             self._completion[key] = _Completion(
-                barrier, end, count_matrix, [a.blocks for a in ordered], self.R
+                times, count_matrix, [a.blocks for a in ordered], self.R
             )
             del self._arrivals[key]
             done.set()
@@ -590,12 +599,33 @@ class EPGroup:
                 await done.wait()
         result = self._completion[key]
         await sleep_until_ns(int(result.end[rank]))
+        silent = self._failed_before_posting(result)
+        if silent is not None:  # its metadata never came: the barrier never completes, and
+            # this rank waits until it learns of the failure (the protocol tier's behaviour)
+            with waiting_for(
+                f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits for the "
+                f"metadata of die {silent}, which failed before posting it"
+            ):
+                await anyio.Event().wait()
         received = [result.blocks[s][rank] for s in range(self.R)]
         result.remaining -= 1
         if result.remaining == 0:
             del self._completion[key]
             del self._results[key]
         return received, int(result.barrier[rank])
+
+    def _failed_before_posting(self, result: _Completion) -> int | None:
+        """A member die that failed before it posted its metadata in ``result``'s exchange
+        (the collective tier counts every rank's arrival; a die that failed during its launch
+        or packing never wrote), or None."""
+        failures = self.fabric.failures
+        if not failures:
+            return None
+        for s, die in enumerate(self.ranks):
+            failure = failures.of(die)
+            if failure is not None and failure.at_ns < result.posted[s]:
+                return die
+        return None
 
     # -- assembling results --
     def _assemble_dispatch(
@@ -688,18 +718,16 @@ class EPGroup:
 
 
 class _Completion:
-    __slots__ = ("barrier", "blocks", "counts", "end", "remaining")
+    __slots__ = ("barrier", "blocks", "counts", "end", "posted", "remaining")
 
     def __init__(
         self,
-        barrier: np.ndarray,
-        end: np.ndarray,
+        times: ExchangeTimes,
         counts: np.ndarray,
         blocks: list[list[_Block]],
         remaining: int,
     ):
-        self.barrier = barrier
-        self.end = end
+        self.posted, self.barrier, self.end = times
         self.counts = counts
         self.blocks = blocks
         self.remaining = remaining

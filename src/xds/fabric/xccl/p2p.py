@@ -48,10 +48,11 @@ import anyio
 import anyio.abc
 import msgspec
 
-from ...errors import ConfigError, DieFailure, ProtocolError
+from ...errors import ConfigError, ProtocolError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ...runtime.sync import task_group_raising_single
 from .. import checks
+from ..failures import FailedDie
 from ..memory import DieMemory, Direction
 from ..ub import Engine, Transfer, UBFabric
 from . import args
@@ -149,15 +150,6 @@ async def _acquire_aivs(pool: AivPool, n: int, who: str) -> None:
         await pool.acquire(n)
 
 
-class _Failure:
-    """A failed die: when it failed and how long its peers take to learn of it."""
-
-    def __init__(self, die: int, at_ns: int, detect_ns: int):
-        self.die = die
-        self.at_ns = at_ns
-        self.detect_ns = detect_ns
-
-
 class P2P:
     """The point-to-point protocol engine over one :class:`UBFabric`.
 
@@ -180,7 +172,8 @@ class P2P:
         self.monitor = monitor or P2PMonitor()
         self._pairs: dict[tuple[int, int], _Pair] = {}
         self._aivs: dict[int, AivPool] = {}
-        self._failed: dict[int, _Failure] = {}
+        self._failed = fabric.failures
+        fabric.failures.listen(self)
         self.last_posted: dict[tuple[str, int, int], Any] = {}
         """Per (op, die, peer): the latest operation any XCCL on the fabric posted (its
         ``Handle``), which the next one waits for: posting order across communicators."""
@@ -192,7 +185,6 @@ class P2P:
             self._reinitialise(src, dst)
         self._pairs.clear()
         self._aivs.clear()
-        self._failed.clear()  # failures belong to the earlier timeline
         self.last_posted.clear()
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -698,26 +690,24 @@ class P2P:
         :class:`~xds.errors.DieFailure` as soon as they next look; a peer learns of it
         one metadata latency after the failure, plus ``detect_ns`` (a slower detection, e.g.
         by heartbeat), and never before the writes already in flight on their pair have
-        landed: from then on its operations with the die raise ``DieFailure``.
+        landed: from then on its operations with the die raise ``DieFailure``. The failure is
+        the fabric's (``fabric.failures``): collective groups on it see it too.
         """
         self.fabric._enter_run()
         die = checks.die(self.fabric.pod, die, "die")
         detect_ns = checks.integer(detect_ns, "detect_ns")
-        if die in self._failed:
-            raise ProtocolError(
-                f"die {die} already failed at t={self._failed[die].at_ns} ns; "
-                f"xccl.repair_die({die}) brings it back"
-            )
-        now = now_ns()
-        failure = self._failed[die] = _Failure(die, now, detect_ns)
-        emit("xccl", "die_failed", die=die, detect_ns=detect_ns)
+        self._failed.fail(die, detect_ns)  # tells every listener, this engine first
+
+    def die_failed(self, failure: FailedDie) -> None:
+        """Poison every pair of the failed die; its peers see the abort once they know."""
+        die = failure.die
         for (src, dst), pair in sorted(self._pairs.items()):
             if die not in (src, dst):
                 continue
             peer = dst if src == die else src
             if pair.poisoned is None:
-                pair.poisoned = self._failure_text(failure)
-                when = max(self._known_ns(failure, peer), pair.quiescent_ns)
+                pair.poisoned = failure.describe()
+                when = max(self._failed.known_ns(failure, peer), pair.quiescent_ns)
                 pair.posted_until(when)
                 self.fabric.post(when, self._abort_visible, pair)
             self._wake(pair)  # the failed die's own tasks stop now
@@ -742,8 +732,7 @@ class P2P:
                 f"die {die} cannot be repaired while operations on pair(s) {', '.join(busy)} "
                 "are running; repair it once they have failed"
             )
-        del self._failed[die]
-        emit("xccl", "die_repaired", die=die)
+        self._failed.repair(die)
         ready = now_ns()
         for src, dst in sorted(self._pairs):
             if die in (src, dst):
@@ -752,32 +741,13 @@ class P2P:
 
     def failed_dies(self) -> dict[int, int]:
         """The dies that have failed and not been repaired: die -> virtual time of failure."""
-        return {die: f.at_ns for die, f in sorted(self._failed.items())}
+        return self._failed.failed()
 
-    def _known_ns(self, failure: _Failure, peer: int) -> int:
-        """When ``peer`` learns that ``failure.die`` failed."""
-        return self.fabric.meta_visible_ns(failure.die, peer, failure.at_ns) + failure.detect_ns
-
-    @staticmethod
-    def _failure_text(failure: _Failure) -> str:
-        return (
-            f"die {failure.die} failed at t={failure.at_ns} ns; xccl.repair_die({failure.die}) "
-            "brings it back"
-        )
-
-    def _failure_of(self, pair: _Pair, die: int) -> tuple[_Failure | None, int]:
+    def _failure_of(self, pair: _Pair, die: int) -> tuple[FailedDie | None, int]:
         """The failure an operation of ``die`` on ``pair`` meets, and when ``die`` knows of it:
         its own failure first (known at once), else its peer's (None if neither failed)."""
-        own = self._failed.get(die)
-        if own is not None:
-            return own, own.at_ns
-        peer = self._failed.get(pair.dst if die == pair.src else pair.src)
-        return peer, (self._known_ns(peer, die) if peer is not None else 0)
-
-    def _die_failure(self, failure: _Failure, who: str) -> DieFailure:
-        return DieFailure(
-            f"{who}: {self._failure_text(failure)}", die=failure.die, at_ns=failure.at_ns
-        )
+        failure = self._failed.of(die) or self._failed.of(pair.dst if die == pair.src else pair.src)
+        return failure, (self._failed.known_ns(failure, die) if failure is not None else 0)
 
     async def _check_alive(self, pair: _Pair, die: int, who: str) -> None:
         """Before an operation of ``die`` on ``pair`` starts: if either die has failed, raise
@@ -788,7 +758,7 @@ class P2P:
         if known_ns > now_ns():
             with waiting_for(f"{who}: (die {failure.die} has failed; learning of it)"):
                 await sleep_until_ns(known_ns)
-        raise self._die_failure(failure, who)
+        raise failure.error(who)
 
     def _pair_error(self, pair: _Pair, who: str, die: int) -> ProtocolError:
         """The error an operation of ``die`` on an abandoned pair raises: :class:`DieFailure`
@@ -796,7 +766,7 @@ class P2P:
         pair's poisoning (a cancelled transfer)."""
         failure, known_ns = self._failure_of(pair, die)
         if failure is not None and known_ns <= now_ns():
-            return self._die_failure(failure, who)
+            return failure.error(who)
         return ProtocolError(f"{who}: {pair.poisoned}")  # (an abort notice of a cancel woke it)
 
     def _deferred_reinitialise(self, pair: _Pair) -> None:

@@ -1,0 +1,305 @@
+"""Collectives with a failed die (``XCCL.fail_die``): a member's failure breaks a dispatch/combine
+or A2E/E2A group; every member's operation completes or raises ``DieFailure`` when its die
+learns of the failure, nothing hangs, results that complete are right, and a repaired die needs
+a new group."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import xds
+from xds.errors import DieFailure, ProtocolError
+from xds.fabric import UBFabric
+from xds.fabric.xccl import XCCL
+from xds.fabric.xccl.a2e import AEConfig, AEGroup
+from xds.fabric.xccl.ep import EPConfig, EPGroup
+from xds.fabric.xccl.moe import ExpertMap
+from xds.hw import CloudMatrix384
+from xds.model import ReferenceMoE, TinyMoE
+
+POD = CloudMatrix384(servers=4)
+SHAPE = TinyMoE(hidden=16, intermediate=8, n_experts=8, top_k=2)
+RANKS = [0, 5, 19, 40]  # dies on different chips and servers
+TIERS = ("protocol", "collective")
+
+
+class Outcome:
+    """How one member's operation ended: when, and its result or the error it raised."""
+
+    def __init__(self, start: int, end: int, result: object):
+        self.start, self.end, self.result = start, end, result
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.result, BaseException)
+
+
+async def attempt(coro) -> Outcome:
+    start = xds.now_ns()
+    try:
+        result = await coro
+    except ProtocolError as exc:
+        return Outcome(start, xds.now_ns(), exc)
+    return Outcome(start, xds.now_ns(), result)
+
+
+def moe_group(fabric: UBFabric, tier: str, ranks=RANKS) -> EPGroup:
+    cfg = EPConfig(
+        hidden=SHAPE.hidden,
+        top_k=SHAPE.top_k,
+        max_tokens_per_rank=64,
+        n_aiv=4,
+        dispatch_dtype="fp32",
+        combine_dtype="fp32",
+    )
+    return EPGroup(fabric, ranks, ExpertMap(SHAPE.n_experts, len(ranks)), cfg, tier=tier)
+
+
+def inputs(seed: int = 0, batch: int = 6):
+    rng = np.random.default_rng(seed)
+    model = ReferenceMoE(SHAPE, rng)
+    xs = [rng.standard_normal((batch, SHAPE.hidden)).astype(np.float32) for _ in RANKS]
+    return model, xs, [model.route(x) for x in xs]
+
+
+async def layer(group: EPGroup, model, xs, routes, out: dict, *, event: int = 2) -> None:
+    """Every rank: dispatch, its experts, combine; ``out[(rank, phase)]`` is each Outcome."""
+    emap = group.expert_map
+    expert_of = {
+        (int(emap.slots_rank[p]), int(emap.local_index[p])): e
+        for e, reps in enumerate(emap.replicas)
+        for p in reps
+    }
+
+    async def rank(r: int) -> None:
+        idx, w = routes[r]
+        d = out[(r, "dispatch")] = await attempt(group.dispatch(r, xs[r], idx, event))
+        if d.failed:
+            return
+        h = d.result
+        y = np.zeros((h.n_recv, SHAPE.top_k, SHAPE.hidden), np.float32)
+        for i in range(h.n_recv):
+            for j in range(SHAPE.top_k):
+                s = int(h.recv_local_slots[i, j])
+                if s >= 0:
+                    y[i, j] = model.expert(expert_of[(r, s)], h.recv_x[i : i + 1])[0]
+        out[(r, "combine")] = await attempt(group.combine(r, h, y, w, event + 1))
+
+    async with anyio.create_task_group() as tg:
+        for r in range(len(group.ranks)):
+            tg.start_soon(rank, r)
+
+
+async def fail_at(x: XCCL, die: int, when_ns: int, detect_ns: int) -> None:
+    await xds.sleep_until_ns(when_ns)
+    x.fail_die(die, detect_ns=detect_ns)
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+async def test_a_rank_that_failed_before_joining_fails_every_peer_when_it_learns(xds_backend, tier):
+    model, xs, routes = inputs()
+    async with XCCL(UBFabric(POD)) as x:
+        group = moe_group(x.fabric, tier)
+        x.fail_die(RANKS[3], detect_ns=40_000)
+        out: dict = {}
+        await layer(group, model, xs, routes, out)
+        failures = x.fabric.failures
+        for r, die in enumerate(RANKS):
+            o = out[(r, "dispatch")]
+            assert isinstance(o.result, DieFailure), (r, o.result)
+            assert o.result.die == RANKS[3] and o.result.at_ns == 0
+            # the failed rank at once; each peer exactly when it learns of the failure
+            assert o.end == failures.known_ns(failures.of(RANKS[3]), die)
+            assert (r, "combine") not in out
+        assert out[(3, "dispatch")].end == 0
+        assert out[(0, "dispatch")].end >= 40_000
+        assert f"dispatch eventID 2 at rank 0 (die {RANKS[0]}): die {RANKS[3]} failed at t=0" in (
+            str(out[(0, "dispatch")].result)
+        )
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+async def test_a_die_outside_the_group_failing_changes_nothing(xds_backend, tier):
+    model, xs, routes = inputs()
+    ends = []
+    for fail in (False, True):
+        async with XCCL(UBFabric(POD)) as x:
+            group = moe_group(x.fabric, tier)
+            if fail:
+                x.fail_die(7)
+            out: dict = {}
+            t0 = xds.now_ns()
+            await layer(group, model, xs, routes, out)
+            assert not any(o.failed for o in out.values())
+            ends.append([out[(r, "combine")].end - t0 for r in range(len(RANKS))])
+    assert ends[0] == ends[1]
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+async def test_a_broken_group_stays_broken_and_a_new_group_after_repair_works(xds_backend, tier):
+    model, xs, routes = inputs()
+    async with XCCL(UBFabric(POD)) as x:
+        group = moe_group(x.fabric, tier)
+        out: dict = {}
+        await layer(group, model, xs, routes, out)  # a healthy layer first
+        assert not any(o.failed for o in out.values())
+        x.fail_die(RANKS[1])
+        await xds.sleep_ns(100_000)  # every rank knows by now
+        again: dict = {}
+        await layer(group, model, xs, routes, again, event=4)
+        assert all(isinstance(o.result, DieFailure) for o in again.values())
+        assert all(o.end == o.start for o in again.values())  # at once: they all know
+        await xds.sleep_until_ns(x.repair_die(RANKS[1]))
+        with pytest.raises(ProtocolError, match="build a new group"):
+            await group.dispatch(0, xs[0], routes[0][0], 6)
+        fresh = moe_group(x.fabric, tier)
+        done: dict = {}
+        await layer(fresh, model, xs, routes, done, event=8)
+        for r in range(len(RANKS)):
+            y = done[(r, "combine")].result
+            np.testing.assert_allclose(y, model.forward(xs[r], *routes[r]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_later_run_on_the_fabric_starts_with_the_group_whole():
+    model, xs, routes = inputs()
+    fabric = UBFabric(POD)
+    group = moe_group(fabric, "protocol")
+    outs: list[dict] = []
+
+    async def main(fail: bool) -> None:
+        async with XCCL(fabric) as x:
+            if fail:
+                x.fail_die(RANKS[2])
+            out: dict = {}
+            await layer(group, model, xs, routes, out)
+            outs.append(out)
+
+    xds.run(main, True)
+    xds.run(main, False)
+    assert all(o.failed for o in outs[0].values())
+    assert not any(o.failed for o in outs[1].values())
+    for r in range(len(RANKS)):
+        ref = model.forward(xs[r], *routes[r])
+        np.testing.assert_allclose(outs[1][(r, "combine")].result, ref, rtol=1e-5, atol=1e-5)
+
+
+def _layer_with_failure(tier: str, dead: int, fail_ns: int, detect_ns: int, seed: int) -> dict:
+    model, xs, routes = inputs(seed)
+    out: dict = {"model": model, "xs": xs, "routes": routes}
+
+    async def main() -> None:
+        async with XCCL(UBFabric(POD)) as x:
+            group = moe_group(x.fabric, tier)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fail_at, x, RANKS[dead], fail_ns, detect_ns)
+                await layer(group, model, xs, routes, out)
+            failure = x.fabric.failures.of(RANKS[dead])
+            out["known"] = [x.fabric.failures.known_ns(failure, die) for die in RANKS]
+
+    xds.run(main, seed=seed)
+    return out
+
+
+def _failures(out: dict) -> dict:
+    """(rank, phase) -> virtual time it failed, or None if it completed."""
+    return {
+        key: (o.end if o.failed else None)
+        for key, o in out.items()
+        if isinstance(key, tuple) and isinstance(o, Outcome)
+    }
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dead=st.integers(0, len(RANKS) - 1),
+    fail_ns=st.integers(0, 15_000),  # a healthy layer takes ~13 us
+    detect_ns=st.sampled_from([0, 3_000, 1_000_000]),
+    seed=st.integers(0, 3),
+)
+def test_every_member_completes_correctly_or_fails_once_it_knows(dead, fail_ns, detect_ns, seed):
+    """Property: nothing hangs; an operation that completes ends no later than its die learns
+    of the failure and its result is right; one that fails raises DieFailure naming the dead
+    die, at the instant its die learns of it (or when it starts, if it already knows); the
+    protocol and collective tiers fail the same operations at the same instants."""
+    outs = {tier: _layer_with_failure(tier, dead, fail_ns, detect_ns, seed) for tier in TIERS}
+    assert _failures(outs["protocol"]) == _failures(outs["collective"])
+    out = outs["protocol"]
+    model, xs, routes, known = out["model"], out["xs"], out["routes"], out["known"]
+    for r in range(len(RANKS)):
+        for phase in ("dispatch", "combine"):
+            o = out.get((r, phase))
+            if o is None:
+                assert phase == "combine" and out[(r, "dispatch")].failed
+                continue
+            if o.failed:
+                assert isinstance(o.result, DieFailure)
+                assert o.result.die == RANKS[dead] and o.result.at_ns == fail_ns
+                assert o.end == max(o.start, known[r])
+            else:
+                assert o.end <= known[r]
+                if phase == "combine":
+                    ref = model.forward(xs[r], *routes[r])
+                    np.testing.assert_allclose(o.result, ref, rtol=1e-5, atol=1e-5)
+    # the dead rank itself never completes anything after it failed
+    for phase in ("dispatch", "combine"):
+        o = out.get((dead, phase))
+        if o is not None and not o.failed:
+            assert o.end <= fail_ns
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+@pytest.mark.parametrize("mode", ["trampoline", "direct"])
+async def test_a2e_e2a_an_expert_die_failing_fails_every_e2a_and_nothing_hangs(
+    xds_backend, tier, mode
+):
+    n_att, n_exp = 3, 5
+    attention, experts = [40, 42, 44], [0, 2, 4, 6, 8]
+    dead = experts[0]  # a trampoline in trampoline mode
+    emap = ExpertMap(10, n_exp)
+    cfg = AEConfig(hidden=16, top_k=2, mode=mode)
+    rng = np.random.default_rng(0)
+    routes = [rng.permuted(np.tile(np.arange(10), (4, 1)), axis=1)[:, :2] for _ in attention]
+    async with XCCL(UBFabric(POD, payload_mode="size")) as x:
+        group = AEGroup(x.fabric, attention, experts, emap, cfg, tier=tier)
+        out: dict = {}
+
+        async def att(i: int) -> None:
+            a = out[("a2e", i)] = await attempt(group.a2e(i, 4, routes[i], 1))
+            if not a.failed:
+                out[("e2a", i)] = await attempt(group.e2a(a.result, None, 2))
+
+        async def exp(j: int) -> None:
+            r = out[("receive", j)] = await attempt(group.expert_receive(j, 1))
+            if not r.failed:
+                out[("return", j)] = await attempt(group.expert_return(j, r.result, None, 2))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail_at, x, dead, 2_000, 10_000)
+            for i in range(n_att):
+                tg.start_soon(att, i)
+            for j in range(n_exp):
+                tg.start_soon(exp, j)
+        failures = x.fabric.failures
+        failure = failures.of(dead)
+        for key, o in out.items():
+            die = attention[key[1]] if key[0] in ("a2e", "e2a") else experts[key[1]]
+            if o.failed:
+                assert isinstance(o.result, DieFailure) and o.result.die == dead, (key, o.result)
+                assert o.end == max(o.start, failures.known_ns(failure, die))
+            else:
+                assert o.end <= failures.known_ns(failure, die)
+        # no attention die gets its outputs back: every one needs the dead die's copies
+        # (directly, or through its trampoline's gather)
+        for i in range(n_att):
+            e2a = out.get(("e2a", i))
+            assert e2a is None or isinstance(e2a.result, DieFailure)
+        assert isinstance(out[("receive", 0)].result, DieFailure)
+        assert out[("receive", 0)].end == 2_000  # the failed die stops at once
