@@ -2,9 +2,11 @@
 
 Each die has, per network, an egress and an ingress port, and one HBM port for local copies.
 A transfer of ``n`` bytes occupies a port for ``n / bandwidth``. The port keeps the intervals
-it is already committed to and gives a new transfer the earliest idle gap at or after the time
-the transfer can start, so a transfer that starts later (after a DMA start-up, say) never blocks
-one that can go now. A transfer finishes when its slowest constraint does: its own rate cap
+it is already committed to; a new transfer fills the idle time from when it can start, gap by
+gap, until its bytes are carried (packets of concurrent transfers interleave on a link), so a
+transfer that starts later (after a DMA start-up, say) never blocks one that can go now, and a
+port never idles while a transfer waits for it: however concurrent transfers are ordered, the
+port is busy until it has carried all their bytes. A transfer finishes when its slowest constraint does: its own rate cap
 (``n / rate``) or the time every port it crosses has carried its bytes. The port's throughput
 never exceeds its bandwidth.
 """
@@ -34,30 +36,39 @@ class Port:
         return self._ends[-1] if self._ends else 0.0
 
     def reserve(self, start_ns: float, nbytes: int, *, now_ns: float | None = None) -> float:
-        """Commit ``nbytes`` at the earliest idle gap at or after ``start_ns``; return when this
-        port has carried them. Intervals that ended before ``now_ns`` are forgotten."""
+        """Carry ``nbytes`` in the port's idle time from ``start_ns`` on, filling every gap
+        the committed intervals leave (packets of concurrent transfers interleave on a link);
+        return when the last byte has been carried. Intervals that ended before ``now_ns``
+        are forgotten."""
         self.bytes_total += nbytes
-        duration = nbytes * 1e9 / self.bandwidth
+        remaining = nbytes * 1e9 / self.bandwidth
         starts, ends = self._starts, self._ends
         if now_ns is not None and ends and ends[0] <= now_ns:
             drop = bisect.bisect_right(ends, now_ns)
             del starts[:drop], ends[:drop]
-        if duration <= 0:
+        if remaining <= 0:
             return start_ns
-        # intervals [0, i) end at or before start_ns and cannot delay this transfer
+        # intervals [0, i) end at or before start_ns and cannot delay this transfer; from
+        # start_ns on, the transfer takes every gap before intervals i, i + 1, ... until its
+        # time is used up: all of [start_ns, end] is then busy, one interval
         i = bisect.bisect_right(ends, start_ns)
-        t = start_ns
-        while i < len(starts) and starts[i] - t < duration:
-            t = max(t, ends[i])
-            i += 1
-        end = t + duration
-        starts.insert(i, t)
-        ends.insert(i, end)
-        if i + 1 < len(starts) and starts[i + 1] <= end:  # touches the next interval
-            ends[i] = max(end, ends[i + 1])
-            del starts[i + 1], ends[i + 1]
-        if i > 0 and ends[i - 1] >= starts[i]:  # touches the previous interval
-            ends[i - 1] = max(ends[i - 1], ends[i])
+        t, j = start_ns, i
+        while j < len(starts):
+            gap = starts[j] - t
+            if gap >= remaining:
+                break
+            remaining -= max(gap, 0.0)
+            t = max(t, ends[j])
+            j += 1
+        end = t + remaining
+        lo, hi = (min(start_ns, starts[i]) if i < len(starts) else start_ns), end
+        if j < len(starts) and starts[j] <= end:  # it filled the gap before interval j exactly
+            hi = ends[j]
+            j += 1
+        starts[i:j] = [lo]
+        ends[i:j] = [hi]
+        if i > 0 and ends[i - 1] >= lo:  # touches the previous interval
+            ends[i - 1] = hi
             del starts[i], ends[i]
         return end
 

@@ -41,11 +41,11 @@ class LayerTimes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     attention_ns: Annotated[int, Meta(ge=0)] = 619_245
     """MLA prolog, attention, output projection and gating of one layer."""
-    dispatch_ns: Annotated[int, Meta(ge=0)] = 211_869
+    dispatch_ns: Annotated[int, Meta(ge=0)] = 211_808
     """Dispatch once every DP has arrived (the barrier-free cost)."""
     expert_ns: Annotated[int, Meta(ge=0)] = 168_518
     """The busiest expert die's GEMMs."""
-    combine_ns: Annotated[int, Meta(ge=0)] = 406_456
+    combine_ns: Annotated[int, Meta(ge=0)] = 406_298
     head_ns: Annotated[int, Meta(ge=0)] = 1_447_801
     """LM head and sampling, once per iteration."""
 
