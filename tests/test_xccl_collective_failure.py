@@ -167,30 +167,15 @@ async def test_a_broken_group_stays_broken_and_a_new_group_after_repair_works(xd
             np.testing.assert_allclose(y, model.forward(xs[r], *routes[r]), rtol=1e-5, atol=1e-5)
 
 
-def test_a_later_run_on_the_fabric_starts_with_the_group_whole():
-    model, xs, routes = inputs()
-    fabric = UBFabric(POD)
-    group = moe_group(fabric, "protocol")
-    outs: list[dict] = []
-
-    async def main(fail: bool) -> None:
-        async with XCCL(fabric) as x:
-            if fail:
-                x.fail_die(RANKS[2])
-            out: dict = {}
-            await layer(group, model, xs, routes, out)
-            outs.append(out)
-
-    xds.run(main, True)
-    xds.run(main, False)
-    assert all(o.failed for o in outs[0].values())
-    assert not any(o.failed for o in outs[1].values())
-    for r in range(len(RANKS)):
-        ref = model.forward(xs[r], *routes[r])
-        np.testing.assert_allclose(outs[1][(r, "combine")].result, ref, rtol=1e-5, atol=1e-5)
-
-
-def _layer_with_failure(tier: str, dead: int, fail_ns: int, detect_ns: int, seed: int) -> dict:
+def _layer_with_failure(
+    tier: str,
+    dead: int,
+    fail_ns: int,
+    detect_ns: int,
+    seed: int,
+    backend: str = "asyncio",
+    repair_ns: int | None = None,
+) -> dict:
     model, xs, routes = inputs(seed)
     out: dict = {"model": model, "xs": xs, "routes": routes}
 
@@ -199,12 +184,19 @@ def _layer_with_failure(tier: str, dead: int, fail_ns: int, detect_ns: int, seed
             group = moe_group(x.fabric, tier)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fail_at, x, RANKS[dead], fail_ns, detect_ns)
+                if repair_ns is not None:
+                    tg.start_soon(repair_at, x, RANKS[dead], repair_ns)
                 await layer(group, model, xs, routes, out)
-            failure = x.fabric.failures.of(RANKS[dead])
+            failure = group._failures.failed[RANKS[dead]]
             out["known"] = [x.fabric.failures.known_ns(failure, die) for die in RANKS]
 
-    xds.run(main, seed=seed)
+    xds.run(main, seed=seed, backend=backend)
     return out
+
+
+async def repair_at(x: XCCL, die: int, when_ns: int) -> None:
+    await xds.sleep_until_ns(when_ns)
+    x.repair_die(die)
 
 
 def _failures(out: dict) -> dict:
@@ -216,19 +208,24 @@ def _failures(out: dict) -> dict:
     }
 
 
-@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(
     dead=st.integers(0, len(RANKS) - 1),
     fail_ns=st.integers(0, 15_000),  # a healthy layer takes ~13 us
-    detect_ns=st.sampled_from([0, 3_000, 1_000_000]),
+    detect_ns=st.sampled_from([0, 349, 3_000, 1_000_000]),
     seed=st.integers(0, 3),
+    backend=st.sampled_from(["asyncio", "trio"]),
 )
-def test_every_member_completes_correctly_or_fails_once_it_knows(dead, fail_ns, detect_ns, seed):
-    """Property: nothing hangs; an operation that completes ends no later than its die learns
-    of the failure and its result is right; one that fails raises DieFailure naming the dead
-    die, at the instant its die learns of it (or when it starts, if it already knows); the
-    protocol and collective tiers fail the same operations at the same instants."""
-    outs = {tier: _layer_with_failure(tier, dead, fail_ns, detect_ns, seed) for tier in TIERS}
+def test_every_member_completes_correctly_or_fails_once_it_knows(
+    dead, fail_ns, detect_ns, seed, backend
+):
+    """Property: nothing hangs; an operation that completes ends before its die learns of the
+    failure and its result is right; one that fails raises DieFailure naming the dead die, at
+    the instant its die learns of it (or when it starts, if it already knows); the protocol and
+    collective tiers fail the same operations at the same instants, on both backends."""
+    outs = {
+        tier: _layer_with_failure(tier, dead, fail_ns, detect_ns, seed, backend) for tier in TIERS
+    }
     assert _failures(outs["protocol"]) == _failures(outs["collective"])
     out = outs["protocol"]
     model, xs, routes, known = out["model"], out["xs"], out["routes"], out["known"]
@@ -243,7 +240,7 @@ def test_every_member_completes_correctly_or_fails_once_it_knows(dead, fail_ns, 
                 assert o.result.die == RANKS[dead] and o.result.at_ns == fail_ns
                 assert o.end == max(o.start, known[r])
             else:
-                assert o.end <= known[r]
+                assert o.end < known[r]
                 if phase == "combine":
                     ref = model.forward(xs[r], *routes[r])
                     np.testing.assert_allclose(o.result, ref, rtol=1e-5, atol=1e-5)
@@ -251,7 +248,79 @@ def test_every_member_completes_correctly_or_fails_once_it_knows(dead, fail_ns, 
     for phase in ("dispatch", "combine"):
         o = out.get((dead, phase))
         if o is not None and not o.failed:
-            assert o.end <= fail_ns
+            assert o.end < fail_ns
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ties_at_one_instant_are_decided_the_same_on_every_tier_and_backend(backend):
+    """A peer that learns of the failure at the very instant it would complete fails; a die
+    that fails at the instant it posts its metadata has posted nothing."""
+    healthy = _layer_with_failure("protocol", 3, 10**9, 0, 0, backend)
+    done = healthy[(0, "dispatch")].end
+    learn = _layer_with_failure("protocol", 3, 5_000, 0, 0, backend)["known"][0] - 5_000
+    for tier in TIERS:
+        at_completion = _layer_with_failure(tier, 3, 5_000, done - 5_000 - learn, 0, backend)
+        assert at_completion["known"][0] == done
+        assert isinstance(at_completion[(0, "dispatch")].result, DieFailure)
+    posted = []
+    for fail_ns in range(3_000, 4_000, 5):  # the dead rank's posting instant is in there
+        outs = [_layer_with_failure(t, 3, fail_ns, 10**6, 0, backend) for t in TIERS]
+        assert _failures(outs[0]) == _failures(outs[1]), fail_ns
+        posted.append(outs[0][(0, "dispatch")].failed)
+    assert True in posted and False in posted  # the sweep crosses the posting instant
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_repair_before_the_peers_learn_does_not_undo_the_failure(tier):
+    """Die 40 fails during its launch (before posting) and is repaired at once; its peers still
+    fail when they learn of the failure, on both tiers, with nothing from it."""
+    out = _layer_with_failure(tier, 3, 100, 1_000_000, 0, repair_ns=200)
+    for r in range(3):
+        o = out[(r, "dispatch")]
+        assert isinstance(o.result, DieFailure) and o.end == out["known"][r]
+    assert out[(3, "dispatch")].end == 100
+
+
+@pytest.mark.xds
+@pytest.mark.parametrize("tier", TIERS)
+async def test_a_group_built_after_a_member_failed_is_broken_from_the_start(xds_backend, tier):
+    model, xs, routes = inputs()
+    async with XCCL(UBFabric(POD)) as x:
+        x.fail_die(RANKS[3])
+        group = moe_group(x.fabric, tier)
+        out: dict = {}
+        await layer(group, model, xs, routes, out)
+        assert all(isinstance(o.result, DieFailure) for o in out.values())
+        assert [out[(r, "dispatch")].end for r in range(4)] == [
+            x.fabric.failures.known_ns(x.fabric.failures.of(RANKS[3]), d) for d in RANKS
+        ]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_group_serves_later_runs_healthy_or_broken_by_that_runs_failure(tier):
+    """One group on one fabric over three runs: broken, healthy, then broken by a failure
+    before its first operation of that run; each run on its own terms."""
+    model, xs, routes = inputs()
+    fabric = UBFabric(POD)
+    group = moe_group(fabric, tier)
+    outs: list[dict] = []
+
+    async def main(fail: bool) -> None:
+        async with XCCL(fabric) as x:
+            if fail:
+                x.fail_die(RANKS[2])
+            out: dict = {}
+            await layer(group, model, xs, routes, out)
+            outs.append(out)
+
+    for fail in (True, False, True):
+        xds.run(main, fail)
+    assert all(isinstance(o.result, DieFailure) for o in outs[0].values())
+    assert all(isinstance(o.result, DieFailure) for o in outs[2].values())
+    assert not any(o.failed for o in outs[1].values())
+    for r in range(len(RANKS)):
+        ref = model.forward(xs[r], *routes[r])
+        np.testing.assert_allclose(outs[1][(r, "combine")].result, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.xds
@@ -303,3 +372,45 @@ async def test_a2e_e2a_an_expert_die_failing_fails_every_e2a_and_nothing_hangs(
             assert e2a is None or isinstance(e2a.result, DieFailure)
         assert isinstance(out[("receive", 0)].result, DieFailure)
         assert out[("receive", 0)].end == 2_000  # the failed die stops at once
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_a2e_group_serves_later_runs_from_idle(tier):
+    """The same A2E/E2A group in three runs: healthy, broken by a trampoline's failure,
+    healthy again with the first run's timings (no eventID or block of an earlier run leaks)."""
+    attention, experts = [40, 42, 44], [0, 2, 4, 6, 8]
+    rng = np.random.default_rng(1)
+    routes = [rng.permuted(np.tile(np.arange(10), (4, 1)), axis=1)[:, :2] for _ in attention]
+    fabric = UBFabric(POD, payload_mode="size")
+    group = AEGroup(
+        fabric, attention, experts, ExpertMap(10, 5), AEConfig(hidden=16, top_k=2), tier=tier
+    )
+    runs: list[dict] = []
+
+    async def main(fail: bool) -> None:
+        async with XCCL(fabric) as x:
+            if fail:
+                x.fail_die(experts[1])
+            out: dict = {}
+
+            async def att(i: int) -> None:
+                a = await attempt(group.a2e(i, 4, routes[i], 1))
+                out[("e2a", i)] = a if a.failed else await attempt(group.e2a(a.result, None, 2))
+
+            async def exp(j: int) -> None:
+                r = await attempt(group.expert_receive(j, 1))
+                if not r.failed:
+                    await attempt(group.expert_return(j, r.result, None, 2))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(attention)):
+                    tg.start_soon(att, i)
+                for j in range(len(experts)):
+                    tg.start_soon(exp, j)
+            runs.append(out)
+
+    for fail in (False, True, False):
+        xds.run(main, fail)
+    assert all(isinstance(o.result, DieFailure) for o in runs[1].values())
+    ends = [[run[("e2a", i)].end for i in range(len(attention))] for run in (runs[0], runs[2])]
+    assert not any(o.failed for o in runs[2].values()) and ends[0] == ends[1]

@@ -34,15 +34,15 @@ class FailedDie(msgspec.Struct, frozen=True):
     at_ns: int
     detect_ns: int
 
-    def describe(self) -> str:
-        return (
-            f"die {self.die} failed at t={self.at_ns} ns; xccl.repair_die({self.die}) brings "
-            "it back"
+    def describe(self, remedy: str = "") -> str:
+        return f"die {self.die} failed at t={self.at_ns} ns; " + (
+            remedy or f"xccl.repair_die({self.die}) brings it back"
         )
 
-    def error(self, who: str) -> DieFailure:
-        """The :class:`~xds.errors.DieFailure` an operation described by ``who`` raises."""
-        return DieFailure(f"{who}: {self.describe()}", die=self.die, at_ns=self.at_ns)
+    def error(self, who: str, remedy: str = "") -> DieFailure:
+        """The :class:`~xds.errors.DieFailure` an operation described by ``who`` raises
+        (``remedy``: what brings the operation back, if not repairing the die)."""
+        return DieFailure(f"{who}: {self.describe(remedy)}", die=self.die, at_ns=self.at_ns)
 
 
 class FailureListener(Protocol):
@@ -56,8 +56,6 @@ class DieFailures:
     def __init__(self, fabric: UBFabric):
         self._fabric = weakref.ref(fabric)
         self._failed: dict[int, FailedDie] = {}
-        self.epoch = 0
-        """Counts the runs the fabric has started idle in (:meth:`clear`)."""
         self._listeners: list[weakref.ref[FailureListener]] = []
 
     @property
@@ -69,6 +67,7 @@ class DieFailures:
     def listen(self, listener: FailureListener) -> None:
         """Call ``listener.die_failed`` on every later failure (held weakly: a listener that
         is garbage-collected stops listening)."""
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
         self._listeners.append(weakref.ref(listener))
 
     def fail(self, die: int, detect_ns: int) -> FailedDie:
@@ -94,6 +93,11 @@ class DieFailures:
         del self._failed[die]
         emit("xccl", "die_repaired", die=die)
 
+    def failed_by(self, die: int, t_ns: int) -> bool:
+        """Whether ``die`` has failed at or before ``t_ns`` (and is not repaired)."""
+        failure = self._failed.get(die)
+        return failure is not None and failure.at_ns <= t_ns
+
     def of(self, die: int) -> FailedDie | None:
         """``die``'s failure, or None if it has not failed (or was repaired)."""
         return self._failed.get(die)
@@ -118,4 +122,3 @@ class DieFailures:
     def clear(self) -> None:
         """A later run starts with every die healthy (failures belong to the earlier one)."""
         self._failed.clear()
-        self.epoch += 1

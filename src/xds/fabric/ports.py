@@ -6,9 +6,9 @@ it is already committed to; a new transfer fills the idle time from when it can 
 gap, until its bytes are carried (packets of concurrent transfers interleave on a link), so a
 transfer that starts later (after a DMA start-up, say) never blocks one that can go now, and a
 port never idles while a transfer waits for it: however concurrent transfers are ordered, the
-port is busy until it has carried all their bytes. A transfer finishes when its slowest constraint does: its own rate cap
-(``n / rate``) or the time every port it crosses has carried its bytes. The port's throughput
-never exceeds its bandwidth.
+port is busy until it has carried all their bytes. A transfer finishes when its slowest
+constraint does: its own rate cap (``n / rate``) or the time every port it crosses has carried
+its bytes. The port's throughput never exceeds its bandwidth.
 """
 
 from __future__ import annotations

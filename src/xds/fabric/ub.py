@@ -69,10 +69,12 @@ class UBFabric:
 
     A fabric may serve several ``xds.run`` calls (a module-scoped pytest fixture, say). Each
     run has its own timeline starting at 0, so the first use of the fabric in a later run
-    starts it idle: the port bookings of the earlier timeline are dropped and every
+    starts it idle: the port bookings of the earlier timeline are dropped, every
     point-to-point pair is re-initialised (as :meth:`P2P.reset_pair` does: rings, tailPtrs,
-    credits, sequence numbers, AIVs); application memory keeps its bytes, and writes the
-    earlier run posted that had not landed when it ended never land.
+    credits, sequence numbers, AIVs), the collective metadata fields are cleared (a group's
+    next exchange never reads an earlier run's eventIDs; groups drop their exchange state) and
+    every die is healthy again; application memory keeps its bytes, and writes the earlier run
+    posted that had not landed when it ended never land.
     """
 
     def __init__(self, pod: CloudMatrix384, config: FabricConfig | None = None, **overrides: Any):
@@ -96,6 +98,8 @@ class UBFabric:
         self.failures = DieFailures(self)
         """The failed dies (``XCCL.fail_die``), seen by point-to-point and collectives."""
         self._run: weakref.ref[Runtime] | None = None
+        self.run_epoch = 0
+        """How many later runs have started on this fabric (each starts it idle)."""
 
     @property
     def p2p(self) -> P2P:
@@ -133,8 +137,11 @@ class UBFabric:
             self._ports.clear()
             self._links.clear()
             for mem in self._memories.values():
+                for key in [k for k in mem._meta if k[2] == Direction.COLL]:
+                    del mem._meta[key]  # collective groups start over
                 for field in mem._meta.values():
                     field._changed = None  # an event of the earlier run's loop; none waits
+            self.run_epoch += 1
             self.failures.clear()
             if self._p2p is not None:
                 self._p2p._restart()
@@ -314,13 +321,32 @@ class UBFabric:
         return hit
 
     def post_meta(
-        self, when_ns: int, owner: int, peer: int, aiv: int, direction: Direction, **fields: int
+        self,
+        when_ns: int,
+        owner: int,
+        peer: int,
+        aiv: int,
+        direction: Direction,
+        *,
+        issued_by: tuple[int, int] | None = None,
+        **fields: int,
     ) -> None:
         """A metadata write into ``owner``'s field (``peer``, ``aiv``, ``direction``), visible
-        at ``when_ns``."""
+        at ``when_ns``. ``issued_by=(die, t_ns)``: the die that issues it and when; if that
+        die has failed at or before ``t_ns`` (even later in the same instant, fail-stop), the
+        write never lands."""
         field = self.memory(owner).meta(peer, aiv, direction)
         self.stats.meta_writes += 1
-        self.post(when_ns, _apply_meta, field, fields)
+        if issued_by is None:
+            self.post(when_ns, _apply_meta, field, fields)
+        else:
+            self.post(when_ns, self._apply_meta_unless_failed, field, fields, *issued_by)
+
+    def _apply_meta_unless_failed(
+        self, field: MetaField, fields: dict[str, int], writer: int, issued_ns: int
+    ) -> None:
+        if not self.failures.failed_by(writer, issued_ns):
+            _apply_meta(field, fields)
 
     # -- the user-level remote access API --------------------------------------------------------
     def post_write(

@@ -350,7 +350,7 @@ class XCCL:
         return self.p2p.reset_pair(src, dst)
 
     def fail_die(self, die: int, *, detect_ns: int = 0) -> None:
-        """Fail ``die`` now, fail-stop, for point-to-point on this fabric (every XCCL on it).
+        """Fail ``die`` now, fail-stop, on this fabric (every XCCL and collective group on it).
 
         The die issues nothing more (a chunk already being moved still lands): its own sends
         and receives raise :class:`~xds.errors.DieFailure` as soon as they next look. Each
@@ -369,7 +369,8 @@ class XCCL:
         """Bring a failed die back: every pair it belongs to is re-initialised (as
         :meth:`reset_pair`, both directions); returns the virtual time at which the last is
         ready (operations on them wait until then). Raises ``ProtocolError`` while an
-        operation on one of its pairs is still running."""
+        operation on one of its pairs is still running. Collective groups with the die stay
+        broken (build new ones); their operations in flight fail as they would have."""
         return self.p2p.repair_die(die)
 
     def failed_dies(self) -> dict[int, int]:

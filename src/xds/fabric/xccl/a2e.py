@@ -143,7 +143,9 @@ class AEGroup:
         self.N, self.M = n, m
         self.width = config.top_k + (1 if config.n_shared else 0)
         self.push = PushExchange(fabric, _NAMES, tier=tier)
-        self._failures = GroupFailures(fabric, [*attention, *experts], "A2E/E2A")
+        self._failures = GroupFailures(
+            fabric, [*attention, *experts], "A2E/E2A", on_new_run=self.push.start_idle
+        )
         self._lanes = fabric.pod.spec_of(experts[0]).dma_engines
 
     # -- row formats ----------------------------------------------------------------------------

@@ -170,7 +170,6 @@ class EPGroup:
             raise ConfigError(f"unknown tier {tier!r}", field="tier")
         self.fabric = fabric
         self._fields = fabric.reserve_collective_fields(4)  # (dispatch, combine) x parity
-        self._failures = GroupFailures(fabric, list(ranks), "dispatch/combine")
         self.ranks = list(ranks)
         self.expert_map = expert_map
         self.config = config
@@ -186,6 +185,23 @@ class EPGroup:
         """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
         self._joined: dict[tuple[int, int], int] = {}
         """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
+        self._failures = GroupFailures(
+            fabric, self.ranks, "dispatch/combine", on_new_run=self._start_idle
+        )
+
+    def _start_idle(self) -> None:
+        """A later run on the fabric: no exchange of an earlier timeline is in progress."""
+        for state in (
+            self._blocks,
+            self._pending,
+            self._released,
+            self._arrivals,
+            self._results,
+            self._completion,
+            self._seen,
+            self._joined,
+        ):
+            state.clear()
 
     # -- public API ------------------------------------------------------------------------------
     async def dispatch(
@@ -444,6 +460,7 @@ class EPGroup:
                 me,
                 slot,
                 Direction.COLL,
+                issued_by=(me, t0),
                 event_id=event_id,
                 chunk_id=int(counts[dest]),
                 tail_ptr=0,
@@ -615,15 +632,11 @@ class EPGroup:
         return received, int(result.barrier[rank])
 
     def _failed_before_posting(self, result: _Completion) -> int | None:
-        """A member die that failed before it posted its metadata in ``result``'s exchange
-        (the collective tier counts every rank's arrival; a die that failed during its launch
-        or packing never wrote), or None."""
-        failures = self.fabric.failures
-        if not failures:
-            return None
+        """A member die that failed before (or at the instant) it was to post its metadata in
+        ``result``'s exchange, repaired since or not (the collective tier counts every rank's
+        arrival; a die that failed during its launch or packing never wrote), or None."""
         for s, die in enumerate(self.ranks):
-            failure = failures.of(die)
-            if failure is not None and failure.at_ns < result.posted[s]:
+            if self._failures.failed_by(die, int(result.posted[s])) is not None:
                 return die
         return None
 

@@ -696,7 +696,7 @@ class P2P:
         self.fabric._enter_run()
         die = checks.die(self.fabric.pod, die, "die")
         detect_ns = checks.integer(detect_ns, "detect_ns")
-        self._failed.fail(die, detect_ns)  # tells every listener, this engine first
+        self._failed.fail(die, detect_ns)  # tells every listener: this engine, the groups
 
     def die_failed(self, failure: FailedDie) -> None:
         """Poison every pair of the failed die; its peers see the abort once they know."""
@@ -717,7 +717,8 @@ class P2P:
         :meth:`reset_pair`, each direction) and return when the last of them is ready. Its
         application region keeps its bytes. Raises :class:`ProtocolError` while an operation
         on one of its pairs is still running (its peers fail once they learn of the failure:
-        repair after that)."""
+        repair after that). Collective groups with the die stay broken (see
+        :mod:`xds.fabric.xccl.group_failure`)."""
         self.fabric._enter_run()
         die = checks.die(self.fabric.pod, die, "die")
         if die not in self._failed:

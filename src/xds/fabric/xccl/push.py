@@ -51,9 +51,16 @@ class PushExchange:
         self._fields = fabric.reserve_collective_fields(2 * len(names))  # x parity
         self._blocks: dict[tuple[str, int, int, int], Block] = {}
         self.meta_writes: dict[tuple[str, int], int] = {}  # (name, src) -> count, for tests
-        # collective tier: (name, src, dst, event) -> (metadata visible at, block or None)
-        self._arrivals: dict[tuple[str, int, int, int], tuple[int, Block | None]] = {}
+        # collective tier: (name, src, dst, event) -> (metadata visible at, block or None,
+        # when the source pushed)
+        self._arrivals: dict[tuple[str, int, int, int], tuple[int, Block | None, int]] = {}
         self._pushed: dict[tuple[str, int, int], anyio.Event] = {}
+
+    def start_idle(self) -> None:
+        """A later run on the fabric: no exchange of an earlier timeline is in progress."""
+        self._blocks.clear()
+        self._arrivals.clear()
+        self._pushed.clear()
 
     def _field_index(self, name: str, parity: int) -> int:
         return self._fields + 2 * self._slot[name] + parity
@@ -108,7 +115,11 @@ class PushExchange:
                 queue_free[lane] = issue
                 meta_at = fabric.meta_visible_ns(src, dst, issue)
             if collective:
-                self._arrivals[(name, src, dst, event_id)] = (meta_at, block if has_rows else None)
+                self._arrivals[(name, src, dst, event_id)] = (
+                    meta_at,
+                    block if has_rows else None,
+                    t0,
+                )
             else:
                 fabric.post_meta(
                     meta_at,
@@ -116,6 +127,7 @@ class PushExchange:
                     src,
                     field,
                     Direction.COLL,
+                    issued_by=(src, t0),
                     event_id=event_id,
                     chunk_id=block.rows if block is not None else 0,
                 )
@@ -177,7 +189,12 @@ class PushExchange:
                     f"{name} eventID {event_id}: die {dst} waits for die {src} to push"
                 ):
                     await pushed.wait()
-            meta_at, block = self._arrivals.pop(key)
+            meta_at, block, pushed_at = self._arrivals.pop(key)
+            while self.fabric.failures.failed_by(src, pushed_at):  # it failed at that very
+                # instant: nothing it issued lands (as in the protocol tier); wait until the
+                # group's failure handling stops this die
+                with waiting_for(f"{name} eventID {event_id}: die {dst} waits for die {src}"):
+                    await anyio.Event().wait()
             ready = max(ready, meta_at)
             if block is not None:
                 out[src] = block
