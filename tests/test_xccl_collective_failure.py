@@ -94,6 +94,27 @@ async def layer(group: EPGroup, model, xs, routes, out: dict, *, event: int = 2)
             tg.start_soon(rank, r)
 
 
+async def ae_layer(group: AEGroup, routes: list[np.ndarray], out: dict) -> None:
+    """Every attention die: A2E then E2A; every expert die: receive then return (size mode);
+    ``out[(op, index)]`` is each Outcome (ops after a failed one are not attempted)."""
+
+    async def att(i: int) -> None:
+        a = out[("a2e", i)] = await attempt(group.a2e(i, 4, routes[i], 1))
+        if not a.failed:
+            out[("e2a", i)] = await attempt(group.e2a(a.result, None, 2))
+
+    async def exp(j: int) -> None:
+        r = out[("receive", j)] = await attempt(group.expert_receive(j, 1))
+        if not r.failed:
+            out[("return", j)] = await attempt(group.expert_return(j, r.result, None, 2))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(group.N):
+            tg.start_soon(att, i)
+        for j in range(group.M):
+            tg.start_soon(exp, j)
+
+
 async def fail_at(x: XCCL, die: int, when_ns: int, detect_ns: int) -> None:
     await xds.sleep_until_ns(when_ns)
     x.fail_die(die, detect_ns=detect_ns)
@@ -339,23 +360,9 @@ async def test_a2e_e2a_an_expert_die_failing_fails_every_e2a_and_nothing_hangs(
     async with XCCL(UBFabric(POD, payload_mode="size")) as x:
         group = AEGroup(x.fabric, attention, experts, emap, cfg, tier=tier)
         out: dict = {}
-
-        async def att(i: int) -> None:
-            a = out[("a2e", i)] = await attempt(group.a2e(i, 4, routes[i], 1))
-            if not a.failed:
-                out[("e2a", i)] = await attempt(group.e2a(a.result, None, 2))
-
-        async def exp(j: int) -> None:
-            r = out[("receive", j)] = await attempt(group.expert_receive(j, 1))
-            if not r.failed:
-                out[("return", j)] = await attempt(group.expert_return(j, r.result, None, 2))
-
         async with anyio.create_task_group() as tg:
             tg.start_soon(fail_at, x, dead, 2_000, 10_000)
-            for i in range(n_att):
-                tg.start_soon(att, i)
-            for j in range(n_exp):
-                tg.start_soon(exp, j)
+            tg.start_soon(ae_layer, group, routes, out)
         failures = x.fabric.failures
         failure = failures.of(dead)
         for key, o in out.items():
@@ -392,21 +399,7 @@ def test_an_a2e_group_serves_later_runs_from_idle(tier):
             if fail:
                 x.fail_die(experts[1])
             out: dict = {}
-
-            async def att(i: int) -> None:
-                a = await attempt(group.a2e(i, 4, routes[i], 1))
-                out[("e2a", i)] = a if a.failed else await attempt(group.e2a(a.result, None, 2))
-
-            async def exp(j: int) -> None:
-                r = await attempt(group.expert_receive(j, 1))
-                if not r.failed:
-                    await attempt(group.expert_return(j, r.result, None, 2))
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(attention)):
-                    tg.start_soon(att, i)
-                for j in range(len(experts)):
-                    tg.start_soon(exp, j)
+            await ae_layer(group, routes, out)
             runs.append(out)
 
     for fail in (False, True, False):

@@ -190,7 +190,7 @@ class PushExchange:
                 ):
                     await pushed.wait()
             meta_at, block, pushed_at = self._arrivals.pop(key)
-            while self.fabric.failures.failed_by(src, pushed_at):  # it failed at that very
+            if self.fabric.failures.failed_by(src, pushed_at):  # it failed at that very
                 # instant: nothing it issued lands (as in the protocol tier); wait until the
                 # group's failure handling stops this die
                 with waiting_for(f"{name} eventID {event_id}: die {dst} waits for die {src}"):
