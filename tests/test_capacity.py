@@ -11,6 +11,7 @@ from test_replay import SMALL
 from xds.cli.main import main
 from xds.errors import ConfigError
 from xds.serve.capacity import (
+    FAR_BEHIND,
     KEEP_UP,
     backlog_ratio,
     measure_point,
@@ -47,7 +48,10 @@ def test_search_brackets_the_knee_and_is_deterministic():
     fails = [p.scale for p in res.points if not p.meets]
     assert min(fails) - res.found.scale <= res.found.scale / 2
     for p in res.points:  # the verdict is the mean criterion, recomputed
-        sustained = not (p.backlog_ratio > KEEP_UP and p.backlog_excess_ms > 2000.0 / 4)
+        sustained = not (
+            (p.backlog_ratio > KEEP_UP and p.backlog_excess_ms > 2000.0 / 4)
+            or p.backlog_ratio > FAR_BEHIND
+        )
         assert p.meets == (p.tpot_ms <= 35.0 and p.ttft_ms <= 2000.0 and sustained)
         assert 0 < p.steady_requests <= p.requests and p.failed == 0
     again = search_capacity(built_in(), SMALL, start=4.0, bisections=2)
@@ -340,3 +344,9 @@ def test_a_burst_the_deployment_works_off_after_it_is_not_sustained():
     steady = [_record(i, 1000 * i, ttft_ms=300 + 100 * (i % 3), tpot_ms=10) for i in range(16)]
     q = measure_point(wl, 1.0, steady, SMALL, [])
     assert q.meets and q.backlog_ratio == pytest.approx(1.0, abs=0.05)
+    # a burst so short that the backlog stays under a quarter of the TTFT SLA (here 315 ms):
+    # first tokens at a quarter of the arrival rate are still not a sustained rate
+    short = [_record(i, 7 * i, ttft_ms=21 * i, tpot_ms=10) for i in range(16)]
+    r = measure_point(wl, 1.0, short, SMALL, [])
+    assert r.backlog_ratio > FAR_BEHIND and r.backlog_excess_ms < 500
+    assert not r.meets and "arrivals outpace the deployment" in r.misses[0]

@@ -235,7 +235,7 @@ def test_faults_injects_and_reports_recovery(capsys, tmp_path):
 def test_faults_rejects_bad_fault_specs_in_one_line(capsys):
     for spec, expected in (
         ("bogus:dp=1", "unknown fault kind 'bogus'"),
-        ("network_error:dp=x,iteration=1", "Expected `int`"),
+        ("network_error:dp=x,iteration=1", "dp must be a whole number, got 'x'"),
         ("network_error:dp=9,iteration=1", "--fault #1 dp: DP 9 does not exist"),
         ("network_error:dp", "expected KEY=VALUE"),
     ):

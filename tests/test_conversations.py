@@ -175,3 +175,12 @@ def test_one_seed_gives_the_same_requests_at_every_rate_and_length(conv):
     assert short.requests == slow.requests[:100]
     other = production_workload(400, rate_per_s=2.0, seed=6, conversations=conv)
     assert [r.output_tokens for r in other.requests] != [r.output_tokens for r in slow.requests]
+
+
+def test_a_rate_whose_history_is_too_long_to_draw_is_a_clear_error():
+    """Conversations under way before the first request cover history_s of arrivals: at an
+    absurd rate that is billions of draws (it used to end in a numpy MemoryError)."""
+    with pytest.raises(ConfigError, match=r"rate_per_s.*up to 1,667 req/s") as err:
+        production_workload(3, rate_per_s=1e9)
+    assert err.value.field == "rate_per_s"
+    assert len(production_workload(3, rate_per_s=1e9, conversations=NO_CONVERSATIONS)) == 3

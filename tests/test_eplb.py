@@ -31,6 +31,7 @@ from xds.serve.eplb import (
 )
 from xds.serve.eplb.evaluate import forward_latency, plan_layers, score
 from xds.serve.eplb.online import OnlineEPLB, OnlineEPLBConfig
+from xds.serve.eplb.policies import plan_layer
 from xds.serve.eplb.routing_model import (
     hottest_over_mean,
     load_counts,
@@ -735,3 +736,27 @@ def test_forward_latency_refuses_a_plan_with_no_or_negative_dies(dies, says):
     with pytest.raises(ConfigError, match=says) as err:
         forward_latency(cfg, plans, np.ones((2, 58, 256)))
     assert err.value.field == "plans[0]"
+
+
+@pytest.mark.parametrize("name", ["xds-greedy", "deepseek-eplb"])
+def test_an_idle_window_keeps_the_placement_and_zero_load_places_no_replica(name):
+    """No tokens in a window say nothing about the load: the policies place no replica on
+    zero counts (they used to pile 287 of 288 on expert 0), and online EPLB does not even ask
+    them (an idle window would otherwise swap every redundant slot)."""
+    layout = Layout(np.arange(16) % 8, n_dies=8, spare_slots=2)
+    plan = policy(name).plan(np.zeros((16, 4)), layout, 16)
+    assert (plan.copies == 1).all()
+    online = _online_eplb(name, spare=1)
+    online.busiest_die_tokens(64, 2)
+    assert online.window_plans(10) is not None  # a loaded window rebalances
+    assert online.window_plans(20) is None  # an idle one keeps what is installed
+
+
+def test_an_error_a_policy_raises_names_the_policy_and_layer():
+    def broken(counts, layout, budget):
+        raise RuntimeError("boom")
+
+    layout = Layout(np.arange(16) % 8, n_dies=8, spare_slots=1)
+    with pytest.raises(RuntimeError, match="boom") as err:
+        plan_layer(policy(broken), np.ones((16, 2)), layout, 8, layer=3)
+    assert any("EPLB policy" in n and "layer 3" in n for n in err.value.__notes__)

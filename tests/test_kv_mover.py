@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import msgspec
+import numpy as np
 import pytest
 
 import xds
@@ -57,7 +58,7 @@ def test_a_chunked_protocol_on_the_xccl_tier_matches_one_message_per_rank():
 
     async def two_chunks(move: KVMove) -> None:  # each rank's part as two messages in a row
         async def rank(r: int) -> None:
-            half = move.part_bytes[r] // 2
+            half = np.int64(move.part_bytes[r]) // 2  # numpy sizes are fine
             await move.send(r, half, 2 * move.transfer.transfer_id + 1)
             await move.send(r, move.part_bytes[r] - half, 2 * move.transfer.transfer_id + 2)
 
@@ -70,6 +71,11 @@ def test_a_chunked_protocol_on_the_xccl_tier_matches_one_message_per_rank():
     for a, b in zip(base, mine, strict=True):
         assert b.outcome == "completed"
         assert 1.0 <= b.kv_transfer_ns / a.kv_transfer_ns < 1.1  # a second message's set-up
+
+
+def test_on_the_xccl_tier_book_is_refused_since_the_fabric_carries_the_bytes():
+    with pytest.raises(ConfigError, match=r"book\(\) is the closed-form tier's"):
+        replay(WL, msgspec.structs.replace(SMALL, kv_transfer="xccl"), kv_mover=same_as_closed_form)
 
 
 def test_a_mover_is_deterministic_and_checked():

@@ -467,8 +467,10 @@ def test_fault_specs_parse_strictly():
     assert parse_fault("network_error:dp=1,iteration=2,code=LINK_FLAP") == NetworkError(
         dp=1, iteration=2
     )
+    assert parse_fault("network_error:dp=1,iteration=2,code=7").code == "7"  # any word
     for spec, expected in (
-        ("network_error:dp=²,iteration=1", "Expected `int`"),
+        ("network_error:dp=²,iteration=1", "dp must be a whole number, got '²'"),
+        ("network_error:dp=2.5,iteration=1", "dp must be a whole number, got '2.5'"),
         ("network_error:dp=1,dp=2,iteration=1", "dp is given twice"),
     ):
         with pytest.raises(ConfigError, match=expected):
@@ -476,6 +478,17 @@ def test_fault_specs_parse_strictly():
     with pytest.raises(ConfigError) as err:
         _faults(NetworkError(dp=0, iteration=9))  # output_tokens 10: iterations 0..8
     assert err.value.field == "faults[0].iteration"
+
+
+def test_a_misspelt_fault_kind_in_a_file_lists_the_kinds(tmp_path):
+    from xds.config import load_config
+    from xds.serve.reliability import ReliabilityConfig
+
+    path = tmp_path / "faults.toml"
+    path.write_text('[[faults]]\nkind = "netwrk_error"\ndp = 1\niteration = 2\n')
+    with pytest.raises(ConfigError, match=r"one of 'executor_hang', .*'network_error'") as err:
+        load_config(path, ReliabilityConfig)
+    assert err.value.field == "faults[0].kind"
 
 
 def test_an_unrecoverable_code_escalates_even_during_a_rollback():

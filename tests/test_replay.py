@@ -192,6 +192,13 @@ def test_config_errors_name_the_field(tmp_path):
     bad.write_text("[prefill]\ntes = 0\n")
     with pytest.raises(ConfigError, match="tes"):
         pd_config(str(bad))
+    assert pd_config("production-4p1d", kv_transfer="xccl").kv_transfer == "xccl"
+    with pytest.raises(ConfigError, match="did you mean 'kv_transfer'"):
+        pd_config("production-4p1d", kv_transfr="xccl")
+    for workload in (None, [], Workload(())):
+        with pytest.raises(ConfigError) as err:
+            replay(workload)  # type: ignore[arg-type]
+        assert err.value.field == "workload"
 
 
 def test_production_preset_is_the_paper_deployment():
@@ -389,7 +396,7 @@ def test_cli_replay_lengths_csv_with_an_arrival_process(tmp_path, capsys):
     summary = json.loads(captured.out)
     assert summary["requests"] == 3 and summary["completed"] == 3  # the 0-length row dropped
     assert summary["dropped_rows"] == 1 and summary["trace_format"] == "lengths"
-    assert "left out 1 rows" in captured.err and "line 3" in captured.err
+    assert "left out 1 row with" in captured.err and "line 3" in captured.err
     assert main(["replay", str(trace), "--format", "lengths", "--columns", "a"]) == 2
     assert "--columns" in capsys.readouterr().err
 

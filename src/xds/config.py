@@ -165,6 +165,23 @@ def _choices(kind: Any, path: str) -> tuple[str, ...]:
     return ()
 
 
+def _tags(kind: Any, path: str) -> tuple[str, ...]:
+    """The tags allowed at ``path`` (e.g. ``faults[0].kind``) when it is the tag field of a
+    tagged union of structs (in a list or not) in struct ``kind``; empty otherwise."""
+    table, _, key = re.sub(r"\[\d+\]", "", path).rpartition(".")
+    info: Any = _info_at(kind, table) if table else None
+    while isinstance(
+        info, msgspec.inspect.ListType | msgspec.inspect.VarTupleType | msgspec.inspect.SetType
+    ):
+        info = info.item_type
+    types = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return tuple(
+        str(t.tag)
+        for t in types
+        if isinstance(t, msgspec.inspect.StructType) and t.tag_field == key and t.tag is not None
+    )
+
+
 def _info_at(kind: Any, path: str) -> Any:
     """The msgspec type info of the field at dotted ``path`` in struct ``kind`` (None if the
     path does not resolve)."""
@@ -212,6 +229,10 @@ def _config_error(
         choices = _choices(kind, field)
         if choices:
             message += f"; one of {', '.join(repr(c) for c in choices)}"
+    if kind is not None and field and message.startswith("Invalid value"):
+        tags = _tags(kind, field)  # a tagged union's tag, e.g. a fault's kind
+        if tags:
+            message += f"; one of {', '.join(repr(t) for t in tags)}"
     inner = re.match(r"([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*): (.*)", message, re.S)
     if field and inner:  # a nested struct's own check named its field: one dotted path
         outer, sub = field.split("."), inner.group(1).split(".")

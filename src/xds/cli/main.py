@@ -665,9 +665,9 @@ def _note_dropped(workload) -> None:
     """On stderr: the rows ``--drop-invalid`` left out among those read (the summary counts
     them too)."""
     if workload.dropped:
-        why = workload.dropped[0][1]
+        why, n = workload.dropped[0][1], len(workload.dropped)
         click.echo(
-            f"xds: --drop-invalid left out {len(workload.dropped):,} rows with unusable lengths "
+            f"xds: --drop-invalid left out {n:,} row{'s' if n != 1 else ''} with unusable lengths "
             f"(first: {why})",
             err=True,
         )
@@ -963,11 +963,12 @@ def replay(
     totals.add_row("prefill TEs busy (first arrival to last first token)", busy)
     totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
     for r in result.restarts:
-        up = fmt_ns(r.prefill_up_ns) if r.prefill_up_ns >= 0 else "not before the replay ended"
+        never = "not before the replay ended"
+        up = fmt_ns(r.prefill_up_ns) if r.prefill_up_ns >= 0 else never
         totals.add_row(
             "restart-the-world",
             f"at {fmt_ns(r.started_ns)}: {r.failed} in flight failed; Decode back "
-            f"{fmt_ns(r.decode_up_ns) if r.decode_up_ns >= 0 else '-'}, Prefill back {up}"
+            f"{fmt_ns(r.decode_up_ns) if r.decode_up_ns >= 0 else never}, Prefill back {up}"
             + (f" with {r.prefill_tes} TEs" if r.prefill_tes >= 0 else ""),
         )
     for fo in result.failovers:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -137,8 +138,15 @@ class KVMove:
             raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
         if not 0 <= rank < self.flow.tp:
             raise ConfigError(f"send() takes a rank in 0..{self.flow.tp - 1}", field="rank")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ConfigError(f"send() takes bytes >= 0, got {nbytes!r}", field="nbytes")
+        try:
+            size = -1 if isinstance(nbytes, bool) else operator.index(nbytes)
+        except TypeError:
+            size = -1
+        if size < 0:
+            raise ConfigError(
+                f"send() takes a whole number of bytes >= 0, got {nbytes!r}", field="nbytes"
+            )
+        nbytes = size
         try:
             event = xccl_args.event_id(event)
         except ConfigError:
@@ -161,7 +169,14 @@ class KVMove:
         """Closed form: book each rank's ``part_bytes`` (one size per TP rank, or one size for
         every rank) through its prefill die's egress port and the decode die's ingress port
         (the ports other transfers of this Decode TE share, FIFO). Returns the virtual time
-        the last part lands: sleep until then to have moved them."""
+        the last part lands: sleep until then to have moved them. Closed-form tier only (on
+        the ``xccl`` tier the fabric's ports carry the bytes: :meth:`send`)."""
+        if self.xccl is not None:
+            raise ConfigError(
+                "book() is the closed-form tier's; with kv_transfer = 'xccl' move the bytes "
+                "with send(), which the fabric's ports carry",
+                field="kv_mover",
+            )
         tp = self.flow.tp
         try:
             sizes = np.asarray(part_bytes, dtype=np.float64)

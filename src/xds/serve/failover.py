@@ -564,7 +564,7 @@ class Failover(Elastic):
                     self._engine_task,
                     ("P", p),
                     functools.partial(self._prefill_poller, flow, dp),  # type: ignore[attr-defined]
-                    name=f"cq-P{p}-DP{dp}",
+                    name=f"cq-P{p}-D{d}-prefill-DP{dp}",  # pair (P p, D d)
                 )
         if decode:
             for dp in range(cfg.decode.dies):
@@ -572,7 +572,7 @@ class Failover(Elastic):
                     self._engine_task,
                     ("D", d),
                     functools.partial(self._decode_poller, flow, self.decode[d], dp),  # type: ignore[attr-defined]
-                    name=f"cq-D{d}-DP{dp}",
+                    name=f"cq-P{p}-D{d}-decode-DP{dp}",
                 )
 
     def _build_pair(self, p: int, d: int) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import msgspec
 
 from ..config import load_config
 from ..errors import ConfigError
@@ -77,6 +79,16 @@ def ma_config(name_or_path: str) -> MADecodeConfig:
     return _lookup(name_or_path, MA_PRESETS, MADecodeConfig, "MA deployment")
 
 
-def pd_config(name_or_path: str) -> PDConfig:
-    """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields."""
-    return _lookup(name_or_path, PD_PRESETS, PDConfig, "PD deployment")
+def pd_config(name_or_path: str, **overrides: Any) -> PDConfig:
+    """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields, with
+    ``overrides`` replacing top-level fields (e.g. ``kv_transfer="xccl"``)."""
+    config = _lookup(name_or_path, PD_PRESETS, PDConfig, "PD deployment")
+    if not overrides:
+        return config
+    fields = PDConfig.__struct_fields__
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"PDConfig has no field {key!r}{hint}", field=key)
+    return msgspec.structs.replace(config, **overrides)

@@ -865,6 +865,12 @@ MAX_ARRIVAL_NS = HORIZON_NS // 2
 
 def _check_workload(workload: Workload) -> None:
     """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals."""
+    if not isinstance(workload, Workload):
+        raise ConfigError(
+            f"must be a Workload (xds.trace: a loader, a generator or Workload(requests)), "
+            f"got {type(workload).__name__}",
+            field="workload",
+        )
     if not len(workload):
         raise ConfigError("the workload has no requests", field="workload")
     last = 0

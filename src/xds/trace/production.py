@@ -205,6 +205,10 @@ def _first_turn_location(conv: Conversations) -> float:
     return (lo + hi) / 2
 
 
+MAX_HISTORY = 1_000_000
+"""Most conversation-history requests a built-in workload draws (see production_workload)."""
+
+
 def production_workload(
     n: int,
     *,
@@ -224,6 +228,14 @@ def production_workload(
         raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
     conv = conversations
     history = 0 if conv.follow_up == 0.0 else round(rate_per_s * conv.history_s)
+    if history > MAX_HISTORY:
+        raise ConfigError(
+            f"{rate_per_s:g} req/s with conversations needs the {history:,} requests of the "
+            f"{conv.history_s:g} s before the first one (follow-ups extend them); at most "
+            f"{MAX_HISTORY:,}, i.e. up to {MAX_HISTORY / conv.history_s:,.0f} req/s: use a "
+            "lower rate, or unique prompts (NO_CONVERSATIONS, --unique-prompts)",
+            field="rate_per_s",
+        )
     ahead = _Draws.of(n, seed, 124, 0)  # the workload's requests
     before = _Draws.of(history, seed, 124, 1)  # under way before them, most recent first
     draws = before.reversed().then(ahead)

@@ -161,6 +161,8 @@ class OnlineEPLB:
         self._drift()
         if self.config.policy == "none" or self.config.spare_slots == 0:
             return None
+        if not window.any():  # an idle window says nothing about the load: keep the placement
+            return None
         plans = self.plans_for(window)
         placement = self._placement([p.replica_dies for p in plans])
         if placement == self._target:

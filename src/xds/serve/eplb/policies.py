@@ -347,6 +347,8 @@ class XdsGreedy:
         for _ in range(budget):
             per_replica = counts / copies[:, None]  # always from the original counts (A12)
             hottest = per_replica.max(axis=0)
+            if not hottest.any():
+                break  # no load left to split: a replica would balance nothing
             # every expert that is the hottest in some slice (ties included)
             candidates = sorted({int(e) for e in np.nonzero(per_replica == hottest)[0]})
             best, best_score = -1, np.inf
@@ -383,6 +385,8 @@ class DeepSeekEPLB:
         for _ in range(budget):
             per = np.where(fits.full, -np.inf, w / copies)
             e = int(np.argmax(per))  # first index on ties
+            if per[e] <= 0:
+                break  # no load left to split: a replica would balance nothing
             while per[e] != -np.inf and not fits.add(e):
                 per[e] = -np.inf  # no room for another replica of e: the next heaviest
                 e = int(np.argmax(per))
@@ -616,8 +620,14 @@ def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, 
         primary_die=np.array(layout.primary_die, copy=True),
         base_load=None if layout.base_load is None else np.array(layout.base_load, copy=True),
     )
+    try:
+        plan = pol.plan(np.array(counts, copy=True), mine, budget)
+    except Exception as exc:
+        exc.add_note(f"(raised by the EPLB policy {name!r} planning layer {layer})")
+        exc.xds_policy = "eplb"  # type: ignore[attr-defined]  # the CLI reports it briefly
+        raise
     return checked_plan(
-        pol.plan(np.array(counts, copy=True), mine, budget),
+        plan,
         policy=name,
         layer=layer,
         layout=layout,

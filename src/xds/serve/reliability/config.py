@@ -13,6 +13,7 @@ codes; every default here is an [emulator choice] and says so.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 import msgspec
@@ -240,6 +241,13 @@ _FAULT_KINDS = {
 }
 
 
+def _is_int(kind: object) -> bool:
+    """Whether a field type is ``int`` (possibly ``Annotated``)."""
+    if typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
+    return kind is int
+
+
 def parse_fault(spec: str) -> Fault:
     """A fault from its short form ``KIND:KEY=VALUE,...``, e.g.
     ``network_error:dp=2,iteration=4,layer=1`` (the command line's ``--fault``)."""
@@ -253,9 +261,18 @@ def parse_fault(spec: str) -> Fault:
     if missing := [f.name for f in known if f.required and f.name not in raw]:
         raise ConfigError(f"{spec!r}: needs {', '.join(missing)}", field="fault")
     fields: dict[str, object] = {}
+    kinds = {f.name: f.type for f in known}
     for key, value in raw.items():
         digits = value.lstrip("-")
-        fields[key] = int(value) if digits.isascii() and digits.isdecimal() else value
+        whole = digits.isascii() and digits.isdecimal()
+        if not _is_int(kinds[key]):
+            fields[key] = value  # e.g. an error code: any word, digits included
+        elif whole:
+            fields[key] = int(value)
+        else:
+            raise ConfigError(
+                f"{spec!r}: {key} must be a whole number, got {value!r}", field="fault"
+            )
     try:
         return convert(fields, cls)
     except ConfigError as exc:
