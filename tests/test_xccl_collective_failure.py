@@ -115,6 +115,24 @@ async def ae_layer(group: AEGroup, routes: list[np.ndarray], out: dict) -> None:
             tg.start_soon(exp, j)
 
 
+def runs_on(fabric: UBFabric, fails: tuple[int | None, ...], one_layer) -> list[dict]:
+    """One ``xds.run`` per entry of ``fails`` on the same fabric: that die fails at t = 0
+    (None: none), then ``await one_layer(out)``; each run's ``out``."""
+    outs: list[dict] = []
+
+    async def main(die: int | None) -> None:
+        async with XCCL(fabric) as x:
+            if die is not None:
+                x.fail_die(die)
+            out: dict = {}
+            await one_layer(out)
+            outs.append(out)
+
+    for die in fails:
+        xds.run(main, die)
+    return outs
+
+
 async def fail_at(x: XCCL, die: int, when_ns: int, detect_ns: int) -> None:
     await xds.sleep_until_ns(when_ns)
     x.fail_die(die, detect_ns=detect_ns)
@@ -324,18 +342,9 @@ def test_a_group_serves_later_runs_healthy_or_broken_by_that_runs_failure(tier):
     model, xs, routes = inputs()
     fabric = UBFabric(POD)
     group = moe_group(fabric, tier)
-    outs: list[dict] = []
-
-    async def main(fail: bool) -> None:
-        async with XCCL(fabric) as x:
-            if fail:
-                x.fail_die(RANKS[2])
-            out: dict = {}
-            await layer(group, model, xs, routes, out)
-            outs.append(out)
-
-    for fail in (True, False, True):
-        xds.run(main, fail)
+    outs = runs_on(
+        fabric, (RANKS[2], None, RANKS[2]), lambda out: layer(group, model, xs, routes, out)
+    )
     assert all(isinstance(o.result, DieFailure) for o in outs[0].values())
     assert all(isinstance(o.result, DieFailure) for o in outs[2].values())
     assert not any(o.failed for o in outs[1].values())
@@ -392,18 +401,7 @@ def test_an_a2e_group_serves_later_runs_from_idle(tier):
     group = AEGroup(
         fabric, attention, experts, ExpertMap(10, 5), AEConfig(hidden=16, top_k=2), tier=tier
     )
-    runs: list[dict] = []
-
-    async def main(fail: bool) -> None:
-        async with XCCL(fabric) as x:
-            if fail:
-                x.fail_die(experts[1])
-            out: dict = {}
-            await ae_layer(group, routes, out)
-            runs.append(out)
-
-    for fail in (False, True, False):
-        xds.run(main, fail)
+    runs = runs_on(fabric, (None, experts[1], None), lambda out: ae_layer(group, routes, out))
     assert all(isinstance(o.result, DieFailure) for o in runs[1].values())
     ends = [[run[("e2a", i)].end for i in range(len(attention))] for run in (runs[0], runs[2])]
     assert not any(o.failed for o in runs[2].values()) and ends[0] == ends[1]
