@@ -130,7 +130,7 @@ class GroupFailures:
         return min(known, key=lambda k: k[:3])[3] if known else None
 
     def _since(self, before: list[FailedDie]) -> list[FailedDie]:
-        """Member failures recorded after ``before`` was taken."""
+        """Member failures recorded since ``before`` (a snapshot of ``failed``) was taken."""
         return [f for f in self.failed.values() if all(f is not b for b in before)]
 
     async def run(self, die: int, who: str, body: Callable[[], Awaitable[T]]) -> T:
@@ -152,6 +152,7 @@ class GroupFailures:
         known = self._known(die, down)
         if known is not None:
             raise known.error(who, _REMEDY)
+        recorded = list(self.failed.values())
         op = _Operation(die)
         key = self._next
         self._next += 1
@@ -162,7 +163,7 @@ class GroupFailures:
                     self._schedule(op, failure)
                 result = await body()
                 # a failure it learns of at the very instant it completes counts
-                known = self._known(die, [*down, *self._since(down)])
+                known = self._known(die, [*down, *self._since(recorded)])
                 if known is not None:
                     raise known.error(who, _REMEDY)
                 return result
