@@ -405,3 +405,41 @@ def test_an_a2e_group_serves_later_runs_from_idle(tier):
     assert all(isinstance(o.result, DieFailure) for o in runs[1].values())
     ends = [[run[("e2a", i)].end for i in range(len(attention))] for run in (runs[0], runs[2])]
     assert not any(o.failed for o in runs[2].values()) and ends[0] == ends[1]
+
+
+ATTENTION, EXPERTS = [40, 42, 44], [0, 2, 4, 6, 8]
+
+
+def _ae_with_failure(tier: str, mode: str, dead: int, fail_ns: int, detect_ns: int) -> dict:
+    rng = np.random.default_rng(3)
+    routes = [rng.permuted(np.tile(np.arange(10), (4, 1)), axis=1)[:, :2] for _ in ATTENTION]
+    out: dict = {}
+
+    async def main() -> None:
+        async with XCCL(UBFabric(POD, payload_mode="size")) as x:
+            cfg = AEConfig(hidden=16, top_k=2, mode=mode)
+            group = AEGroup(x.fabric, ATTENTION, EXPERTS, ExpertMap(10, 5), cfg, tier=tier)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fail_at, x, dead, fail_ns, detect_ns)
+                tg.start_soon(ae_layer, group, routes, out)
+
+    xds.run(main)
+    return out
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["trampoline", "direct"]),
+    dead=st.sampled_from(ATTENTION + EXPERTS),
+    fail_ns=st.integers(0, 60_000),  # a healthy A2E/E2A here takes ~40 us
+    detect_ns=st.sampled_from([0, 5_000, 1_000_000]),
+)
+def test_a2e_e2a_tiers_fail_the_same_operations_at_the_same_instants(
+    mode, dead, fail_ns, detect_ns
+):
+    """Property: whichever die fails when, the protocol and collective tiers of A2E/E2A
+    complete and fail the same operations, failures at the same instants, naming the die."""
+    outs = [_ae_with_failure(t, mode, dead, fail_ns, detect_ns) for t in TIERS]
+    assert _failures(outs[0]) == _failures(outs[1])
+    for o in outs[0].values():
+        assert not o.failed or o.result.die == dead
