@@ -167,6 +167,16 @@ def test_comm_costs_and_decode_requests_are_checked():
         assert err.value.field == field
 
 
+def test_a_decode_run_needs_a_token_to_decode():
+    """One output token is prefill's alone: the decode run used to hold those sequences'
+    KV blocks for ever and end in an assertion that they leaked."""
+    from xds.serve.decode import DecodeConfig
+
+    with pytest.raises(ConfigError, match="prefill makes the first token") as err:
+        DecodeConfig(output_tokens=1)
+    assert err.value.field == "output_tokens"
+
+
 def test_reliable_decode_configs_and_a_crash_of_every_dp():
     from xds.serve.reliability import ExecutorCrash, ReliabilityConfig, ReliableDecode
 

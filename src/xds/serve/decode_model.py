@@ -94,7 +94,11 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"must be in 1..{MAX_BATCH_PER_DIE}",
             ),
             ("input_tokens", self.input_tokens >= 1, "must be >= 1"),
-            ("output_tokens", self.output_tokens >= 1, "must be >= 1"),
+            (
+                "output_tokens",
+                self.output_tokens >= 2,
+                "must be >= 2 (prefill makes the first token; decode runs the rest)",
+            ),
             (
                 "shared_expert_dies",
                 0 <= self.shared_expert_dies < self.dies,
