@@ -760,3 +760,13 @@ def test_an_error_a_policy_raises_names_the_policy_and_layer():
     with pytest.raises(RuntimeError, match="boom") as err:
         plan_layer(policy(broken), np.ones((16, 2)), layout, 8, layer=3)
     assert any("EPLB policy" in n and "layer 3" in n for n in err.value.__notes__)
+
+
+@pytest.mark.parametrize("name", ["xds-greedy", "deepseek-eplb"])
+def test_an_idle_slice_or_an_unloaded_expert_gets_no_replica(name):
+    """Only load is worth splitting: an all-zero slice (every expert ties there at zero) or an
+    expert with no tokens never draws a replica, even with slots to spare."""
+    layout = Layout(np.array([0, 0, 1, 1]), n_dies=2, spare_slots=2)
+    counts = np.array([[40.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    plan = policy(name).plan(counts, layout, 4)
+    assert plan.copies[1:].tolist() == [1, 1, 1]

@@ -471,6 +471,7 @@ def test_fault_specs_parse_strictly():
     for spec, expected in (
         ("network_error:dp=²,iteration=1", "dp must be a whole number, got '²'"),
         ("network_error:dp=2.5,iteration=1", "dp must be a whole number, got '2.5'"),
+        ("network_error:dp=--3,iteration=1", "dp must be a whole number, got '--3'"),
         ("network_error:dp=1,dp=2,iteration=1", "dp is given twice"),
     ):
         with pytest.raises(ConfigError, match=expected):

@@ -34,10 +34,6 @@ class ConfigError(XdsError, ValueError):
         super().__init__(f"{where}{message}")
 
 
-class ConfigTypeError(ConfigError, TypeError):
-    """A :class:`ConfigError` for an argument of the wrong type (also a ``TypeError``)."""
-
-
 class TraceError(XdsError, ValueError):
     """A workload trace is malformed (file, line and field are named in the message)."""
 

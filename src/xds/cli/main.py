@@ -1242,6 +1242,16 @@ def capacity(
     policies = _policies(policy_specs)
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
+        if not unique_prompts:  # the conversation history a rate needs is capped
+            from xds.trace.production import MAX_HISTORY, MOONCAKE_CONVERSATIONS
+
+            limit_rate = MAX_HISTORY / MOONCAKE_CONVERSATIONS.history_s
+            if start > limit_rate:
+                raise click.UsageError(
+                    f"--start {start:g}: the built-in workload's conversations reach at most "
+                    f"{limit_rate:,.0f} req/s (--unique-prompts lifts it)"
+                )
+            max_scale = min(max_scale or 256 * start, limit_rate)
 
         def workload_at(x: float):
             return _built_in(max(MIN_SEARCH_REQUESTS, round(x * window_s)), x, seed, unique_prompts)

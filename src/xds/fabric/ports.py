@@ -16,6 +16,10 @@ from __future__ import annotations
 import bisect
 import math
 
+_EPS_NS = 1e-3
+"""A picosecond: gaps and durations that differ by less are equal (times are float ns;
+completions are rounded up to whole ns)."""
+
 
 class Port:
     """One direction of one link of one die."""
@@ -55,14 +59,15 @@ class Port:
         t, j = start_ns, i
         while j < len(starts):
             gap = starts[j] - t
-            if gap >= remaining:
+            if gap >= remaining - _EPS_NS:  # it fits (float sums may miss by an ulp)
                 break
             remaining -= max(gap, 0.0)
             t = max(t, ends[j])
             j += 1
         end = t + remaining
         lo, hi = (min(start_ns, starts[i]) if i < len(starts) else start_ns), end
-        if j < len(starts) and starts[j] <= end:  # it filled the gap before interval j exactly
+        if j < len(starts) and starts[j] <= end + _EPS_NS:  # it filled the gap before j
+            end = min(end, starts[j])
             hi = ends[j]
             j += 1
         starts[i:j] = [lo]

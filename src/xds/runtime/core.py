@@ -25,7 +25,6 @@ import numpy as np
 
 from xds.errors import (
     ConfigError,
-    ConfigTypeError,
     ModelDeadlock,
     ModelLivelock,
     ModelTimeLimit,
@@ -571,9 +570,7 @@ def now_ns() -> int:
 def _as_ns(value: object, name: str) -> int:
     """An integer number of nanoseconds (numpy integers accepted; floats are an error)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigTypeError(
-            f"must be an integer number of nanoseconds, got {value!r}", field=name
-        )
+        raise TypeError(f"{name} must be an integer number of nanoseconds, got {value!r}")
     return int(value)
 
 
@@ -582,9 +579,7 @@ async def sleep_ns(duration_ns: int) -> None:
     if type(duration_ns) is not int:  # the hot path passes plain ints
         duration_ns = _as_ns(duration_ns, "duration_ns")
     if duration_ns < 0:
-        raise ConfigError(
-            f"cannot sleep a negative duration ({duration_ns} ns)", field="duration_ns"
-        )
+        raise ValueError(f"cannot sleep a negative duration ({duration_ns} ns)")
     rt = _current.get()
     if rt is None:
         raise RuntimeError("no xds run in progress: call this inside xds.run(...)")

@@ -349,8 +349,10 @@ class XdsGreedy:
             hottest = per_replica.max(axis=0)
             if not hottest.any():
                 break  # no load left to split: a replica would balance nothing
-            # every expert that is the hottest in some slice (ties included)
-            candidates = sorted({int(e) for e in np.nonzero(per_replica == hottest)[0]})
+            # every expert that is the hottest in some slice with load (ties included): in an
+            # idle slice every expert ties at zero, and a replica there balances nothing
+            hot = (per_replica == hottest) & (hottest > 0)
+            candidates = sorted({int(e) for e in np.nonzero(hot)[0]})
             best, best_score = -1, np.inf
             for c in candidates:
                 if not fits.can_add(c):
@@ -385,13 +387,11 @@ class DeepSeekEPLB:
         for _ in range(budget):
             per = np.where(fits.full, -np.inf, w / copies)
             e = int(np.argmax(per))  # first index on ties
-            if per[e] <= 0:
-                break  # no load left to split: a replica would balance nothing
-            while per[e] != -np.inf and not fits.add(e):
+            while per[e] > 0 and not fits.add(e):
                 per[e] = -np.inf  # no room for another replica of e: the next heaviest
                 e = int(np.argmax(per))
-            if per[e] == -np.inf:
-                break
+            if per[e] <= 0:
+                break  # no loaded expert can take one: a replica would balance nothing
             copies[e] += 1
             chosen.append(e)
         order = sorted(chosen, key=lambda e: (-w[e] / copies[e], e))  # per-replica load

@@ -13,6 +13,8 @@ codes; every default here is an [emulator choice] and says so.
 
 from __future__ import annotations
 
+import re
+import types
 import typing
 from typing import Annotated, Literal
 
@@ -242,9 +244,13 @@ _FAULT_KINDS = {
 
 
 def _is_int(kind: object) -> bool:
-    """Whether a field type is ``int`` (possibly ``Annotated``)."""
+    """Whether a field type takes an ``int`` and no ``str`` (``Annotated`` and unions such
+    as ``int | None`` included)."""
     if typing.get_origin(kind) is typing.Annotated:
-        kind = typing.get_args(kind)[0]
+        return _is_int(typing.get_args(kind)[0])
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        members = typing.get_args(kind)
+        return any(_is_int(m) for m in members) and str not in members
     return kind is int
 
 
@@ -263,8 +269,7 @@ def parse_fault(spec: str) -> Fault:
     fields: dict[str, object] = {}
     kinds = {f.name: f.type for f in known}
     for key, value in raw.items():
-        digits = value.lstrip("-")
-        whole = digits.isascii() and digits.isdecimal()
+        whole = re.fullmatch(r"[+-]?[0-9]+", value) is not None
         if not _is_int(kinds[key]):
             fields[key] = value  # e.g. an error code: any word, digits included
         elif whole:
