@@ -761,6 +761,13 @@ def test_an_error_a_policy_raises_names_the_policy_and_layer():
         plan_layer(policy(broken), np.ones((16, 2)), layout, 8, layer=3)
     assert any("EPLB policy" in n and "layer 3" in n for n in err.value.__notes__)
 
+    def refuses(counts, layout, budget):
+        raise ConfigError("cannot handle this layout", field="layout")
+
+    # a ConfigError is printed as its message alone: the message itself says whose it is
+    with pytest.raises(ConfigError, match=r"EPLB policy '.*' planning layer 3: cannot handle"):
+        plan_layer(policy(refuses), np.ones((16, 2)), layout, 8, layer=3)
+
 
 @pytest.mark.parametrize("name", ["xds-greedy", "deepseek-eplb"])
 def test_an_idle_slice_or_an_unloaded_expert_gets_no_replica(name):

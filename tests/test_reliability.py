@@ -490,6 +490,10 @@ def test_a_misspelt_fault_kind_in_a_file_lists_the_kinds(tmp_path):
     with pytest.raises(ConfigError, match=r"one of 'executor_hang', .*'network_error'") as err:
         load_config(path, ReliabilityConfig)
     assert err.value.field == "faults[0].kind"
+    for body in ("dp = 1\n", "kind = 3\ndp = 1\n"):  # no kind; a kind that is no word
+        path.write_text(f"[[faults]]\n{body}iteration = 2\n")
+        with pytest.raises(ConfigError, match=r"one of 'executor_hang', .*'memory_fault'"):
+            load_config(path, ReliabilityConfig)
 
 
 def test_an_unrecoverable_code_escalates_even_during_a_rollback():

@@ -229,10 +229,13 @@ def _config_error(
         choices = _choices(kind, field)
         if choices:
             message += f"; one of {', '.join(repr(c) for c in choices)}"
-    if kind is not None and field and message.startswith("Invalid value"):
-        tags = _tags(kind, field)  # a tagged union's tag, e.g. a fault's kind
-        if tags:
-            message += f"; one of {', '.join(repr(t) for t in tags)}"
+    if kind is not None and field:  # a tagged union's tag (e.g. a fault's kind): its choices
+        missing = re.match(r"Object missing required field `([^`]*)`", message)
+        tag_path = f"{field}.{missing.group(1)}" if missing else field
+        if missing or message.startswith(("Invalid value", "Expected `str`")):
+            tags = _tags(kind, tag_path)
+            if tags:
+                message += f"; one of {', '.join(repr(t) for t in tags)}"
     inner = re.match(r"([A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*): (.*)", message, re.S)
     if field and inner:  # a nested struct's own check named its field: one dotted path
         outer, sub = field.split("."), inner.group(1).split(".")

@@ -622,6 +622,12 @@ def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, 
     )
     try:
         plan = pol.plan(np.array(counts, copy=True), mine, budget)
+    except ConfigError as exc:  # printed as one line (the message alone): say whose it is
+        raise ConfigError(
+            f"EPLB policy {name!r} planning layer {layer}: {exc.message}",
+            field=exc.field,
+            source=exc.source,
+        ) from exc
     except Exception as exc:
         exc.add_note(f"(raised by the EPLB policy {name!r} planning layer {layer})")
         exc.xds_policy = "eplb"  # type: ignore[attr-defined]  # the CLI reports it briefly
