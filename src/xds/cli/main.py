@@ -1243,9 +1243,9 @@ def capacity(
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
         if not unique_prompts:  # the conversation history a rate needs is capped
-            from xds.trace.production import MAX_HISTORY, MOONCAKE_CONVERSATIONS
+            from xds.trace.production import MOONCAKE_CONVERSATIONS
 
-            limit_rate = MAX_HISTORY / MOONCAKE_CONVERSATIONS.history_s
+            limit_rate = MOONCAKE_CONVERSATIONS.max_rate_per_s
             if start > limit_rate:
                 raise click.UsageError(
                     f"--start {start:g}: the built-in workload's conversations reach at most "

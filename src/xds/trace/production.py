@@ -91,6 +91,17 @@ class Conversations(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         check_fields(self)
 
+    @property
+    def max_rate_per_s(self) -> float:
+        """The highest rate a workload with these conversations can be drawn at: the
+        history before its first request is capped at :data:`MAX_HISTORY` requests."""
+        if self.follow_up == 0.0 or self.history_s == 0:
+            return float("inf")
+        return MAX_HISTORY / self.history_s
+
+
+MAX_HISTORY = 1_000_000
+"""Most conversation-history requests a built-in workload draws (see production_workload)."""
 
 MOONCAKE_CONVERSATIONS = Conversations()
 NO_CONVERSATIONS = Conversations(follow_up=0.0)
@@ -205,10 +216,6 @@ def _first_turn_location(conv: Conversations) -> float:
     return (lo + hi) / 2
 
 
-MAX_HISTORY = 1_000_000
-"""Most conversation-history requests a built-in workload draws (see production_workload)."""
-
-
 def production_workload(
     n: int,
     *,
@@ -227,15 +234,16 @@ def production_workload(
     if not 0 < rate_per_s < float("inf"):
         raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
     conv = conversations
-    history = 0 if conv.follow_up == 0.0 else round(rate_per_s * conv.history_s)
-    if history > MAX_HISTORY:
+    if rate_per_s > conv.max_rate_per_s:
         raise ConfigError(
-            f"{rate_per_s:g} req/s with conversations needs the {history:,} requests of the "
-            f"{conv.history_s:g} s before the first one (follow-ups extend them); at most "
-            f"{MAX_HISTORY:,}, i.e. up to {MAX_HISTORY / conv.history_s:,.0f} req/s: use a "
+            f"{rate_per_s:g} req/s with conversations needs the "
+            f"{round(rate_per_s * conv.history_s):,} requests of the {conv.history_s:g} s before "
+            f"the first one (follow-ups extend them); at most {MAX_HISTORY:,}, i.e. up to "
+            f"{conv.max_rate_per_s:,.0f} req/s: use a "
             "lower rate, or unique prompts (NO_CONVERSATIONS, --unique-prompts)",
             field="rate_per_s",
         )
+    history = 0 if conv.follow_up == 0.0 else round(rate_per_s * conv.history_s)
     ahead = _Draws.of(n, seed, 124, 0)  # the workload's requests
     before = _Draws.of(history, seed, 124, 1)  # under way before them, most recent first
     draws = before.reversed().then(ahead)
