@@ -339,7 +339,11 @@ class DecodeModel(KernelTimes):
         placements on skewed routing); None means uniform routing drawn per pass."""
         self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
         """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
-        sequence, INT8 attention): a pass looks up each distinct DP shape once."""
+        sequence, INT8 attention)."""
+        self._tables: dict[tuple[float, bool], tuple[np.ndarray, np.ndarray]] = {}
+        """Per (tokens per sequence, INT8 attention): the DP shapes of the last pass priced
+        and their [dies, 4] rows of :attr:`_parts_cache`; the next pass re-reads only the DP
+        groups whose shape changed (between iterations, a few at most)."""
         self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
 
     # pieces of one pass ------------------------------------------------------------------------
@@ -455,11 +459,37 @@ class DecodeModel(KernelTimes):
         return IterationOutcome(t, bd, main.first_dispatch_ns)
 
     @staticmethod
-    def _shapes(seqs: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kernel times go per distinct (batch, context): DPs mostly share a few shapes."""
-        return np.unique(
-            seqs.astype(np.int64) << 32 | context.astype(np.int64), return_inverse=True
-        )
+    def _shapes(seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """Each DP group's shape, ``seqs << 32 | context``: kernel times are a function of it."""
+        return seqs.astype(np.int64) << 32 | context.astype(np.int64)
+
+    def _parts(self, shapes: np.ndarray, tokens_per_seq: float, layer: int | None) -> np.ndarray:
+        """[dies, 4] (attention, other MLA + norms, gating, dense MLP) per DP group of
+        ``shapes`` (``layer`` picks the attention precision)."""
+        int8 = self.cost.precision.int8_attention(layer)
+        last = self._tables.get((tokens_per_seq, int8))
+        if last is not None and len(last[0]) == len(shapes):
+            todo = np.flatnonzero(last[0] != shapes)
+            if not todo.size:
+                return last[1]
+            table = last[1].copy()
+        else:
+            todo = range(len(shapes))
+            table = np.empty((len(shapes), 4), dtype=np.int64)
+        cache = self._parts_cache
+        for i in todo:
+            k = int(shapes[i])
+            row = cache.get((k, tokens_per_seq, int8))
+            if row is None:
+                if len(cache) >= 65_536:
+                    cache.clear()
+                row = cache[(k, tokens_per_seq, int8)] = (
+                    *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
+                    self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
+                )
+            table[i] = row
+        self._tables[(tokens_per_seq, int8)] = (shapes, table)
+        return table
 
     def _pass(
         self,
@@ -473,34 +503,17 @@ class DecodeModel(KernelTimes):
         experts: list[int],
         comm: CommCosts,
         dense: int = 0,
-        shapes: tuple[np.ndarray, np.ndarray] | None = None,
+        shapes: np.ndarray | None = None,
     ) -> IterationOutcome:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
         numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_dense, first8, n8_between, layer8 = self._int8_layout(first_layer, dense, n_moe)
-        keys, which = shapes if shapes is not None else self._shapes(seqs, context)
-
-        def parts(layer: int | None) -> tuple[np.ndarray, ...]:
-            cache = self._parts_cache
-            int8 = self.cost.precision.int8_attention(layer)
-            rows = []
-            for k in keys.tolist():
-                row = cache.get((k, tokens_per_seq, int8))
-                if row is None:
-                    if len(cache) >= 65_536:
-                        cache.clear()
-                    row = cache[(k, tokens_per_seq, int8)] = (
-                        *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
-                        self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
-                    )
-                rows.append(row)
-            table = np.array(rows, dtype=np.int64)[which]
-            return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
-
-        attn, other, gate, dense_mlp = parts(None)
-        attn8 = parts(layer8)[0] if layer8 is not None else attn
+        if shapes is None:
+            shapes = self._shapes(seqs, context)
+        attn, other, gate, dense_mlp = self._parts(shapes, tokens_per_seq, None).T
+        attn8 = self._parts(shapes, tokens_per_seq, layer8)[:, 0] if layer8 is not None else attn
         first_attn = attn8 if first8 else attn
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
         lead = (dense - n8_dense) * attn + n8_dense * attn8 + dense * (other + dense_mlp)

@@ -176,6 +176,9 @@ class DecodeTE:
         """DP groups in service (a scale-down clears those of the failed server)."""
         self._alive_idx = np.arange(n)
         self._no_jitter = np.zeros(n, dtype=np.int64)
+        self._comm_at: dict[int, tuple[CommCosts, CommCosts]] = {}
+        """(main pass, MTP pass) dispatch/combine costs by widest DP batch, read off
+        :attr:`grid` (cleared when the grid changes)."""
         self._holds = 0
         self._resumed = anyio.Event()
         self._epoch = 0
@@ -397,6 +400,7 @@ class DecodeTE:
         """The DP groups in service changed: price iterations on ``config`` from now on."""
         self._alive_idx = np.nonzero(self.alive)[0]
         self.config, self.grid = config, grid
+        self._comm_at.clear()
         self.model = _ReplayDecodeModel(
             config, grid[0], self.index, stream=f"decode-te/{self.index}/{config.dies}/routing"
         )
@@ -442,9 +446,7 @@ class DecodeTE:
             idx = self._alive_idx
             seqs = seqs_all if len(idx) == len(seqs_all) else seqs_all[idx]
             ctx = ctx if len(idx) == len(ctx) else ctx[idx]
-            widest = int(seqs.max())
-            self.model.comm = interpolate(self.grid, widest * (1 + k))
-            self.model.comm_mtp = interpolate(self.grid, widest)
+            self.model.comm, self.model.comm_mtp = self._comm(int(seqs.max()), k)
             out = self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
             step = out.time_ns + cfg.scheduler_gap_ns + self._jitter(out, jitter_gen, len(idx))
             epoch, owners = self._epoch, self.slot_req.copy()
@@ -471,12 +473,25 @@ class DecodeTE:
                 for dp, s in zip(*np.nonzero(ended), strict=True):
                     self._finish(int(dp), int(s), t)
 
+    def _comm(self, widest: int, k: int) -> tuple[CommCosts, CommCosts]:
+        """Dispatch/combine costs of the main pass (``1 + k`` tokens per sequence) and of the
+        MTP pass (one) when the widest DP group holds ``widest`` sequences."""
+        hit = self._comm_at.get(widest)
+        if hit is None:
+            hit = self._comm_at[widest] = (
+                interpolate(self.grid, widest * (1 + k)),
+                interpolate(self.grid, widest),
+            )
+        return hit
+
     def _jitter(self, out: IterationOutcome, gen: np.random.Generator, dps: int) -> int:
         """Host jitter of this iteration (SPEC 6.5, ``config.jitter``): each DP group's delay
         before its first dispatch, absorbed by that all-die barrier (the iteration grows by
         the most any DP's delay exceeds its slack there), plus the longest between-pass pause.
         ``out`` is the jitter-free iteration (cached by shape), whose first dispatch kernels
         measure each DP's slack: the barrier wait it had to spare."""
+        if not self.config.jitter.enabled:  # draws nothing
+            return 0
         before, between = sample_dps(self.config.jitter, gen, self.iterations, dps)
         if not before.any():
             return between
