@@ -344,10 +344,10 @@ def _fabric_calls():
         (lambda f, x: x.send(0, 1, buf, 1, n_aiv=2.0), "n_aiv"),
         (lambda f, x: x.send_async(0, 1, buf, 1, n_aiv=True), "n_aiv"),
         (lambda f, x: x.receive_async(1, 0, buf, 1.0), "event_id"),
-        (lambda f, x: x.send(0, 1, (0, 64), 1), "buffer"),
-        (lambda f, x: x.send(0, 1, AppBuffer(0, None), 1), "buffer.nbytes"),  # type: ignore[arg-type]
-        (lambda f, x: x.send(0, 1, AppBuffer(1 << 40, 8), 1), "buffer.offset"),
-        (lambda f, x: x.send(0, 1, AppBuffer(0, 1 << 40), 1), "buffer.nbytes"),
+        (lambda f, x: x.send(0, 1, (0, 64), 1), "buf"),
+        (lambda f, x: x.send(0, 1, AppBuffer(0, None), 1), "AppBuffer.nbytes"),  # type: ignore[arg-type]
+        (lambda f, x: x.send(0, 1, AppBuffer(1 << 40, 8), 1), "buf.offset"),
+        (lambda f, x: x.send(0, 1, AppBuffer(0, 1 << 40), 1), "buf.nbytes"),
         (lambda f, x: x.reset_pair(0, 99), "dst"),
         (lambda f, x: x.reset_pair(0.0, 1), "src"),
         (lambda f, x: x.completion_queue(1.0), "die"),
@@ -396,3 +396,64 @@ def test_numpy_integers_are_accepted_wherever_an_integer_is():
         assert x.reset_pair(i(0), i(1)) == xds.now_ns()
 
     xds.run(main)
+
+
+def test_event_fields_whose_keys_would_collide_in_json_are_refused():
+    async def main():
+        for fields in ({1: "a", "1": "b"}, {"x": {2: 1, "2": 3}}):
+            with pytest.raises(ConfigError, match=r"are both written as") as err:
+                xds.emit("c", "e", d=fields)
+            assert err.value.field == "d"
+        xds.emit("c", "e", d={1: "a", "b": 2})  # mixed, distinct: fine
+        return [e.fields["d"] for e in xds.current_runtime().events]
+
+    assert xds.run(main) == [{1: "a", "b": 2}]
+
+
+def test_public_constructors_name_an_argument_of_the_wrong_type():
+    from xds.serve.dataflow import Dataflow
+    from xds.serve.reliability import ReliableDecode, layer_times
+
+    for make in (lambda: ReliableDecode(None), lambda: Dataflow(None), lambda: layer_times("x")):
+        with pytest.raises(ConfigError, match=r"^config: must be a ") as err:
+            make()  # type: ignore[arg-type]
+        assert err.value.field == "config"
+
+
+def test_reliability_faults_of_another_kind_are_named_and_a_list_is_kept_as_a_tuple():
+    from xds.serve.recovery import MemoryFault as ReplayMemoryFault
+    from xds.serve.reliability import NetworkError, ReliabilityConfig
+
+    with pytest.raises(ConfigError, match=r"got xds\.serve\.recovery\.MemoryFault$") as err:
+        ReliabilityConfig(faults=(ReplayMemoryFault(at_ns=0, dp=0),))
+    assert err.value.field == "faults[0]"
+    with pytest.raises(ConfigError, match=r"got builtins\.str$"):
+        ReliabilityConfig(faults=("boom",))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="expected a tuple of faults, got str"):
+        ReliabilityConfig(faults="boom")  # type: ignore[arg-type]
+    cfg = ReliabilityConfig(faults=[NetworkError(dp=2, iteration=4)])  # type: ignore[arg-type]
+    assert cfg.faults == (NetworkError(dp=2, iteration=4),)
+
+
+def test_decode_router_arguments_are_checked():
+    from xds.serve.routing import DecodeRouter
+
+    router = DecodeRouter(4, 2)
+    for args, kwargs, field in (
+        (("a", -5), {}, "max_output_tokens"),
+        (("a", 12.5), {}, "max_output_tokens"),
+        (("a", "12"), {}, "max_output_tokens"),
+        (("a", 12), {"input_tokens": -3}, "input_tokens"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            router.route(*args, **kwargs)
+        assert err.value.field == field
+    assert router.route("a", 12) in range(4)  # nothing half-routed by the failures
+    with pytest.raises(ConfigError) as err:
+        router.remove("0")  # type: ignore[arg-type]
+    assert err.value.field == "dp_index"
+    router.remove(3)
+    with pytest.raises(ConfigError) as err:
+        router.restore(3, "3")  # type: ignore[arg-type]
+    assert err.value.field == "batch_limit"
+    router.restore(3, 2)

@@ -21,7 +21,7 @@ from xds.serve.dataflow import (
 from xds.units import US
 
 CFG = DataflowConfig()
-REF = reference_tokens(CFG, seed=7)
+REF = reference_tokens(CFG, model_seed=7)
 
 
 def _run(cfg: DataflowConfig, *, backend: str = "asyncio") -> DataflowResult:
@@ -104,7 +104,7 @@ def test_any_shape_keeps_the_invariants(mode, attention, experts, batch, depth, 
         duplicate_probability=dup,
     )
     res = _run(cfg)
-    assert [r.tokens for r in res.requests] == reference_tokens(cfg, seed=7)
+    assert [r.tokens for r in res.requests] == reference_tokens(cfg, model_seed=7)
     assert res.duplicates_dropped <= res.duplicates_sent
     assert max(res.max_queue.values()) <= depth
 
@@ -130,3 +130,10 @@ def test_bad_configs_name_the_field():
     with pytest.raises(ConfigError) as err:
         ComponentDelay(component="gpu:1", extra_ns=1)
     assert err.value.field == "component"
+
+
+def test_reference_of_a_run_seed_matches_the_run_stream():
+    cfg = msgspec.structs.replace(CFG, requests=4)
+    res = run(lambda: Dataflow(cfg).run(), seed=3, event_log=False)
+    assert [r.tokens for r in res.requests] == reference_tokens(cfg, seed=3)
+    assert reference_tokens(cfg, seed=3) != reference_tokens(cfg, seed=4)

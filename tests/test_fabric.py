@@ -143,7 +143,43 @@ def test_an_mte_operation_larger_than_half_a_ubuf_is_rejected():
     assert t.end_ns > 0
 
 
+def test_aivs_split_a_transfer_and_only_those_with_an_operation_speed_it_up():
+    one_op = [_time_of(_writes, [(0, 20)], 32 * KiB, "mte", a) for a in (1, 2, 48)]
+    # 32 KiB split over 2 AIVs is two 16 KiB operations, over 48 it is 64 of the 512-byte
+    # minimum: more AIVs never slow it, each one's first load is its own share
+    assert one_op[0] > one_op[1] > one_op[2]
+    tiny = [_time_of(_writes, [(0, 20)], 512, "mte", a) for a in (1, 48)]
+    assert tiny[0] == tiny[1]  # one minimum-size operation: one AIV's work
+
+
+def test_xccl_dma_path_carries_bulk_messages_near_the_link_rate():
+    from xds.fabric.xccl import XCCL, AppBuffer
+
+    def latency(nbytes, engine):
+        async def main():
+            async with XCCL(UBFabric(POD, payload_mode="size", app_bytes=64 * MiB)) as x:
+                buf = AppBuffer(0, nbytes)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: x.send(0, 40, buf, 7, n_aiv=48, engine=engine))
+                    tg.start_soon(lambda: x.receive(40, 0, buf, 7, n_aiv=48, engine=engine))
+                return xds.now_ns()
+
+        return xds.run(main)
+
+    nbytes = 48 * MiB
+    dma = latency(nbytes, "dma")
+    # the DMA engines' descriptors run at link rate and the receiver's 48 AIVs copy out of
+    # the ring: the DMA start-up is the only extra over the MTE path
+    assert nbytes / (dma / 1e9) > 0.9 * POD.config.ub.bandwidth
+    assert dma < latency(nbytes, "mte") + 2 * POD.engines.dma_startup_ns
+
+
 def test_bad_fabric_arguments_are_clear_errors():
+    for pod in (None, "pod"):
+        with pytest.raises(ConfigError, match=r"^pod: must be a CloudMatrix384"):
+            UBFabric(pod)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^fabric\.app_bytes: .* exceeds a die.s HBM"):
+        UBFabric(POD, app_bytes=1 << 40)
     with pytest.raises(ConfigError, match="half a UBuf"):
         UBFabric(POD, mte_chunk_bytes=128 * KiB, slot_bytes=256 * KiB)
     with pytest.raises(ConfigError, match="unknown fabric parameter"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xds
-from xds.errors import ConfigError
+from xds.errors import ConfigError, ProtocolError
 from xds.serve.decode import DecodeConfig
 from xds.serve.distflow import KVMove
 from xds.serve.jitter import JitterConfig
@@ -124,6 +124,25 @@ def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_e
         replay(WL, msgspec.structs.replace(SMALL, kv_transfer="xccl"), kv_mover=event_zero)
     assert err.value.field == "event"
 
+    for rank in (0.5, "0", -1, 99):
+
+        async def bad_rank(move: KVMove, rank=rank) -> None:
+            await move.send(rank, move.part_bytes[0], 1)
+
+        with pytest.raises(ConfigError, match=r"^rank: send\(\): must be an integer") as err:
+            replay(WL, msgspec.structs.replace(SMALL, kv_transfer="xccl"), kv_mover=bad_rank)
+
+
+def test_an_error_inside_a_mover_names_the_mover_and_the_transfer():
+    async def explodes(move: KVMove) -> None:
+        raise RuntimeError("mover exploded")
+
+    with pytest.raises(RuntimeError, match="mover exploded") as err:
+        replay(WL, SMALL, kv_mover=explodes)
+    (note,) = err.value.__notes__
+    assert note.startswith("(raised by the kv_mover 'explodes' moving transfer ")
+    assert "of request 0 to decode DP" in note
+
 
 def test_a_link_going_down_mid_move_interrupts_the_mover_and_it_runs_again_after():
     from xds.serve.replay import DistFlowFault
@@ -189,6 +208,12 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
     res = replay(WL, SMALL, prefill_te_selection=first_te)
     assert all(r.prefill_placement.startswith("P0") for r in res.records)
     assert all(isinstance(tes, tuple) for tes in shown)  # an offer it cannot change
+
+    # returning the view rather than its index is a likely slip: the error says so
+    with pytest.raises(ProtocolError, match=r"which was not offered.*return its \.te\)$"):
+        replay(WL, SMALL, prefill_te_selection=lambda request, tes: tes[0])
+    with pytest.raises(ProtocolError, match=r"return its \.dp\)$"):
+        replay(WL, SMALL, prefill_placement=lambda job, groups: groups[0])
 
 
 def test_a_stuck_mover_never_hangs_a_replay_and_the_report_names_it_first():

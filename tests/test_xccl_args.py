@@ -143,9 +143,9 @@ def test_a2e_checks_dies_indices_and_event_ids():
 
 def test_buffers_and_expert_maps_check_their_fields():
     for offset, nbytes, field in (
-        (-1, 10, "buffer.offset"),
-        (0.5, 10, "buffer.offset"),
-        (0, -2, "buffer.nbytes"),
+        (-1, 10, "AppBuffer.offset"),
+        (0.5, 10, "AppBuffer.offset"),
+        (0, -2, "AppBuffer.nbytes"),
     ):
         with pytest.raises(ConfigError) as err:
             AppBuffer(offset, nbytes)  # type: ignore[arg-type]

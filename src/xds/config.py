@@ -274,6 +274,15 @@ def require_int(value: object, field: str, *, low: int = 0, high: int | None = N
     raise ConfigError(f"must be an integer {bounds}, got {value!r:.40}", field=field)
 
 
+def require_instance(value: object, kind: type, field: str) -> None:
+    """One ConfigError naming ``field`` unless ``value`` is a ``kind`` (an API argument of the
+    wrong type fails at the call, not as an AttributeError deep inside)."""
+    if not isinstance(value, kind):
+        raise ConfigError(
+            f"must be a {kind.__name__}, got {type(value).__name__} {value!r:.40}", field=field
+        )
+
+
 def check_fields(struct: msgspec.Struct) -> None:
     """Validate a config or spec built in Python against its annotations (types and ``Meta``
     bounds), as loading it from TOML or JSON does: call first in ``__post_init__``. Nested

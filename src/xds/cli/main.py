@@ -1588,9 +1588,7 @@ def dataflow(
     results = {}
     for mode in ("sync", "dataflow"):
         cfg = msgspec.structs.replace(base, mode=mode)
-        results[mode] = run(
-            lambda cfg=cfg: Dataflow(cfg, model_seed=seed).run(), seed=seed, event_log=False
-        )
+        results[mode] = run(lambda cfg=cfg: Dataflow(cfg).run(), seed=seed, event_log=False)
     if as_json:
         print(msgspec.json.encode(results).decode())
         return

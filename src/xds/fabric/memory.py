@@ -23,6 +23,8 @@ from typing import Literal
 
 import anyio
 
+from ..errors import ConfigError
+
 PayloadMode = Literal["bytes", "size"]
 META_FORMAT = struct.Struct("<QIIQQ")
 META_FIELD_BYTES = META_FORMAT.size  # 32
@@ -96,7 +98,15 @@ class DieMemory:
         """The application region (bytes mode only)."""
         self._require_bytes("the application region")
         if self._app is None:
-            self._app = bytearray(self.app_bytes)
+            try:
+                self._app = bytearray(self.app_bytes)
+            except MemoryError:
+                raise ConfigError(
+                    f"bytes mode holds each die's application region in host memory, and "
+                    f"{self.app_bytes:,} bytes do not fit: a smaller app_bytes, or "
+                    "payload_mode = 'size' (timing only)",
+                    field="fabric.app_bytes",
+                ) from None
         return memoryview(self._app)
 
     def slot(self, peer: int, slot: int) -> memoryview:

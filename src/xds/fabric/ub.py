@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from ..config import require_instance
 from ..errors import ConfigError, ProtocolError
 from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
 from ..runtime import Runtime, current_runtime, sleep_until_ns
@@ -78,6 +79,9 @@ class UBFabric:
     """
 
     def __init__(self, pod: CloudMatrix384, config: FabricConfig | None = None, **overrides: Any):
+        require_instance(pod, CloudMatrix384, "pod")
+        if config is not None:
+            require_instance(config, FabricConfig, "config")
         config = config or FabricConfig()
         if overrides:
             unknown = sorted(set(overrides) - set(FabricConfig.__struct_fields__))
@@ -88,6 +92,12 @@ class UBFabric:
             config = msgspec.structs.replace(config, **overrides)
         self.pod = pod
         self.config = validated(config, pod.die_spec.ubuf_bytes)
+        if self.config.app_bytes > pod.die_spec.hbm_bytes:
+            raise ConfigError(
+                f"the application region ({self.config.app_bytes:,} bytes) exceeds a die's "
+                f"HBM ({pod.die_spec.hbm_bytes:,} bytes)",
+                field="fabric.app_bytes",
+            )
         self.engines = pod.engines
         self.stats = FabricStats()
         self._memories: dict[int, DieMemory] = {}
@@ -238,9 +248,13 @@ class UBFabric:
     ) -> Transfer:
         """Cost of moving ``nbytes`` from ``src`` to ``dst`` with ``aivs`` AIVs' MTE2/MTE3.
 
-        ``fill`` marks the first operation of a pipeline: it pays the MTE start-up and its
-        exposed MTE2 load; later operations of the same AIV overlap both with the previous
-        store (ping-pong). The ports are reserved: call this when the transfer is issued.
+        The ``aivs`` AIVs split the bytes evenly, each moving its share in operations of at
+        most ``op_bytes`` (default: the fabric's MTE chunk, and no smaller than its minimum
+        chunk, so a small transfer uses fewer AIVs rather than tinier operations). ``fill``
+        marks the first operation of a pipeline: it pays the MTE start-up and one AIV's
+        exposed MTE2 load of its first operation; later operations of the same AIV overlap
+        both with the previous store (ping-pong). The ports are reserved: call this when the
+        transfer is issued.
         ``aiv_die`` is the die whose AIVs do the work (default ``src``; a pull uses the
         reader's). ``efficiency`` scales the link bandwidth of a remote transfer (collective
         congestion, :func:`xds.hw.collective_efficiency`). ``now_ns`` is the current time
@@ -248,6 +262,11 @@ class UBFabric:
         """
         e = self.engines
         op = min(nbytes, op_bytes or self.config.mte_chunk_bytes)
+        if op_bytes is None and aivs > 1:  # each AIV's first operation is its share at most
+            share = -(-nbytes // aivs)
+            op = min(op, max(self.config.min_chunk_bytes, -(-share // 32) * 32))
+        if op:  # an AIV without an operation of its own does not speed the transfer up
+            aivs = min(aivs, -(-nbytes // op))
         worker = self.pod.spec_of(src if aiv_die is None else aiv_die)
         limit = worker.mte_max_bytes
         if op > limit:

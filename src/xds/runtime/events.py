@@ -12,7 +12,9 @@ else is encoded once on the spot. A set's iteration order depends on the process
 a set, wherever it sits (a field, a list, a dict, a Struct), is recorded as a sorted list, its
 JSON form; a set whose elements do not sort together is refused. JSON has no NaN or infinity
 (it would write them as null, as it writes None), so a NaN or infinite float is recorded as the
-string ``"nan"``, ``"inf"`` or ``"-inf"``. A field is recorded as a snapshot: a list, dict or
+string ``"nan"``, ``"inf"`` or ``"-inf"``. JSON keys are strings: an int dict key is written
+as its digits, and a dict whose keys would be written alike (``1`` and ``"1"``) is refused
+rather than recorded with one entry lost. A field is recorded as a snapshot: a list, dict or
 array the caller changes after ``emit`` does not change the event.
 """
 
@@ -92,12 +94,26 @@ def _flat(value: Any) -> bool:
     if kind is list or kind is tuple:
         return _PLAIN.issuperset(map(type, value)) and _finite(value)
     if kind is dict:
+        keys = set(map(type, value))
         return (
-            _KEYS.issuperset(map(type, value))
+            len(keys) < 2  # str and int keys together might collide: the slow path checks
+            and _KEYS.issuperset(keys)
             and _PLAIN.issuperset(map(type, value.values()))
             and _finite(value.values())
         )
     return False
+
+
+def _check_keys(value: dict) -> None:
+    """JSON object keys are strings: an int key is written as its digits. Raises ValueError if
+    two keys of ``value`` would be written alike (``1`` and ``"1"``), one entry lost."""
+    if len(set(map(type, value))) > 1:
+        seen: dict[str, object] = {}
+        for k in value:
+            text = k if isinstance(k, str) else str(k)
+            if text in seen:
+                raise ValueError(f"keys {seen[text]!r} and {k!r} are both written as {text!r}")
+            seen[text] = k
 
 
 def _nonfinite_text(value: Any) -> str:
@@ -126,6 +142,7 @@ def _sets_sorted(value: Any) -> Any:
             return items if isinstance(value, list) else tuple(items)
         return value
     if isinstance(value, dict):
+        _check_keys(value)
         entries = {k: _sets_sorted(v) for k, v in value.items()}
         if kind is not dict or any(entries[k] is not v for k, v in value.items()):
             return entries  # a subclass (defaultdict, Counter) is recorded as a plain dict

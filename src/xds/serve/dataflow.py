@@ -36,11 +36,12 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from msgspec import Meta
 
-from ..config import check_fields
+from ..config import check_fields, require_instance, require_int
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..model.reference_moe import ReferenceMoE, TinyMoE
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns
+from ..runtime.rng import RngStreams
 from ..units import US
 
 
@@ -177,9 +178,12 @@ class _Model:
         return int(np.argmax(x @ self.head))
 
 
-def reference_tokens(config: DataflowConfig, seed: int = 0) -> list[list[int]]:
-    """Every request's tokens computed densely, one token at a time (the ground truth)."""
-    gen = np.random.default_rng(seed)
+def reference_tokens(
+    config: DataflowConfig, seed: int = 0, *, model_seed: int | None = None
+) -> list[list[int]]:
+    """Every request's tokens computed densely, one token at a time (the ground truth): those
+    of ``Dataflow(config)`` in a run of ``seed``, or of ``Dataflow(config, model_seed=...)``."""
+    gen = _model_gen(seed, model_seed)
     model = _Model(config, gen)
     prompts = _prompts(config, gen)
     out = []
@@ -236,12 +240,24 @@ class _Sequence:
         """The layer the token is ready for (``layers``: every layer of it is done)."""
 
 
+def _model_gen(seed: int, model_seed: int | None) -> np.random.Generator:
+    """The content model's generator: the ``dataflow/model`` stream of a run of ``seed``, or
+    one of its own seeded ``model_seed`` (the same model whatever the run's seed)."""
+    if model_seed is not None:
+        return np.random.default_rng(model_seed)
+    return np.random.Generator(np.random.PCG64(RngStreams(seed).seed_sequence("dataflow/model")))
+
+
 class Dataflow:
     """Run with ``await Dataflow(config).run()`` inside :func:`xds.run`; the content model and
-    prompts come from ``rng("dataflow/model")`` (so :func:`reference_tokens` with the run's
-    stream seed gives the same tokens)."""
+    prompts come from the run's ``rng("dataflow/model")`` stream, or from ``model_seed``
+    (:func:`reference_tokens` with the run's seed, or the same ``model_seed``, gives the
+    tokens they must produce)."""
 
     def __init__(self, config: DataflowConfig, *, model_seed: int | None = None):
+        require_instance(config, DataflowConfig, "config")
+        if model_seed is not None:
+            model_seed = require_int(model_seed, "model_seed")
         self.config = config
         cfg = config
         gen = rng("dataflow/model") if model_seed is None else np.random.default_rng(model_seed)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import operator
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -136,17 +135,11 @@ class KVMove:
         dies go one at a time, so each RECV matches its own SEND."""
         if self.xccl is None:
             raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
-        if not 0 <= rank < self.flow.tp:
-            raise ConfigError(f"send() takes a rank in 0..{self.flow.tp - 1}", field="rank")
         try:
-            size = -1 if isinstance(nbytes, bool) else operator.index(nbytes)
-        except TypeError:
-            size = -1
-        if size < 0:
-            raise ConfigError(
-                f"send() takes a whole number of bytes >= 0, got {nbytes!r}", field="nbytes"
-            )
-        nbytes = size
+            rank = require_int(rank, "rank", high=self.flow.tp - 1)
+            nbytes = require_int(nbytes, "nbytes")
+        except ConfigError as exc:
+            raise ConfigError(f"send(): {exc.message}", field=exc.field) from None
         try:
             event = xccl_args.event_id(event)
         except ConfigError:
@@ -400,7 +393,15 @@ class DistFlow:
                 "awaitable: write it as `async def mover(move): ...`",
                 field="kv_mover",
             )
-        await moving
+        try:
+            await moving
+        except Exception as exc:
+            exc.add_note(
+                f"(raised by the kv_mover {policy_name(self.mover)} moving transfer "
+                f"{move.transfer.transfer_id} of request {move.transfer.request_id!r} to decode "
+                f"DP {move.decode_dp})"
+            )
+            raise
         if now_ns() < move.booked_until:
             raise ConfigError(
                 f"kv_mover {policy_name(self.mover)} returned at {now_ns()} ns, before the "

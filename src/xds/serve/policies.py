@@ -108,10 +108,14 @@ def offered_choice(
         choice = None
     if choice is None or choice not in offered:
         shown = ", ".join(map(str, offered[:12])) + (", ..." if len(offered) > 12 else "")
+        index = next(
+            (n for n in ("dp", "te") if type(getattr(answer, n, None)) is int), None
+        )  # a view (GroupView, PrefillTEView...) returned whole
+        hint = f" (a view was returned: return its .{index})" if index else ""
         raise ProtocolError(
             f"{field + ' ' if field else ''}policy {policy_name(policy)} chose {what} {answer!r} "
             f"for request "
             f"{request!r}, which was not offered; it must pick one of the {len(offered)} "
-            f"offered{f' ({offered_as})' if offered_as else ''}: [{shown}]"
+            f"offered{f' ({offered_as})' if offered_as else ''}: [{shown}]{hint}"
         )
     return choice

@@ -727,7 +727,8 @@ class Replay(Failover):
             cfg = self.config
             dies = cfg.prefill.tes * cfg.prefill.dies_per_te + cfg.decode_tes * cfg.decode.dies
             pod = CloudMatrix384(servers=-(-dies // 16))
-            fabric = UBFabric(pod, payload_mode="size", app_bytes=1 << 40)
+            # size mode allocates nothing: a KV message may address the whole HBM
+            fabric = UBFabric(pod, payload_mode="size", app_bytes=pod.die_spec.hbm_bytes)
             async with XCCL(fabric) as xccl:
                 self._build_distflow(xccl)
                 return await self._run()

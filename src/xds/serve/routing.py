@@ -112,6 +112,8 @@ class DecodeRouter:
         (e.g. too little KV left for this request) are never offered."""
         if request in self._reservations:
             raise ConfigError(f"request {request!r} was already routed", field="request")
+        max_output_tokens = require_int(max_output_tokens, "max_output_tokens")
+        input_tokens = require_int(input_tokens, "input_tokens")
         reserve = self.reservation_blocks(max_output_tokens)
         # a DP at its batch limit is never offered
         eligible = [
@@ -177,8 +179,7 @@ class DecodeRouter:
     def remove(self, dp_index: int) -> list[object]:
         """Take DP group ``dp_index`` out of service for good (a Decode scale-down, P119): it
         is never offered again; returns the requests routed there, whose reservations go."""
-        if not 0 <= dp_index < len(self.dps):
-            raise ConfigError(f"no DP group {dp_index}", field="dp_index")
+        dp_index = require_int(dp_index, "dp_index", high=len(self.dps) - 1)
         gone = [r for r, (dp, _) in self._reservations.items() if dp == dp_index]
         for r in gone:
             del self._reservations[r]
@@ -188,10 +189,10 @@ class DecodeRouter:
 
     def restore(self, dp_index: int, batch_limit: int) -> None:
         """Put a removed DP group back in service, empty (a Decode TE scaling back up)."""
-        if not 0 <= dp_index < len(self.dps) or self.dps[dp_index].batch_limit:
+        dp_index = require_int(dp_index, "dp_index", high=len(self.dps) - 1)
+        batch_limit = require_int(batch_limit, "batch_limit", low=1)
+        if self.dps[dp_index].batch_limit:
             raise ConfigError(f"DP group {dp_index} was not removed", field="dp_index")
-        if batch_limit < 1:
-            raise ConfigError("batch_limit must be positive", field="batch_limit")
         self.dps[dp_index] = DPLoad(batch_limit)
 
     def snapshot_kv(self, used_blocks: list[int]) -> None:

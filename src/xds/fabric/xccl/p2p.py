@@ -75,7 +75,7 @@ class AppBuffer(msgspec.Struct, frozen=True):
             if not checks.is_integer(value) or value < 0:
                 raise ConfigError(
                     f"AppBuffer.{name} must be a non-negative integer, got {value!r}",
-                    field=f"buffer.{name}",
+                    field=f"AppBuffer.{name}",
                 )
             msgspec.structs.force_setattr(self, name, int(value))  # numpy integers too
 
@@ -238,10 +238,8 @@ class P2P:
         if die == peer:
             raise ProtocolError(f"die {die} cannot send to itself over XCCL point-to-point")
         if not isinstance(buf, AppBuffer):  # (an AppBuffer checked its fields when built)
-            raise ConfigError(f"buffer must be an AppBuffer, got {buf!r}", field="buffer")
-        self.fabric._check_range(
-            buf.offset, buf.nbytes, "buffer", fields=("buffer.offset", "buffer.nbytes")
-        )
+            raise ConfigError(f"must be an AppBuffer, got {buf!r}", field="buf")
+        self.fabric._check_range(buf.offset, buf.nbytes, "buf", fields=("buf.offset", "buf.nbytes"))
         event = args.event_id(event_id)
         aivs = self.fabric._check_aivs(die, n_aiv, field="n_aiv")
         mover: Engine = checks.engine(engine)  # type: ignore[assignment]
@@ -828,7 +826,12 @@ class P2P:
             consumed += size
             self.before_copy_out(pair, lane, consumed)
             await self.delay("receiver", pair, lane)
-            t = fabric.mte_transfer(dst, dst, size, start_ns=now_ns(), fill=first)
+            # the lane's share of the receiver's AIVs copies the chunk out (one on the MTE
+            # path, where every AIV is a lane; on the DMA path the lanes follow the sender's
+            # DMA engines, and the receiver's other AIVs help copy out)
+            t = fabric.mte_transfer(
+                dst, dst, size, start_ns=now_ns(), fill=first, aivs=max(1, msg.n_aiv // msg.lanes)
+            )
             await sleep_until_ns(t.end_ns)
             if dst in self._failed:
                 return  # failed during the copy: it posts no credit; receive() reports it

@@ -181,16 +181,24 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Vocabulary of the tiny content model that makes tokens (content mode, greedy)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.faults, (tuple, list)):
+            raise ConfigError(
+                f"expected a tuple of faults, got {type(self.faults).__name__}", field="faults"
+            )
+        for i, f in enumerate(self.faults):  # before the type check: it would say "object"
+            if not isinstance(f, Fault):
+                raise ConfigError(
+                    "expected a fault of xds.serve.reliability (ExecutorHang, ExecutorCrash, "
+                    f"SlowIteration, NetworkError or MemoryFault), got "
+                    f"{type(f).__module__}.{type(f).__qualname__}",
+                    field=f"faults[{i}]",
+                )
+        if isinstance(self.faults, list):  # frozen: keep no mutable list inside
+            msgspec.structs.force_setattr(self, "faults", tuple(self.faults))
         check_fields(self)
         iterations = self.output_tokens - 1  # the first token comes from prefill
         for i, f in enumerate(self.faults):
             where = f"faults[{i}].dp"
-            if not isinstance(f, Fault):
-                raise ConfigError(
-                    f"expected a fault (ExecutorHang, ExecutorCrash, SlowIteration, NetworkError "
-                    f"or MemoryFault), got {type(f).__name__}",
-                    field=f"faults[{i}]",
-                )
             if f.dp >= self.dps:
                 raise ConfigError(f"DP {f.dp} does not exist ({self.dps} DPs)", field=where)
             if f.iteration >= iterations:

@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ...config import require_instance
 from ...runtime import emit, now_ns, rng, sleep_until_ns
 from .config import (
     ExecutorCrash,
@@ -128,6 +129,7 @@ class ReliableDecode:
     """Run with ``await ReliableDecode(config).run()`` inside :func:`xds.run`."""
 
     def __init__(self, config: ReliabilityConfig):
+        require_instance(config, ReliabilityConfig, "config")
         self.config = config
         n = config.dps
         self.decoder = TinyDecoder(config.vocab, rng("reliability/content"))

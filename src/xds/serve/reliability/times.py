@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...config import require_instance
 from ...runtime import run
 from ..decode_model import DecodeConfig, DecodeModel, measure_comm
 from .config import LayerTimes
@@ -14,6 +15,8 @@ def layer_times(
     attention side and busiest expert die from :mod:`xds.model.costs`, dispatch and combine
     from the collective tier (:func:`xds.serve.decode_model.measure_comm`), the LM head and
     sampling once per iteration. Main-model pass with its MTP draft tokens."""
+    if config is not None:
+        require_instance(config, DecodeConfig, "config")
     cfg = config or DecodeConfig()
     tps = 1 + cfg.mtp_config.k
     tokens = cfg.batch_per_die * tps
