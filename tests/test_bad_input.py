@@ -457,3 +457,41 @@ def test_decode_router_arguments_are_checked():
         router.restore(3, "3")  # type: ignore[arg-type]
     assert err.value.field == "batch_limit"
     router.restore(3, 2)
+
+
+def test_replay_review_cli_errors_name_the_flag_or_file(tmp_path, capsys):
+    lengths = tmp_path / "l.csv"
+    lengths.write_text("a,b\n10,5\n20,6\n")
+    err = _one_line(capsys, ["replay", str(lengths), "--format", "lengths", "--columns", "a,a"])
+    assert "--columns names 'a' for both input and output" in err
+    (tmp_path / "dup.json").write_text('{"prefill": {"tes": 2}, "prefill": {"tes": 3}}')
+    err = _one_line(
+        capsys, ["replay", "--synthetic", "3", "--deployment", str(tmp_path / "dup.json")]
+    )
+    assert "dup.json: key 'prefill' appears twice" in err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 100, "input_length": 1000, "output_length": 10, "hash_ids": [1, 3]}\n'
+    )
+    (tmp_path / "blk.toml").write_text("[prefill]\nprefix_block_tokens = 256\n")
+    err = _one_line(capsys, ["replay", str(trace), "--deployment", str(tmp_path / "blk.toml")])
+    assert "blk.toml: prefill.prefix_block_tokens: " in err
+    err = _one_line(capsys, ["replay", str(trace), "--format", "azure"])
+    assert "this looks like JSON lines: is --format right?" in err
+    err = _one_line(capsys, ["replay", str(lengths), "--format", "mooncake"])
+    assert "at position 0 of the line); a JSONL trace has one JSON object per line" in err
+
+
+def test_capacity_search_start_and_floor_at_the_ends_of_the_clock(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {k * 1000}, "input_length": 100, "output_length": 4}}\n'
+            for k in range(40)
+        )
+    )
+    err = _one_line(capsys, ["capacity", str(trace), "--start", "1e300"])
+    assert "--start: at 3.90625e+297x its rate the trace's arrivals fall in one nanosecond" in err
+    err = _one_line(capsys, ["capacity", str(trace), "--start", "1e-12"])
+    assert "--start: at 1e-12x its rate the workload arrives over more than 24.3 days" in err

@@ -42,6 +42,7 @@ def test_reproduce_cli_json(capsys):
     obj = json.loads(capsys.readouterr().out)
     assert obj["target"] == "p2p" and obj["wall_s"] > 0
     assert {"name", "paper", "xds", "unit", "relation", "tolerance"} <= set(obj["rows"][0])
+    assert [r["ok"] for r in obj["rows"]] == [True, True]  # the verdict the table prints
 
 
 def test_unknown_target_is_a_clear_error(capsys):

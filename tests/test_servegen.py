@@ -120,6 +120,50 @@ def test_sampled_requests_have_no_trace_line_and_lengths_within_the_bound(tmp_pa
     (tmp_path / "h").mkdir()
     lengths = {"input_tokens": "{1e30: 1}", "output_tokens": "{2: 1}"}
     huge = pool(tmp_path / "h", {0: ["0,1,1,Gamma,1,1"]}, lengths)
-    says = r"dataset\.json field '0\.input_tokens': must be at most 1,000,000,000"
+    says = r"dataset\.json field '0\.input_tokens': lengths are whole token counts in 1\.\."
     with pytest.raises(TraceError, match=says):
         load_servegen(huge)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "says"),
+    [
+        (
+            {"input_tokens": "{1: 0.5}", "output_tokens": "{3: 1.0}"},
+            "probabilities sum to 0.5, not 1",
+        ),
+        ({"input_tokens": "{1: 1}", "output_tokens": "{-3: 1.0}"}, "got -3"),
+        ({"input_tokens": "{1.5: 1}", "output_tokens": "{3: 1.0}"}, "got 1.5"),
+        ({"input_tokens": "{0: 1}", "output_tokens": "{3: 1.0}"}, "got 0"),
+    ],
+)
+def test_a_length_table_that_is_not_a_distribution_of_token_counts_is_refused(
+    tmp_path, lengths, says
+):
+    bad = pool(tmp_path, {0: ["0,1,1,Gamma,1,1"]}, lengths)
+    with pytest.raises(TraceError, match=says):
+        load_servegen(bad)
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        ("0,0.5,1,Gamma,1e-9,1", "its gaps do not move time on"),
+        ("0,0.5,1,Gamma,1e308,10", "has no finite, positive mean gap"),
+        ("0,0.5,1,Weibull,0.001,1", "has no finite, positive mean gap"),
+    ],
+)
+def test_a_fit_whose_gaps_do_not_move_time_on_is_refused_naming_its_row(tmp_path, row, says):
+    bad = pool(tmp_path, {0: ["0,0,1,,0,0", row.replace("0,", "600,", 1)]})
+    with pytest.raises(TraceError, match=rf"trace\.csv:line 2 field 'shape': .*{says}"):
+        load_servegen(bad, start_s=0, duration_s=1200)
+
+
+def test_trace_rows_are_one_per_window_in_order(tmp_path):
+    twice = pool(tmp_path, {0: ["0,1,1,Gamma,1,1", "0,1,1,Gamma,1,1"]})
+    with pytest.raises(TraceError, match=r"line 2 field 'start': window 0 s is not after"):
+        load_servegen(twice)
+    (tmp_path / "m").mkdir()
+    off = pool(tmp_path / "m", {0: ["5,1,1,Gamma,1,1"]})
+    with pytest.raises(TraceError, match=r"line 1 field 'start': .*multiple of 600 s, got 5"):
+        load_servegen(off)

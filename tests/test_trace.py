@@ -542,3 +542,40 @@ def test_json_token_counts_are_numbers_not_strings(tmp_path):
     g = write(tmp_path, "g.jsonl", '{"t": 0, "i": "7", "o": 2}\n')
     with pytest.raises(TraceError, match="expected a number"):
         t.load_generic(g, mapping={"arrival": "t", "input": "i", "output": "o"})
+
+
+def test_generic_loader_checks_its_time_unit_and_reads_json_suffixes_in_any_case(tmp_path):
+    rows = [{"t": 0, "i": 10, "o": 5}, {"t": 20, "i": 10, "o": 5}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    mapping = {"arrival": "t", "input": "i", "output": "o"}
+    for name in ("gen.JSONL", "gen.ndjson"):
+        (tmp_path / name).write_text(text)
+        w = t.load_generic(tmp_path / name, mapping=mapping, time_unit_ns=1_000_000)
+        assert [r.arrival_ns for r in w.requests] == [0, 20_000_000]
+    for unit in (0, -1_000_000, float("nan"), float("inf"), True, "ms"):
+        with pytest.raises(ConfigError) as err:
+            t.load_generic(tmp_path / "gen.ndjson", mapping=mapping, time_unit_ns=unit)
+        assert err.value.field == "time_unit_ns"
+
+
+def test_a_loader_stopped_by_its_limit_says_so_in_the_source(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text(
+        "".join(
+            json.dumps({"timestamp": k, "input_length": 10, "output_length": 5}) + "\n"
+            for k in range(5)
+        )
+    )
+    assert t.load(p, limit=2).source == f"{p}, first 2"
+    assert t.load(p, limit=2, sort=True).source == f"{p}, first 2"
+    assert t.load(p).source == str(p)
+    lengths = tmp_path / "l.csv"
+    lengths.write_text("a,b\n10,5\n20,6\n30,7\n")
+    gen = np.random.default_rng(0)
+    w = t.load_lengths(lengths, input_column="a", output_column="b", rng=gen, rate_per_s=5, cv=2)
+    assert w.source == f"{lengths} (columns a/b, Gamma cv 2 at 5 req/s)"
+    for bad, field in ((dict(cv=float("nan")), "cv"), (dict(rng=None), "rng")):
+        kwargs = dict(input_column="a", output_column="b", rng=gen, rate_per_s=5) | bad
+        with pytest.raises(ConfigError) as err:
+            t.load_lengths(lengths, **kwargs)
+        assert err.value.field == field

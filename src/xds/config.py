@@ -28,6 +28,20 @@ T = TypeVar("T")
 _checking: ContextVar[type | None] = ContextVar("xds_config_checking", default=None)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused if a key repeats (TOML refuses it too; JSON keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _read(path: Path) -> Any:
     if not path.is_file():
         why = "is a directory" if path.is_dir() else "is not a regular file"
@@ -45,9 +59,14 @@ def _read(path: Path) -> Any:
         if path.suffix == ".toml":
             return tomllib.loads(text)
         if path.suffix == ".json":
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse: {exc}", source=str(path)) from None
+    except _DuplicateKey as exc:
+        raise ConfigError(
+            f"key {exc.args[0]!r} appears twice in one object (which value is meant?)",
+            source=str(path),
+        ) from None
     raise ConfigError("config files are .toml or .json", source=str(path))
 
 

@@ -6,10 +6,12 @@ give one clear line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -649,6 +651,10 @@ def _load_trace(
     cols = [c.strip() for c in columns.split(",")]
     if len(cols) != 2 or not all(cols):
         raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
+    if cols[0] == cols[1]:
+        raise click.UsageError(
+            f"--columns names {cols[0]!r} for both input and output lengths: INPUT,OUTPUT"
+        )
     return load_lengths(
         trace,
         input_column=cols[0],
@@ -889,7 +895,10 @@ def replay(
         def progress(t_ns: int, done: int, total: int) -> None:
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
-        result = run_replay(workload, cfg, seed=seed, progress=progress, faults=faults, **policies)
+        with _names_deployment_file(deployment):
+            result = run_replay(
+                workload, cfg, seed=seed, progress=progress, faults=faults, **policies
+            )
     s = msgspec.structs.replace(
         result.summary,
         chips=result.chips,
@@ -1271,7 +1280,14 @@ def capacity(
             )
 
         def workload_at(x: float):
-            return base.scaled(x)
+            scaled = base.scaled(x)
+            if not scaled.duration_ns:
+                flag = "max_scale" if x > start else "min_scale" if x == min_scale else "start"
+                raise ConfigError(
+                    f"at {x:g}x its rate the trace's arrivals fall in one nanosecond",
+                    field=flag,
+                )
+            return scaled
 
     def show(p) -> None:
         if not as_json:
@@ -1642,6 +1658,23 @@ _FLAG_OF_FIELD = {
     "from_token": "--from-token",
 }
 """Library fields that a command-line flag sets: errors about them name the flag."""
+
+
+@contextlib.contextmanager
+def _names_deployment_file(deployment: str) -> Iterator[None]:
+    """A ConfigError about a deployment field, raised once the deployment meets the workload
+    (a prefix block size its hashes do not match, say), names the deployment's file, as the
+    errors found when reading it do."""
+    from xds.serve.replay import PDConfig
+
+    try:
+        yield
+    except ConfigError as exc:
+        top = re.split(r"[.\[]", exc.field or "")[0]
+        is_file = Path(deployment).suffix.lower() in (".toml", ".json")
+        if exc.source is None and is_file and top in PDConfig.__struct_fields__:
+            raise ConfigError(exc.message, field=exc.field, source=deployment) from None
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

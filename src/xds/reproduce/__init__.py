@@ -71,10 +71,12 @@ class Result(msgspec.Struct):
 
 
 def _row_json(row: Row) -> dict[str, object]:
-    """A row's JSON object; ``shown`` only where the number alone would mislead."""
+    """A row's JSON object with its verdict ``ok``; ``shown`` only where the number alone
+    would mislead."""
     out = msgspec.to_builtins(row)
     if not row.shown:
         del out["shown"]
+    out["ok"] = row.ok  # the verdict the table prints, so scripts need not redo it
     return out
 
 

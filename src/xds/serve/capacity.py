@@ -369,22 +369,38 @@ def _horizon_floor(
     scaled down far enough would otherwise stop the search with an error. The workload built
     for the floor it returns is left in ``built`` (the search reuses it)."""
 
-    def last(x: float) -> int:
-        w = built[x] = workload_at(x)
+    def last(x: float) -> float:
+        """The last arrival at ``x``; infinite if a trace cannot even be slowed that far (its
+        arrivals would leave the int64 nanosecond clock: Workload.scaled refuses)."""
+        try:
+            w = built[x] = workload_at(x)
+        except ConfigError as exc:
+            if exc.field != "rate_scale":
+                raise
+            return math.inf
         return max((r.arrival_ns for r in w.requests), default=0) if isinstance(w, Workload) else 0
 
     span = last(floor)
     if span <= MAX_ARRIVAL_NS:
         return floor
     built.clear()
-    x = floor * span / MAX_ARRIVAL_NS  # a scaled trace's arrivals stretch like 1 / x
-    for _ in range(64):
+    # a scaled trace's arrivals stretch like 1 / x; beyond the clock, double until back
+    x = floor * span / MAX_ARRIVAL_NS if span < math.inf else 2 * floor
+    for _ in range(2_100):  # 2**2100 spans any float
         if x >= start:
+            if last(start) > MAX_ARRIVAL_NS:
+                raise ConfigError(
+                    f"at {start:g}x its rate the workload arrives over more than "
+                    f"{MAX_ARRIVAL_NS / 86_400e9:.1f} days, beyond what a replay reaches: start "
+                    "the search at a higher rate",
+                    field="start",
+                )
             return start
-        if last(x) <= MAX_ARRIVAL_NS:
+        span = last(x)
+        if span <= MAX_ARRIVAL_NS:
             return x
         built.clear()
-        x *= 1.25
+        x *= 1.25 if span < math.inf else 2
     return start
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..config import require_int
-from ..errors import TraceError
+from ..config import require_instance, require_int
+from ..errors import ConfigError, TraceError
 from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
 
 _json = msgspec.json.Decoder()
@@ -161,8 +161,10 @@ def _finish(
     path: str,
     sort: bool,
     field: str = "timestamp",
+    limit: int | None = None,
 ) -> Workload:
-    """Order by arrival (or check the order), rebase arrivals to 0, number the requests."""
+    """Order by arrival (or check the order), rebase arrivals to 0, number the requests; the
+    first ``limit`` of them, named so in the workload's source."""
     if not rows:
         raise TraceError("no requests in the file", path=path)
     if not sort:
@@ -177,10 +179,13 @@ def _finish(
                 )
     else:
         rows = sorted(rows, key=lambda r: (r[0], r[4]))
+    source = path
+    if limit is not None and len(rows) >= limit:  # read up to it, or sorted and cut to it
+        rows, source = rows[:limit], f"{path}, first {limit}"
     base = rows[0][0] if rows else 0
     return Workload(
         tuple(Request(i, a - base, x, y, h, line) for i, (a, x, y, h, line) in enumerate(rows)),
-        path,
+        source,
     )
 
 
@@ -240,7 +245,7 @@ def load_mooncake(path: str | Path, *, sort: bool = False, limit: int | None = N
         rows.append((ts_ns, x, y, hashes, line_no))
         if _reached(rows, limit, sort):
             break
-    workload = _finish(rows, str(p), sort)
+    workload = _finish(rows, str(p), sort, limit=limit)
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=MOONCAKE_BLOCK_TOKENS)
     return workload
@@ -257,7 +262,12 @@ def _json_objects(p: Path, keys: Collection[str]) -> Iterator[tuple[int, dict[st
             try:
                 obj = _json.decode(raw)
             except msgspec.DecodeError as exc:
-                raise TraceError(f"invalid JSON ({exc})", path=str(p), line=line_no) from None
+                # msgspec says "(byte N)" for the position in the line: say so plainly
+                why = re.sub(r"\(byte (\d+)\)", r"at position \1 of the line", str(exc))
+                hint = ""
+                if line_no == 1 and not raw.lstrip().startswith(b"{"):
+                    hint = "; a JSONL trace has one JSON object per line: is --format right?"
+                raise TraceError(f"invalid JSON ({why}){hint}", path=str(p), line=line_no) from None
             if not isinstance(obj, dict):
                 raise TraceError("expected a JSON object", path=str(p), line=line_no)
             if (key := _key_twice(raw, keys)) is not None:
@@ -314,8 +324,10 @@ def _checked_rows(
     header_line = skipped + 1
     for col in required:
         if col not in header:
+            looks_json = bool(header) and header[0].lstrip().startswith(("{", "["))
             raise TraceError(
-                f"missing column (header has {', '.join(header)})",
+                f"missing column (header has {', '.join(header)})"
+                + ("; this looks like JSON lines: is --format right?" if looks_json else ""),
                 path=str(p),
                 line=header_line,
                 field=col,
@@ -362,7 +374,7 @@ def load_azure(path: str | Path, *, sort: bool = False, limit: int | None = None
         rows.append((ns, x, y, (), line_no))
         if _reached(rows, limit, sort):
             break
-    return _finish(rows, str(p), sort, "TIMESTAMP")
+    return _finish(rows, str(p), sort, "TIMESTAMP", limit)
 
 
 _STAMP = re.compile(r"(?P<head>[^.,]*?)(?:[.,](?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
@@ -407,7 +419,7 @@ def load_request_csv(path: str | Path, *, sort: bool = False, limit: int | None 
         rows.append((arrival, x, y, (), line_no))
         if _reached(rows, limit, sort):
             break
-    return _finish(rows, str(p), sort, "arrived_at")
+    return _finish(rows, str(p), sort, "arrived_at", limit)
 
 
 def load_lengths(
@@ -427,6 +439,9 @@ def load_lengths(
     ``Workload.dropped``; the default raises."""
     if invalid not in ("error", "drop"):
         raise TraceError(f"invalid must be 'error' or 'drop', got {invalid!r}", field="invalid")
+    require_instance(rng, np.random.Generator, "rng")
+    if isinstance(cv, bool) or not isinstance(cv, (int, float)) or not 0 < cv < math.inf:
+        raise ConfigError(f"must be a finite number > 0, got {cv!r:.40}", field="cv")
     limit = _check_limit(limit)
     p = _open(path)
     lengths = []
@@ -459,12 +474,14 @@ def load_lengths(
         if cv == 1.0
         else gamma_arrivals(rng, n, rate_per_s, cv)
     )
+    process = "Poisson" if cv == 1.0 else f"Gamma cv {cv:g}"
+    first = f", first {limit}" if limit is not None and n >= limit else ""
     return Workload(
         tuple(
             Request(i, int(arrivals[i] - arrivals[0]) if n else 0, x, y, (), lines[i])
             for i, (x, y) in enumerate(lengths)
         ),
-        str(p),
+        f"{p}{first} (columns {input_column}/{output_column}, {process} at {rate_per_s:g} req/s)",
         tuple(dropped),
     )
 
@@ -478,13 +495,23 @@ def load_generic(
     hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     limit: int | None = None,
 ) -> Workload:
-    """A CSV or JSONL with your column names: ``mapping`` maps ``arrival``, ``input``,
-    ``output`` (and optionally ``hashes``) to the file's columns; arrivals are multiplied by
+    """A CSV, or JSONL (suffix .jsonl, .json or .ndjson, any case), with your column names:
+    ``mapping`` maps ``arrival``, ``input``, ``output`` (and optionally ``hashes``) to the
+    file's columns; arrivals are multiplied by
     ``time_unit_ns`` (e.g. 1_000_000 for milliseconds). ``hashes`` holds each request's prefix
     block hashes (a JSON list, or integers separated by spaces or semicolons in a CSV), one per
     ``hash_block_tokens`` of its input (default 512, Mooncake's block); a replay checks that
     the deployment's prefix cache uses the same block size."""
     hash_block_tokens = require_int(hash_block_tokens, "hash_block_tokens", low=1)
+    if (
+        isinstance(time_unit_ns, bool)
+        or not isinstance(time_unit_ns, (int, float, np.integer, np.floating))
+        or not 0 < time_unit_ns < math.inf
+    ):
+        raise ConfigError(
+            f"must be a positive number of nanoseconds per time unit, got {time_unit_ns!r:.40}",
+            field="time_unit_ns",
+        )
     limit = _check_limit(limit)
     p = _open(path)
     for key in ("arrival", "input", "output"):
@@ -492,7 +519,7 @@ def load_generic(
             raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
     records: Iterator[tuple[int, dict[str, Any]]]
     read = {mapping[k] for k in ("arrival", "input", "output", "hashes") if k in mapping}
-    from_json = p.suffix in (".jsonl", ".json")
+    from_json = p.suffix.lower() in (".jsonl", ".json", ".ndjson")
     if from_json:
         records = _json_objects(p, read)
     else:
@@ -542,7 +569,7 @@ def load_generic(
         rows.append((arrival, x, y, hashes, line_no))
         if _reached(rows, limit, sort):
             break
-    workload = _finish(rows, str(p), sort, mapping["arrival"])
+    workload = _finish(rows, str(p), sort, mapping["arrival"], limit)
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=hash_block_tokens)
     return workload

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import TraceError
+from ..config import is_integer, require_int
+from ..errors import ConfigError, TraceError
 from .loaders import MAX_TOKENS
 from .workload import Request, Workload
 
@@ -70,9 +71,14 @@ def load_servegen(
             "[0, 86400) s with a positive duration",
             field="start_s/duration_s",
         )
+    seed = require_int(seed, "seed")
+    if clients is not None and (
+        isinstance(clients, (str, bytes)) or not all(is_integer(c) for c in clients)  # type: ignore[union-attr]
+    ):
+        raise ConfigError(f"must be a list of client numbers, got {clients!r:.40}", field="clients")
     p = Path(path)
     available = servegen_clients(p)
-    chosen = available if clients is None else clients
+    chosen = available if clients is None else [int(c) for c in clients]
     missing = sorted(set(chosen) - set(available))
     if missing:
         raise TraceError(f"no trace files for clients {missing[:10]}", path=str(p), field="clients")
@@ -81,10 +87,11 @@ def load_servegen(
     for client in sorted(set(chosen)):
         rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E6E, client]))
         lengths = _Lengths(p / f"chunk-{client}-dataset.json")
-        for t0, rate, family, shape, scale in _windows(p / f"chunk-{client}-trace.csv"):
+        trace = p / f"chunk-{client}-trace.csv"
+        for line, t0, rate, family, shape, scale in _windows(trace):
             if rate <= 0 or t0 + WINDOW_S <= start_s or t0 >= end_s:
                 continue
-            for t in _arrivals(rng, t0, rate, family, shape, scale):
+            for t in _arrivals(rng, t0, rate, family, shape, scale, where=(trace, line)):
                 if start_s <= t < end_s:
                     x, y = lengths.draw(rng, t)
                     rows.append((round((t - start_s) * 1e9), x, y))
@@ -99,9 +106,10 @@ def load_servegen(
     )
 
 
-def _windows(path: Path) -> list[tuple[float, float, str, float, float]]:
-    """(start, rate, family, shape, scale) of every window of a client's trace file."""
-    out = []
+def _windows(path: Path) -> list[tuple[int, float, float, str, float, float]]:
+    """(line, start, rate, family, shape, scale) of every window of a client's trace file: one
+    row per 600 s window, in order, each starting on a multiple of 600 s."""
+    out: list[tuple[int, float, float, str, float, float]] = []
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
@@ -144,36 +152,77 @@ def _windows(path: Path) -> list[tuple[float, float, str, float, float]]:
                 path=str(path),
                 line=line,
             )
-        out.append((start, rate, family, shape, scale))
+        if start % WINDOW_S:
+            raise TraceError(
+                f"a window starts on a multiple of {WINDOW_S} s, got {start:g}",
+                path=str(path),
+                line=line,
+                field="start",
+            )
+        if out and start <= out[-1][1]:
+            raise TraceError(
+                f"window {start:g} s is not after the previous row's ({out[-1][1]:g} s): one "
+                "row per window, in order",
+                path=str(path),
+                line=line,
+                field="start",
+            )
+        out.append((line, start, rate, family, shape, scale))
     return out
 
 
 def _arrivals(
-    rng: np.random.Generator, t0: float, rate: float, family: str, shape: float, scale: float
+    rng: np.random.Generator,
+    t0: float,
+    rate: float,
+    family: str,
+    shape: float,
+    scale: float,
+    *,
+    where: tuple[Path, int],
 ) -> list[float]:
     """Arrival times in ``[t0, t0 + WINDOW_S)``: gaps of the fitted family rescaled to mean
-    ``1 / rate`` (the family's shape fixes their coefficient of variation)."""
-    if family == "Gamma":
-        mean = shape * scale
+    ``1 / rate`` (the family's shape fixes their coefficient of variation). A fit whose gaps
+    have no finite mean, or do not move time on (they underflow to 0), is a TraceError naming
+    the row (``where``: file and line)."""
 
-        def gaps(n: int) -> np.ndarray:
+    def bad(why: str) -> TraceError:
+        return TraceError(
+            f"the {family} fit (shape {shape:g}, scale {scale:g}) {why}",
+            path=str(where[0]),
+            line=where[1],
+            field="shape",
+        )
+
+    try:
+        mean = shape * scale if family == "Gamma" else scale * math.gamma(1 + 1 / shape)
+    except OverflowError:
+        mean = math.inf
+    stretch = 1.0 / (rate * mean) if mean > 0 else math.inf
+    if not (math.isfinite(mean) and 0 < stretch < math.inf):
+        raise bad("has no finite, positive mean gap")
+
+    def gaps(n: int) -> np.ndarray:
+        if family == "Gamma":
             return rng.gamma(shape, scale, n)
-    else:  # Weibull
-        mean = scale * math.gamma(1 + 1 / shape)
+        return scale * rng.weibull(shape, n)
 
-        def gaps(n: int) -> np.ndarray:
-            return scale * rng.weibull(shape, n)
-
-    stretch = 1.0 / (rate * mean)
     times: list[float] = []
     t = t0
-    batch = max(16, int(2 * rate * WINDOW_S))
+    expected = rate * WINDOW_S
+    batch = max(16, int(2 * expected))
+    most = 100 * expected + 10_000  # far beyond any real window's count
     while True:
         for gap in gaps(batch):
             t += float(gap) * stretch
             if t >= t0 + WINDOW_S:
                 return times
             times.append(t)
+        if len(times) > most:
+            raise bad(
+                f"gives over {len(times):,} arrivals in a {WINDOW_S} s window at "
+                f"{rate:g} req/s: its gaps do not move time on"
+            )
 
 
 class _Lengths:
@@ -196,7 +245,7 @@ class _Lengths:
                 field=key,
             )
         xv, xp, yv, yp = dists
-        return max(1, int(rng.choice(xv, p=xp))), max(1, int(rng.choice(yv, p=yp)))
+        return int(rng.choice(xv, p=xp)), int(rng.choice(yv, p=yp))
 
     def _parse(self) -> dict[str, tuple[np.ndarray, ...]]:
         if not self.path.is_file():
@@ -234,14 +283,17 @@ class _Lengths:
             )
         if not pmf:
             return np.zeros(0, np.int64), np.zeros(0)
-        if (top := max(pmf)) > MAX_TOKENS:
-            raise TraceError(
-                f"must be at most {MAX_TOKENS:,} (a token count), got {top!r}",
-                path=str(self.path),
-                field=where,
-            )
-        values = np.array(sorted(pmf), dtype=np.float64)
+        for v in pmf:
+            if not (v == int(v) and 1 <= v <= MAX_TOKENS):
+                raise TraceError(
+                    f"lengths are whole token counts in 1..{MAX_TOKENS:,}, got {v!r}",
+                    path=str(self.path),
+                    field=where,
+                )
+        values = np.array(sorted(pmf), dtype=np.int64)
         probs = np.array([pmf[v] for v in sorted(pmf)], dtype=np.float64)
-        if probs.sum() <= 0:
-            raise TraceError("probabilities sum to 0", path=str(self.path), field=where)
-        return np.rint(values).astype(np.int64), probs / probs.sum()
+        if abs(probs.sum() - 1.0) > 1e-6:
+            raise TraceError(
+                f"probabilities sum to {probs.sum():g}, not 1", path=str(self.path), field=where
+            )
+        return values, probs / probs.sum()  # (exactly 1 for numpy's choice)
