@@ -495,3 +495,58 @@ def test_capacity_search_start_and_floor_at_the_ends_of_the_clock(tmp_path, caps
     assert "--start: at 3.90625e+297x its rate the trace's arrivals fall in one nanosecond" in err
     err = _one_line(capsys, ["capacity", str(trace), "--start", "1e-12"])
     assert "--start: at 1e-12x its rate the workload arrives over more than 24.3 days" in err
+
+
+def test_moe_communication_arguments_are_checked_at_the_call():
+    from xds.fabric import UBFabric
+    from xds.fabric.xccl.a2e import AEConfig, AEGroup
+    from xds.fabric.xccl.ep import EPConfig, EPGroup
+    from xds.fabric.xccl.moe import ExpertMap
+    from xds.model.reference_moe import TinyMoE
+    from xds.serve.decode import DecodeInstance, measure_comm
+    from xds.serve.decode_model import CommCosts
+    from xds.serve.ma_config import MADecodeConfig, measure_ae
+
+    fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="size")
+    for n_aiv in (0, -5, 1000):
+        with pytest.raises(ConfigError) as err:
+            AEGroup(fabric, [0], [1, 2], ExpertMap(2, 2), AEConfig(hidden=8, top_k=1, n_aiv=n_aiv))
+        assert err.value.field == "config.n_aiv"
+    with pytest.raises(ConfigError, match="top-8 routing needs at least 8 experts") as err:
+        EPGroup(fabric, [0, 1], ExpertMap(4, 2), EPConfig(hidden=8, top_k=8, max_tokens_per_rank=1))
+    assert err.value.field == "config.top_k"
+    for kw, field in ((dict(top_k=8, n_experts=4), "top_k"), (dict(hidden=0), "hidden")):
+        with pytest.raises(ConfigError) as err:
+            TinyMoE(**kw)
+        assert err.value.field == field
+    with pytest.raises(ConfigError, match=r"physical slot 0\.5 does not exist"):
+        ExpertMap(2, 2, replicas=[[0.5], [1]], slots_rank=[0, 1])  # type: ignore[list-item]
+    small = DecodeConfig(dies=32, batch_per_die=8, output_tokens=8, shared_expert_dies=0)
+    for call, field in (
+        (lambda: measure_comm(small, -5), "tokens_per_die"),
+        (lambda: measure_comm(None, 8), "config"),  # type: ignore[arg-type]
+        (lambda: measure_ae(MADecodeConfig(), 0), "tokens_per_die"),
+        (lambda: DecodeInstance(small, "x"), "comm"),  # type: ignore[arg-type]
+        (lambda: DecodeInstance(small, CommCosts(1, 1, 1), 7), "comm_mtp"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert err.value.field == field
+
+    async def fractional_count():
+        group = EPGroup(
+            fabric, [0, 1], ExpertMap(2, 2), EPConfig(hidden=8, top_k=1, max_tokens_per_rank=4)
+        )
+        with pytest.raises(ConfigError, match=r"a token count must be a whole number, got 2\.5"):
+            await group.dispatch(0, 2.5, np.zeros((2, 1), dtype=np.int64), event_id=1)
+
+    xds.run(fractional_count)
+
+
+def test_decode_commands_name_the_other_command_and_a_missing_delay(capsys):
+    err = _one_line(capsys, ["decode", "--deployment", "ma-peak-decode"])
+    assert "(it is an `xds ma-decode` deployment)" in err
+    err = _one_line(capsys, ["ma-decode", "--deployment", "peak-decode"])
+    assert "(it is an `xds decode` deployment)" in err
+    err = _one_line(capsys, ["dataflow", "--slow", "attention:0"])
+    assert "the extra delay in us is missing" in err

@@ -117,8 +117,12 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     try:
         args = ["--import", "mypolicies", "decode", "--deployment", "dep.toml", "--json"]
+        capsys.readouterr()
         assert main(args) == 0
         assert "cli-greedy" in policy_names()
+        res = json.loads(capsys.readouterr().out)
+        assert res["tpot_ms"] == res["mean_iteration_ns"] / 1e6 / res["mean_tokens_per_step"]
+        assert res["tokens_per_s_per_chip"] == res["tokens_per_s"] / 128  # 256 dies
     finally:
         unregister_policy("cli-greedy")
     capsys.readouterr()
@@ -206,6 +210,9 @@ def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert sum(sum(d["tokens"]) for d in res["domains"]) == 2 * 4 * 4 * 5
     assert set(res["stream_busy"]) == {"a2e", "moe", "e2a"}
+    # the headline figures the table prints are in the JSON too
+    assert res["tpot_ns"] == res["mean_iteration_ns"] / res["mean_tokens_per_step"]
+    assert res["tokens_per_s_per_chip"] > 0
     dep.write_text("microbatches = 0\n")
     assert main(["ma-decode", "--deployment", str(dep)]) == 2
     assert "microbatches" in capsys.readouterr().err

@@ -213,7 +213,9 @@ def info(servers: int, sources: bool) -> None:
     table.add_row("AIC / AIV per die", f"{d.aic} / {d.aiv}")
     table.add_row("AIC / AIV in the pod", f"{s['aic']:,} / {s['aiv']:,}")
     table.add_row("Kunpeng CPUs", f"{s['kunpeng_cpus']}")
-    table.add_row("HBM per die / pod", f"{fmt_bytes(d.hbm_bytes)} / {s['hbm_bytes'] / 1e12:.1f} TB")
+    table.add_row(
+        "HBM per die / pod", f"{fmt_bytes(d.hbm_bytes)} / {s['hbm_bytes'] / 2**40:.1f} TiB"
+    )
     table.add_row("HBM bandwidth per die", f"{d.hbm_bandwidth / 1e12:.2f} TB/s")
     table.add_row(
         "BF16 / INT8 peak per die",
@@ -263,7 +265,7 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
     s = pod.summary()
     console.print(
         f"{s['chips']} chips, {s['dies']} dies, {s['aiv']:,} AIVs, "
-        f"{s['hbm_bytes'] / 1e12:.1f} TB HBM, {s['bf16_flops'] / 1e15:.0f} PFLOPS BF16; "
+        f"{s['hbm_bytes'] / 2**40:.1f} TiB HBM, {s['bf16_flops'] / 1e15:.0f} PFLOPS BF16; "
         f"UB {pod.config.ub.bandwidth / GB:.0f} GB/s per die"
     )
     r = run_demo(pod, steps=steps, seed=seed, backend=backend)
@@ -374,11 +376,17 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
 
     cfg = decode_config(deployment)
     res = measure(cfg, iterations=iterations, seed=seed, tier=tier)
-    if as_json:
-        print(msgspec.json.encode(res).decode())
-        return
     chips = cfg.dies / 2
     total = res.tokens / (res.elapsed_ns / 1e9)
+    tpot_ms = res.mean_iteration_ns / 1e6 / res.mean_tokens_per_step
+    if as_json:  # the result, and the headline figures the table derives from it
+        headline = {
+            "tpot_ms": tpot_ms,
+            "tokens_per_s": total,
+            "tokens_per_s_per_chip": total / chips,
+        }
+        print(msgspec.json.encode(msgspec.structs.asdict(res) | headline).decode())
+        return
     table = Table(
         title=f"decode: {deployment} ({cfg.dies} dies, batch {cfg.batch_per_die}, {tier} tier)"
     )
@@ -387,7 +395,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     table.add_row("iterations", f"{res.iterations:,}")
     table.add_row("mean iteration", f"{res.mean_iteration_ns / 1e6:.2f} ms")
     table.add_row("tokens per step", f"{res.mean_tokens_per_step:.3f}")
-    table.add_row("TPOT", f"{res.mean_iteration_ns / 1e6 / res.mean_tokens_per_step:.2f} ms")
+    table.add_row("TPOT", f"{tpot_ms:.2f} ms")
     table.add_row("tokens/s (total)", f"{total:,.0f}")
     table.add_row("tokens/s per chip", f"{total / chips:,.1f}")
     if cfg.eplb is not None:
@@ -403,6 +411,10 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     for name in bd.__struct_fields__:
         value = getattr(bd, name)
         kernels.add_row(name, f"{value / res.iterations / 1e6:.2f}", f"{value / total_ns:.1%}")
+    kernels.caption = (
+        f"shares of the kernels' time; the mean iteration adds the "
+        f"{cfg.scheduler_gap_ns / 1e6:g} ms scheduler gap"
+    )
     console.print(kernels)
 
 
@@ -470,8 +482,14 @@ def ma_decode(
         return await instance.serve(max_iterations=None if full else iterations, from_token=start)
 
     res = run(main, seed=seed, event_log=False)
-    if as_json:
-        print(msgspec.json.encode(res).decode())
+    if as_json:  # the result, and the headline figures the table derives from it
+        headline = {
+            "mean_iteration_ns": res.mean_iteration_ns,
+            "mean_tokens_per_step": res.mean_tokens_per_step,
+            "tpot_ns": res.tpot_ns,
+            "tokens_per_s_per_chip": res.tokens_per_s_per_chip,
+        }
+        print(msgspec.json.encode(msgspec.structs.asdict(res) | headline).decode())
         return
     table = Table(
         title=f"ma-decode: {deployment} ({cfg.domains} x {cfg.attention_dies_per_domain} "
@@ -496,7 +514,7 @@ def ma_decode(
     table.add_row("MoE compute per batch", f"{res.mean_moe_ns / 1e3:.0f} us")
     for p in res.ae:
         table.add_row(
-            f"A2E / E2A at {p.tokens_per_die} tokens per die",
+            f"A2E / E2A at {p.tokens_per_die} token{'s' * (p.tokens_per_die != 1)} per die",
             f"{p.a2e_ns / 1e3:.0f} / {p.e2a_ns / 1e3:.0f} us",
         )
     busy = res.stream_busy
@@ -1573,6 +1591,11 @@ def dataflow(
 
     delays = []
     for spec in slow_specs:
+        if spec.count(":") < 2:
+            raise click.UsageError(
+                f"--slow {spec}: expected COMPONENT:EXTRA_US, e.g. attention:0:200 (the extra "
+                "delay in us is missing)"
+            )
         component, _, extra = spec.rpartition(":")
         try:
             extra_us = float(extra)

@@ -227,6 +227,7 @@ class CloudMatrix384:
         c = self.config
         extra = f" + {c.attached_910b_servers} 910B servers" if c.attached_910b_servers else ""
         return (
-            f"CloudMatrix384({c.servers} servers x {c.chips_per_server} chips x "
+            f"CloudMatrix384({c.servers} server{'s' * (c.servers != 1)} x "
+            f"{c.chips_per_server} chips x "
             f"{c.dies_per_chip} dies = {self.n_pod_dies} dies{extra})"
         )

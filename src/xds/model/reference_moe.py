@@ -13,6 +13,9 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
+from ..config import require_int
+from ..errors import ConfigError
+
 
 class TinyMoE(msgspec.Struct, frozen=True, kw_only=True):
     """Shapes of the reference model (small enough for unit tests)."""
@@ -21,6 +24,16 @@ class TinyMoE(msgspec.Struct, frozen=True, kw_only=True):
     intermediate: int = 32
     n_experts: int = 16
     top_k: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "n_experts", "top_k"):
+            require_int(getattr(self, name), name, low=1)
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"top-{self.top_k} routing needs at least {self.top_k} experts, got "
+                f"{self.n_experts}",
+                field="top_k",
+            )
 
 
 class ReferenceMoE:

@@ -53,7 +53,7 @@ def reproduce() -> tuple[list[Row], list[TableData]]:
             "direct (every attention die pushes to all 288 expert dies) comes out faster here, "
             "unlike P044: per-destination scalar work (EngineSpec.meta_issue_ns) costs the same "
             "on an attention die as on a trampoline, whose second hop has the same fan-out (at "
-            "1 us per destination: trampoline 242 us, direct 198 us). The paper's gain would "
+            "1 us per destination: trampoline 241 us, direct 197 us). The paper's gain would "
             "come from attention dies' AIVs being taken by attention compute, not charged here",
         ],
     )

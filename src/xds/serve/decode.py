@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..config import require_instance
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..hw import CloudMatrix384
@@ -109,6 +110,10 @@ class DecodeInstance:
         (:mod:`xds.serve.routing`)."""
         if tier not in ("iteration", "layer"):
             raise ConfigError(f"unknown tier {tier!r}; choose iteration or layer", field="tier")
+        require_instance(config, DecodeConfig, "config")
+        require_instance(comm, CommCosts, "comm")
+        if comm_mtp is not None:
+            require_instance(comm_mtp, CommCosts, "comm_mtp")
         self.config = config
         self.tier = tier
         self.model = DecodeModel(config, comm, comm_mtp)

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from ..config import check_fields
+from ..config import check_fields, require_instance, require_int
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap, PullOrder, WireDtype
@@ -70,6 +70,11 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     layer (DeepSeek-V3/R1), none if it has not (Kimi K2); a draft needs an MTP layer. What
     runs is :attr:`mtp_config`."""
     shared_expert_dies: int = 32
+    """Dies holding an instance of the model's shared expert (the last ones; SPEC 12.2: 32 of
+    288). Each token visits one instance, so it is dispatched, computed and combined there. 0
+    leaves the shared expert out of the deployment: its tokens go nowhere and its GEMMs are
+    not priced (about a tenth of the expert time of a small deployment), so keep it above 0
+    for a model that has one unless that is the question."""
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
     pull_order: PullOrder = "static"
@@ -568,6 +573,8 @@ def measure_comm(
     from ..fabric.xccl.ep import EPConfig, EPGroup
     from ..runtime import run
 
+    require_instance(config, DecodeConfig, "config")
+    tokens_per_die = require_int(tokens_per_die, "tokens_per_die", low=1)
     m = config.spec
     n = config.dies
     shared = config.shared_expert_dies

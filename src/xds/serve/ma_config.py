@@ -21,7 +21,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from ..config import check_fields
+from ..config import check_fields, require_instance, require_int
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric.xccl.a2e import AEConfig, AEGroup
@@ -239,6 +239,8 @@ def measure_ae(
     distinct) plus one shared-expert instance per token."""
     from ..fabric import UBFabric
 
+    require_instance(config, MADecodeConfig, "config")
+    tokens_per_die = require_int(tokens_per_die, "tokens_per_die", low=1)
     m = config.spec
     n_att = config.attention_dies
     experts = list(range(n_att, n_att + config.expert_dies))

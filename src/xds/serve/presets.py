@@ -45,6 +45,9 @@ def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) 
         return load_config(name_or_path, kind)
     close = difflib.get_close_matches(name_or_path, list(presets), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    for command, kind_presets in (("decode", PRESETS), ("ma-decode", MA_PRESETS)):
+        if presets is not kind_presets and name_or_path in kind_presets:
+            hint = f" (it is an `xds {command}` deployment)"
     raise ConfigError(
         f"unknown {what} {name_or_path!r}{hint}: a preset ({', '.join(presets)}) or a "
         ".toml/.json file",

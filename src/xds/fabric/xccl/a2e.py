@@ -135,6 +135,7 @@ class AEGroup:
             )
         for die in (*attention, *experts):
             fabric.pod.check_die(die)
+            fabric._check_aivs(die, config.n_aiv, field="config.n_aiv")
         self.fabric = fabric
         self.attention = list(attention)
         self.experts = list(experts)

@@ -163,6 +163,12 @@ class EPGroup:
             )
         if len(set(ranks)) != len(ranks):
             raise ConfigError("ranks must be distinct dies", field="ranks")
+        if config.top_k > expert_map.n_experts:
+            raise ConfigError(
+                f"top-{config.top_k} routing needs at least {config.top_k} experts; the expert "
+                f"map has {expert_map.n_experts}",
+                field="config.top_k",
+            )
         for die in ranks:
             fabric.pod.check_die(die, what="rank die")
             fabric._check_aivs(die, config.n_aiv)

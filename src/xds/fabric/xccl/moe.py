@@ -22,6 +22,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from ...config import is_integer
 from ...errors import ConfigError
 
 WireDtype = Literal["fp32", "bf16", "int8"]
@@ -113,7 +114,7 @@ class ExpertMap:
             if not reps:
                 raise ConfigError(f"logical expert {e} has no physical replica", field="replicas")
             for p in reps:
-                if not 0 <= p < len(self.slots_rank):
+                if not is_integer(p) or not 0 <= p < len(self.slots_rank):
                     raise ConfigError(
                         f"expert {e}: physical slot {p} does not exist", field="replicas"
                     )

@@ -7,8 +7,9 @@ collects a block from every source it expects: the metadata of all of them is it
 
 Costs per source: the issuing AIVs (one per DMA queue) spend ``meta_issue_ns`` of scalar work
 per destination on the descriptor and again on the metadata write; each DMA queue pays the DMA
-start-up once and then streams its descriptors at link rate, sharing the source's egress and
-each destination's ingress with every other transfer (:mod:`xds.fabric.ports`).
+start-up once and then streams its descriptors at link rate, starting them in order (none
+before the queue is up), sharing the source's egress and each destination's ingress with
+every other transfer (:mod:`xds.fabric.ports`).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class PushExchange:
         fan_out = sum(1 for d, b in blocks.items() if b.rows and d != src)
         efficiency = collective_efficiency(e, fan_out)
         t0 = now_ns()
-        queue_free = [t0] * lanes  # when each issuing AIV / DMA queue is free
-        started = [False] * lanes
-        last_issue = t0
+        queue_free = [t0] * lanes  # when each issuing AIV is free
+        dma_begun: list[int | None] = [None] * lanes  # when each DMA queue began its last
+        last_issue = t0  # descriptor (None: not started yet; the first pays the start-up)
         for i, dst in enumerate(notify):
             lane = i % lanes
             block = blocks.get(dst)
@@ -98,8 +99,10 @@ class PushExchange:
             has_rows = block is not None and block.rows > 0
             if has_rows:
                 ports, link_bw, latency = fabric._link_ports(src, dst)
-                begin = issue + (0 if started[lane] else e.dma_startup_ns)
-                started[lane] = True
+                # a DMA queue starts its descriptors in order, streaming them once it is up
+                begun = dma_begun[lane]
+                begin = issue + e.dma_startup_ns if begun is None else max(issue, begun)
+                dma_begun[lane] = begin
                 nbytes = block.rows * row_bytes
                 end = finish_ns(
                     begin, nbytes, link_bw * efficiency, ports, now_ns=t0, efficiency=efficiency
