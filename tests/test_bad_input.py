@@ -476,7 +476,17 @@ def test_replay_review_cli_errors_name_the_flag_or_file(tmp_path, capsys):
     )
     (tmp_path / "blk.toml").write_text("[prefill]\nprefix_block_tokens = 256\n")
     err = _one_line(capsys, ["replay", str(trace), "--deployment", str(tmp_path / "blk.toml")])
-    assert "blk.toml: prefill.prefix_block_tokens: " in err
+    assert "blk.toml: prefill.prefix_block_tokens: " in err and err.endswith("(line 2)\n")
+    # a decode deployment's cross-field checks name the file and the line too
+    (tmp_path / "kv.toml").write_text("dies = 32\nbatch_per_die = 60\ninput_tokens = 100000\n")
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "kv.toml")])
+    assert "kv.toml: shared_expert_dies: " in err  # 32 of 32 dies: the default is the problem
+    assert err.endswith("(the default: the file does not set it)\n")
+    (tmp_path / "kv.toml").write_text(
+        "dies = 32\nbatch_per_die = 60\ninput_tokens = 100000\nshared_expert_dies = 0\n"
+    )
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "kv.toml")])
+    assert "kv.toml: batch_per_die: " in err and err.endswith("(line 2)\n")
     err = _one_line(capsys, ["replay", str(trace), "--format", "azure"])
     assert "this looks like JSON lines: is --format right?" in err
     err = _one_line(capsys, ["replay", str(lengths), "--format", "mooncake"])

@@ -99,10 +99,34 @@ def load_config(
     try:
         return convert(data, kind, source=str(p))
     except ConfigError as exc:
-        line = _toml_line(p, exc.field) if p.suffix == ".toml" and exc.field else None
-        if line is None:
-            raise
-        raise ConfigError(f"{exc.message} (line {line})", field=exc.field, source=str(p)) from None
+        raise in_file(exc, p) from None
+
+
+def in_file(exc: ConfigError, path: str | Path) -> ConfigError:
+    """``exc`` about a field of the config file ``path``: naming the file, and the line that
+    sets the field where a TOML file spells it simply."""
+    p = Path(path)
+    line = _toml_line(p, exc.field) if p.suffix == ".toml" and exc.field else None
+    where = f" (line {line})" if line is not None else ""
+    if line is None and exc.field and not _sets(p, exc.field):
+        where = " (the default: the file does not set it)"
+    return ConfigError(f"{exc.message}{where}", field=exc.field, source=str(p))
+
+
+def _sets(path: Path, field: str) -> bool:
+    """Whether the config file sets the dotted ``field`` (True when that cannot be told)."""
+    try:
+        data: Any = _read(path)
+    except ConfigError:
+        return True
+    for key in field.split("."):
+        name = key.split("[")[0]
+        if not isinstance(data, dict) or name not in data:
+            return False
+        data = data[name]
+        if "[" in key:
+            return True  # an element of a list: the file wrote the list
+    return True
 
 
 def _toml_line(path: Path, field: str) -> int | None:

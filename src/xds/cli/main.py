@@ -1688,6 +1688,7 @@ def _names_deployment_file(deployment: str) -> Iterator[None]:
     """A ConfigError about a deployment field, raised once the deployment meets the workload
     (a prefix block size its hashes do not match, say), names the deployment's file, as the
     errors found when reading it do."""
+    from xds.config import in_file
     from xds.serve.replay import PDConfig
 
     try:
@@ -1696,7 +1697,7 @@ def _names_deployment_file(deployment: str) -> Iterator[None]:
         top = re.split(r"[.\[]", exc.field or "")[0]
         is_file = Path(deployment).suffix.lower() in (".toml", ".json")
         if exc.source is None and is_file and top in PDConfig.__struct_fields__:
-            raise ConfigError(exc.message, field=exc.field, source=deployment) from None
+            raise in_file(exc, deployment) from None
         raise
 
 

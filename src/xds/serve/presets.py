@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..config import load_config
+from ..config import in_file, load_config
 from ..errors import ConfigError
 from .decode import DecodeConfig
 from .ma_config import MADecodeConfig
@@ -72,7 +72,9 @@ def decode_config(name_or_path: str) -> DecodeConfig:
             except ConfigError as exc:
                 raise ConfigError(exc.message, field="eplb.policy") from None
     except ConfigError as exc:
-        raise ConfigError(exc.message, field=exc.field, source=source) from None
+        if source is None:
+            raise
+        raise in_file(exc, source) from None
     return config
 
 
