@@ -135,5 +135,9 @@ def test_bad_configs_name_the_field():
 def test_reference_of_a_run_seed_matches_the_run_stream():
     cfg = msgspec.structs.replace(CFG, requests=4)
     res = run(lambda: Dataflow(cfg).run(), seed=3, event_log=False)
-    assert [r.tokens for r in res.requests] == reference_tokens(cfg, seed=3)
-    assert reference_tokens(cfg, seed=3) != reference_tokens(cfg, seed=4)
+    assert [r.tokens for r in res.requests] == reference_tokens(cfg, run_seed=3)
+    assert reference_tokens(cfg, run_seed=3) != reference_tokens(cfg, run_seed=4)
+    with pytest.raises(ConfigError, match="give run_seed"):
+        reference_tokens(cfg)
+    with pytest.raises(TypeError):
+        reference_tokens(cfg, 7)  # type: ignore[misc]  # which seed? it must say

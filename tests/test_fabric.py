@@ -246,3 +246,19 @@ def test_a_write_is_visible_when_write_returns_and_at_its_visible_ns_on_every_sc
 
     for seed in range(6):
         assert all(xds.run(main, backend=backend, seed=seed))
+
+
+def test_mte_cost_never_falls_with_more_bytes_nor_rises_with_more_aivs():
+    def cost(nbytes: int, aivs: int) -> int:
+        fabric = UBFabric(POD, payload_mode="size")  # idle ports for every transfer
+        return fabric.mte_transfer(0, 1, nbytes, start_ns=0, aivs=aivs).end_ns
+
+    sizes = sorted({n + d for n in (512, 1024, 4096, 32 * KiB, 1 * MiB) for d in (-1, 0, 1)})
+    sizes += [k * 777 for k in range(1, 40)]
+    sizes.sort()
+    for aivs in (1, 2, 3, 4, 16, 48):
+        times = [cost(n, aivs) for n in sizes]
+        assert times == sorted(times), aivs
+    for n in sizes:
+        times = [cost(n, a) for a in (1, 2, 3, 4, 16, 48)]
+        assert times == sorted(times, reverse=True), n

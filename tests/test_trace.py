@@ -579,3 +579,15 @@ def test_a_loader_stopped_by_its_limit_says_so_in_the_source(tmp_path):
         with pytest.raises(ConfigError) as err:
             t.load_lengths(lengths, **kwargs)
         assert err.value.field == field
+
+
+def test_lengths_loader_takes_numpy_numbers_for_its_arrival_process(tmp_path):
+    p = tmp_path / "l.csv"
+    p.write_text("a,b\n10,5\n20,6\n30,7\n")
+
+    def arrivals(cv):
+        gen = np.random.default_rng(0)
+        w = t.load_lengths(p, input_column="a", output_column="b", rng=gen, rate_per_s=5, cv=cv)
+        return [r.arrival_ns for r in w.requests]
+
+    assert arrivals(np.int64(2)) == arrivals(np.float32(2.0)) == arrivals(2)

@@ -1623,7 +1623,7 @@ def dataflow(
         if (exc.field or "").startswith("delays"):
             raise click.UsageError(f"--slow: {exc.message}") from None
         raise
-    reference = reference_tokens(base, seed=seed)
+    reference = reference_tokens(base, run_seed=seed)
     results = {}
     for mode in ("sync", "dataflow"):
         cfg = msgspec.structs.replace(base, mode=mode)

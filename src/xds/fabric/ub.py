@@ -265,8 +265,8 @@ class UBFabric:
         if op_bytes is None and aivs > 1:  # each AIV's first operation is its share at most
             share = -(-nbytes // aivs)
             op = min(op, max(self.config.min_chunk_bytes, -(-share // 32) * 32))
-        if op:  # an AIV without an operation of its own does not speed the transfer up
-            aivs = min(aivs, -(-nbytes // op))
+        if op:  # AIVs beyond one operation's worth of bytes each do not speed it up (counted
+            aivs = min(aivs, max(1.0, nbytes / op))  # as a fraction: cost rises with bytes)
         worker = self.pod.spec_of(src if aiv_die is None else aiv_die)
         limit = worker.mte_max_bytes
         if op > limit:

@@ -104,13 +104,21 @@ def _flat(value: Any) -> bool:
     return False
 
 
+def _key_text(key: object) -> str:
+    """The JSON object key the log writes for a non-str dict key (e.g. ``1e16`` for 1e16)."""
+    try:
+        return next(iter(msgspec.json.decode(_encoder.encode({key: None}))))
+    except (TypeError, ValueError, msgspec.MsgspecError):
+        return repr(key)  # the encoder refuses it: the caller's encode reports it
+
+
 def _check_keys(value: dict) -> None:
     """JSON object keys are strings: an int key is written as its digits. Raises ValueError if
     two keys of ``value`` would be written alike (``1`` and ``"1"``), one entry lost."""
     if len(set(map(type, value))) > 1:
         seen: dict[str, object] = {}
         for k in value:
-            text = k if isinstance(k, str) else str(k)
+            text = k if isinstance(k, str) else _key_text(k)
             if text in seen:
                 raise ValueError(f"keys {seen[text]!r} and {k!r} are both written as {text!r}")
             seen[text] = k

@@ -400,7 +400,8 @@ def _horizon_floor(
         if span <= MAX_ARRIVAL_NS:
             return x
         built.clear()
-        x *= 1.25 if span < math.inf else 2
+        # a trace slowed by 1 / x stretches like 1 / x: jump there (a little past, for rounding)
+        x *= max(1.01 * span / MAX_ARRIVAL_NS, 1.01) if span < math.inf else 2
     return start
 
 

@@ -179,11 +179,18 @@ class _Model:
 
 
 def reference_tokens(
-    config: DataflowConfig, seed: int = 0, *, model_seed: int | None = None
+    config: DataflowConfig, *, run_seed: int | None = None, model_seed: int | None = None
 ) -> list[list[int]]:
     """Every request's tokens computed densely, one token at a time (the ground truth): those
-    of ``Dataflow(config)`` in a run of ``seed``, or of ``Dataflow(config, model_seed=...)``."""
-    gen = _model_gen(seed, model_seed)
+    of ``Dataflow(config)`` in a run of seed ``run_seed``, or of ``Dataflow(config,
+    model_seed=...)`` in any run. Give exactly one."""
+    if (run_seed is None) == (model_seed is None):
+        raise ConfigError(
+            "give run_seed (the seed of the run Dataflow(config) runs in) or model_seed (the "
+            "model_seed Dataflow was given), one of them",
+            field="run_seed",
+        )
+    gen = _model_gen(run_seed or 0, model_seed)
     model = _Model(config, gen)
     prompts = _prompts(config, gen)
     out = []

@@ -150,6 +150,13 @@ def _check_limit(limit: object) -> int | None:
     return None if limit is None else require_int(limit, "limit", low=1)
 
 
+def _require_positive(value: object, field: str, what: str) -> None:
+    """A finite number > 0 (Python or numpy; not a bool), or one ConfigError naming ``field``."""
+    number = isinstance(value, (int, float, np.integer, np.floating))
+    if isinstance(value, bool) or not number or not 0 < value < math.inf:  # type: ignore[operator]
+        raise ConfigError(f"must be {what}, got {value!r:.40}", field=field)
+
+
 def _reached(rows: list[Any], limit: int | None, sort: bool) -> bool:
     """A loader has read ``limit`` requests and may stop (the rows after them are not read,
     nor checked); never when sorting, which needs every row first."""
@@ -440,8 +447,7 @@ def load_lengths(
     if invalid not in ("error", "drop"):
         raise TraceError(f"invalid must be 'error' or 'drop', got {invalid!r}", field="invalid")
     require_instance(rng, np.random.Generator, "rng")
-    if isinstance(cv, bool) or not isinstance(cv, (int, float)) or not 0 < cv < math.inf:
-        raise ConfigError(f"must be a finite number > 0, got {cv!r:.40}", field="cv")
+    _require_positive(cv, "cv", "a finite number > 0")
     limit = _check_limit(limit)
     p = _open(path)
     lengths = []
@@ -503,15 +509,7 @@ def load_generic(
     ``hash_block_tokens`` of its input (default 512, Mooncake's block); a replay checks that
     the deployment's prefix cache uses the same block size."""
     hash_block_tokens = require_int(hash_block_tokens, "hash_block_tokens", low=1)
-    if (
-        isinstance(time_unit_ns, bool)
-        or not isinstance(time_unit_ns, (int, float, np.integer, np.floating))
-        or not 0 < time_unit_ns < math.inf
-    ):
-        raise ConfigError(
-            f"must be a positive number of nanoseconds per time unit, got {time_unit_ns!r:.40}",
-            field="time_unit_ns",
-        )
+    _require_positive(time_unit_ns, "time_unit_ns", "a positive number of ns per time unit")
     limit = _check_limit(limit)
     p = _open(path)
     for key in ("arrival", "input", "output"):

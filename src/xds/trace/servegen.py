@@ -73,7 +73,8 @@ def load_servegen(
         )
     seed = require_int(seed, "seed")
     if clients is not None and (
-        isinstance(clients, (str, bytes)) or not all(is_integer(c) for c in clients)  # type: ignore[union-attr]
+        not isinstance(clients, (list, tuple, np.ndarray))
+        or not all(is_integer(c) for c in clients)
     ):
         raise ConfigError(f"must be a list of client numbers, got {clients!r:.40}", field="clients")
     p = Path(path)

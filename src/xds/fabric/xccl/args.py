@@ -56,7 +56,7 @@ def tokens(x: object, *, bytes_mode: bool, hidden: int) -> tuple[int, np.ndarray
             raise ConfigError(f"a token count must be >= 0, got {x}", field="x")
         return int(x), None
     if not bytes_mode and isinstance(x, (float, np.floating)):
-        raise ConfigError(f"a token count must be a whole number, got {x!r}", field="x")
+        raise ConfigError(f"a token count must be an integer, got {x!r}", field="x")
     try:
         arr = np.asarray(x, dtype=np.float32)
     except (TypeError, ValueError):
