@@ -158,11 +158,15 @@ def test_no_pass_routes_to_a_disabled_or_loading_slot(seed, spare):
 
     async def passes() -> None:
         for _ in range(60):
-            mapping = table.current  # one version for the whole pass
-            table.check_pass(mapping)
-            seen_versions.add(mapping.version)
-            await xds.sleep_ns(int(rng.integers(1, 400)))
-            table.check_pass(mapping) if mapping is table.current else None
+            mapping = table.begin_pass()  # one version for the whole pass, held till its end
+            try:
+                seen_versions.add(mapping.version)
+                for _ in range(3):  # every slot it routes to serves it throughout
+                    table.check_pass(mapping)
+                    await xds.sleep_ns(int(rng.integers(1, 400)))
+                table.check_pass(mapping)
+            finally:
+                table.end_pass(mapping)
 
     async def balancer() -> None:
         for _ in range(4):
@@ -179,9 +183,11 @@ def test_no_pass_routes_to_a_disabled_or_loading_slot(seed, spare):
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(passes)
+            tg.start_soon(passes)  # passes overlap, as the DP groups' do
             tg.start_soon(balancer)
 
     xds.run(main)
+    assert not table._passes  # every pass ended
     for mapping in table.history:
         for layer in mapping.replicas:
             assert all(len(dies) >= 1 for dies in layer)  # always an enabled replica

@@ -252,11 +252,17 @@ class DecodeInstance:
             jitter = np.array([d.before_dispatch_ns for d in draws], dtype=np.int64)
             between = max(d.between_passes_ns for d in draws)
             t_iter = now_ns()
-            if self.tier == "iteration":
-                out = self.model.iteration(seqs, ctx, jitter, routing_gen)
-                await sleep_ns(out.time_ns)
-            else:
-                out = await self._layer_iteration(seqs, ctx, jitter, routing_gen, barrier)
+            # online EPLB: the passes take the expert mapping now and hold it until they end
+            mapping = self.eplb.table.begin_pass() if self.eplb is not None else None
+            try:
+                if self.tier == "iteration":
+                    out = self.model.iteration(seqs, ctx, jitter, routing_gen)
+                    await sleep_ns(out.time_ns)
+                else:
+                    out = await self._layer_iteration(seqs, ctx, jitter, routing_gen, barrier)
+            finally:
+                if mapping is not None:
+                    self.eplb.table.end_pass(mapping)  # type: ignore[union-attr]
             bd.add(out.breakdown)
             fd = out.first_dispatch_ns
             if (seqs == seqs.max()).all():  # steady state only: not the drain at the end,

@@ -5,7 +5,9 @@ version. A forward pass takes the current mapping once and uses it for all its l
 (it is stamped with the version). Reconfiguring a redundant slot:
 
 1. **prefetch** the new expert's weights from storage into host memory;
-2. publish a mapping in which the affected slots are **disabled** (no replica points there);
+2. publish a mapping in which the affected slots are **disabled** (no replica points there),
+   and let every pass that took an older mapping finish (it may still route to them, and
+   their old weights serve it); a pass registers with :meth:`MappingTable.begin_pass`;
 3. **load** the weights into the slots asynchronously (forward passes keep running);
 4. publish a mapping that **re-enables** the slots with their new experts.
 
@@ -25,7 +27,7 @@ import anyio
 import msgspec
 
 from ...errors import ConfigError
-from ...runtime import emit, sleep_ns
+from ...runtime import emit, sleep_ns, waiting_for
 from .policies import Plan
 
 SlotState = Literal["enabled", "disabled", "loading", "empty"]
@@ -57,10 +59,41 @@ class MappingTable:
         self.slots: dict[tuple[int, int, int], tuple[int, SlotState]] = {}
         self.history: list[Mapping] = [self._current]
         self._lock = anyio.Lock()  # one reconfiguration at a time
+        self._passes: dict[int, int] = {}
+        """Mapping version -> forward passes in flight that took it."""
+        self._pass_ended = anyio.Event()
 
     @property
     def current(self) -> Mapping:
         return self._current
+
+    def begin_pass(self) -> Mapping:
+        """A forward pass starts: the mapping it uses for all its layers (held until
+        :meth:`end_pass`; a reconfiguration loads no slot an older mapping routes to while a
+        pass holds that mapping)."""
+        m = self._current
+        self._passes[m.version] = self._passes.get(m.version, 0) + 1
+        return m
+
+    def end_pass(self, mapping: Mapping) -> None:
+        """The pass that took ``mapping`` has finished."""
+        left = self._passes.get(mapping.version, 0) - 1
+        if left < 0:
+            raise ConfigError(
+                f"end_pass for mapping v{mapping.version}: no pass holds it", field="mapping"
+            )
+        if left:
+            self._passes[mapping.version] = left
+        else:
+            del self._passes[mapping.version]
+        self._pass_ended.set()
+
+    async def _drain(self, version: int) -> None:
+        """Until no pass holds a mapping older than ``version``."""
+        while any(v < version for v in self._passes):
+            self._pass_ended = ended = anyio.Event()
+            with waiting_for(f"forward passes on mappings older than v{version} to finish"):
+                await ended.wait()
 
     def slot_states(self, layer: int, die: int) -> list[tuple[int, SlotState]]:
         """(expert or -1, state) of each redundant slot of ``die`` in ``layer``."""
@@ -158,15 +191,18 @@ class MappingTable:
         )
         # 1. prefetch the new weights into host memory
         await sleep_ns(prefetch_ns)
-        # 2. disable the affected slots
+        # 2. publish a mapping without the affected slots; passes that took an older one may
+        # still route to them (with their old weights): they finish before the slots go
         replicas = self._replicas()
         for key in changed:
             layer, d, _ = key
             old = self.slots.get(key, (-1, "empty"))[0]
             if old >= 0:
                 replicas[layer][old] = [x for x in replicas[layer][old] if x != d]
-            self.slots[key] = (old, "disabled")
         self._publish(replicas)
+        await self._drain(self._current.version)
+        for key in changed:
+            self.slots[key] = (self.slots.get(key, (-1, "empty"))[0], "disabled")
         # 3. load asynchronously; passes keep using the mapping that excludes these slots
         for key in changed:
             self.slots[key] = (target.get(key, -1), "loading")
