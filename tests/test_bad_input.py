@@ -566,3 +566,24 @@ def test_decode_commands_name_the_other_command_and_a_missing_delay(capsys):
     assert "(it is an `xds decode` deployment)" in err
     err = _one_line(capsys, ["dataflow", "--slow", "attention:0"])
     assert "the extra delay in us is missing" in err
+
+
+def test_fault_specs_given_twice_empty_or_out_of_range_name_the_fault(tmp_path, capsys):
+    twice = ["--fault", "network_error:dp=1,iteration=2"] * 2
+    assert "the same fault is given twice" in _one_line(capsys, ["faults", *twice])
+    node = ["--fault", "node:at=60,server=3"] * 2
+    err = _one_line(capsys, ["replay", "--synthetic", "5", *node])
+    assert "--fault node:at=60,server=3: the same fault is given twice" in err
+    err = _one_line(capsys, ["faults", "--fault", "network_error:dp=1,iteration=1,code="])
+    assert "code has no value" in err
+    err = _one_line(capsys, ["faults", "--fault", "network_error:dp=1,iteration=1,,"])
+    assert "an empty item (a stray comma?)" in err
+    for spec, says in (
+        ("memory:at=60,dp=128", "--fault #1 dp: dp 128 does not exist"),
+        ("memory:at=60,dp=0,blocks=99999999", "--fault #1 first_block: blocks 0..99999998"),
+        ("memory:at=60,dp=0,blocks=0", "--fault memory:at=60,dp=0,blocks=0: blocks: "),
+    ):
+        assert says in _one_line(capsys, ["replay", "--synthetic", "5", "--fault", spec])
+    (tmp_path / "e.toml").write_text("[eplb]\nspare_slots = 1000\n")
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "e.toml")])
+    assert "e.toml: eplb.spare_slots: 1000 redundant expert slots per die" in err

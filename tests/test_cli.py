@@ -260,7 +260,7 @@ def test_replay_injects_node_and_link_faults(capsys):
     assert "link probes" in out and "healthy" in out
     for spec, expected in (
         ("node:at=1", "needs server"),
-        ("node:at=1,server=99", "--fault: server 99 does not exist"),
+        ("node:at=1,server=99", "--fault #1 server: server 99 does not exist"),
         ("link_down:at=1,prefill_te=0", "add --probe, or give duration=SECONDS"),
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),

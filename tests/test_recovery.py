@@ -144,7 +144,7 @@ def test_node_fault_replays_agree_across_backends():
 def test_bad_node_faults_name_the_field():
     with pytest.raises(ConfigError) as err:
         replay(WL, CFG, faults=[NodeFault(at_ns=0, server=8)])
-    assert err.value.field == "server"
+    assert err.value.field == "faults[0].server"
     with pytest.raises(ConfigError) as err:
         NodeFault(at_ns=-1, server=0)
     assert err.value.field == "at_ns"

@@ -203,7 +203,7 @@ def test_bad_memory_faults_name_the_field():
     ):
         with pytest.raises(ConfigError) as err:
             replay(WL, CFG, faults=[fault])
-        assert err.value.field == field
+        assert err.value.field == f"faults[0].{field}"  # the CLI says --fault #1 {field}
     with pytest.raises(ConfigError, match="blocks"):
         MemoryFault(at_ns=0, dp=0, blocks=0)
 

@@ -373,12 +373,17 @@ def split_spec(spec: str, kinds: Any) -> tuple[str, dict[str, str]]:
             f"{spec!r}: unknown fault kind {kind!r}; known: {', '.join(kinds)}", field="fault"
         )
     fields: dict[str, str] = {}
-    for item in filter(None, rest.split(",")):
+    items = rest.split(",") if rest.strip() else []
+    for item in items:
         key, eq, value = item.partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
+        if not item.strip():
+            raise ConfigError(f"{spec!r}: an empty item (a stray comma?)", field="fault")
         if not eq or not key:
             raise ConfigError(f"{spec!r}: expected KEY=VALUE, got {item!r}", field="fault")
+        if not value:
+            raise ConfigError(f"{spec!r}: {key} has no value", field="fault")
         if key in fields:
             raise ConfigError(f"{spec!r}: {key} is given twice", field="fault")
-        fields[key] = value.strip()
+        fields[key] = value
     return kind, fields

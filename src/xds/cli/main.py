@@ -11,7 +11,7 @@ import functools
 import math
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -883,6 +883,7 @@ def replay(
             cfg, recovery=msgspec.structs.replace(cfg.recovery, mode=recovery)
         )
     faults = [_replay_fault(spec) for spec in fault_specs]
+    _no_fault_twice(fault_specs, faults)
     if recovery is not None and not any(spec.startswith("node:") for spec in fault_specs):
         raise click.UsageError("--recovery applies to node faults: give a --fault node:...")
     for spec, fault in zip(fault_specs, faults, strict=True):
@@ -1027,10 +1028,10 @@ def replay(
         )
     for m in result.kv_masks:
         last = m.first_block + m.blocks - 1
-        what = m.skipped or f"{m.failed} failed"
+        done = f"not masked: {m.skipped}" if m.skipped else f"masked ({m.failed} failed)"
         totals.add_row(
             f"memory fault {m.te}/DP{m.dp}",
-            f"at {fmt_ns(m.at_ns)}: blocks {m.first_block}..{last} masked ({what})",
+            f"at {fmt_ns(m.at_ns)}: blocks {m.first_block}..{last} {done}",
         )
     if result.probes:
         counts: dict[str, int] = {}
@@ -1042,11 +1043,18 @@ def replay(
     console.print(totals)
 
 
+def _no_fault_twice(specs: tuple[str, ...], faults: Sequence[object], given: Sequence[object] = ()):
+    """The same fault given twice (or already in the config file) would strike once: refused."""
+    seen = list(given)
+    for spec, fault in zip(specs, faults, strict=True):
+        if fault in seen:
+            raise click.UsageError(f"--fault {spec}: the same fault is given twice")
+        seen.append(fault)
+
+
 def _replay_fault(spec: str):
     """``--fault`` of ``xds replay``: KIND:KEY=VALUE,... with times in seconds."""
     from xds.config import split_spec
-    from xds.serve.recovery import MemoryFault, NodeFault
-    from xds.serve.replay import DistFlowFault
 
     keys = {
         "node": {"at", "server", "repair"},
@@ -1078,6 +1086,17 @@ def _replay_fault(spec: str):
 
     def ns(key: str) -> int:
         return round(values.get(key, 0.0) * 1e9)
+
+    try:
+        return _replay_fault_of(kind, values, ns)
+    except ConfigError as exc:
+        raise click.UsageError(f"--fault {spec}: {exc.field}: {exc.message}") from None
+
+
+def _replay_fault_of(kind: str, values: dict[str, float], ns):
+    """The replay fault of a checked ``--fault`` spec."""
+    from xds.serve.recovery import MemoryFault, NodeFault
+    from xds.serve.replay import DistFlowFault
 
     if kind == "node":
         return NodeFault(at_ns=ns("at"), server=int(values["server"]), repair_ns=ns("repair"))
@@ -1483,6 +1502,7 @@ def faults(
 
     cfg = load_config(config_path, ReliabilityConfig) if config_path else ReliabilityConfig()
     extra = tuple(parse_fault(spec) for spec in fault_specs)
+    _no_fault_twice(fault_specs, extra, cfg.faults)
     changes: dict = {"faults": cfg.faults + extra}
     if on_unhealthy is not None:
         changes["heartbeat"] = msgspec.structs.replace(cfg.heartbeat, on_unhealthy=on_unhealthy)

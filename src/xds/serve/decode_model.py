@@ -147,6 +147,13 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             weights = decode_weight_bytes(self)
             if weights >= (1 - WORKSPACE_FRACTION) * hbm:
                 routed_dies = self.dies - self.shared_expert_dies
+                if self.eplb is not None and self.eplb.spare_slots > 1:
+                    raise ConfigError(
+                        f"{self.eplb.spare_slots} redundant expert slots per die and MoE layer "
+                        f"hold {weights / 2**30:.1f} GiB of weights per die, no room for KV on "
+                        f"a {hbm / 2**30:.0f} GiB die: fewer spare slots",
+                        field="eplb.spare_slots",
+                    )
                 raise ConfigError(
                     f"with {self.dies} dies ({routed_dies} for {m.routed_experts} routed experts "
                     f"after shared_expert_dies = {self.shared_expert_dies}) each holds "

@@ -1003,14 +1003,18 @@ def replay(
             decode_te_selection=decode_te_selection,
             kv_mover=kv_mover,
         )
-        for fault in faults:
-            if isinstance(fault, NodeFault):
-                r.inject_node_fault(fault)
-                continue
-            if isinstance(fault, MemoryFault):
-                r.inject_memory_fault(fault)
-                continue
-            r._inject_distflow(fault)
+        for i, fault in enumerate(faults):
+            try:
+                if isinstance(fault, NodeFault):
+                    r.inject_node_fault(fault)
+                elif isinstance(fault, MemoryFault):
+                    r.inject_memory_fault(fault)
+                else:
+                    r._inject_distflow(fault)
+            except ConfigError as exc:  # name the fault: faults[i].dp, say
+                if exc.field not in type(fault).__struct_fields__:
+                    raise
+                raise ConfigError(exc.message, field=f"faults[{i}].{exc.field}") from None
         return await r.run()
 
     if time_limit_ns is None:  # a day after the last arrival or scheduled fault end
