@@ -579,11 +579,39 @@ def test_fault_specs_given_twice_empty_or_out_of_range_name_the_fault(tmp_path, 
     err = _one_line(capsys, ["faults", "--fault", "network_error:dp=1,iteration=1,,"])
     assert "an empty item (a stray comma?)" in err
     for spec, says in (
-        ("memory:at=60,dp=128", "--fault #1 dp: dp 128 does not exist"),
-        ("memory:at=60,dp=0,blocks=99999999", "--fault #1 first_block: blocks 0..99999998"),
+        ("memory:at=60,dp=128", "--fault memory:at=60,dp=128: dp: dp 128 does not exist"),
+        ("memory:at=60,dp=0,blocks=99999999", ",blocks=99999999: first_block: blocks 0..9999"),
         ("memory:at=60,dp=0,blocks=0", "--fault memory:at=60,dp=0,blocks=0: blocks: "),
     ):
         assert says in _one_line(capsys, ["replay", "--synthetic", "5", "--fault", spec])
     (tmp_path / "e.toml").write_text("[eplb]\nspare_slots = 1000\n")
     err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "e.toml")])
     assert "e.toml: eplb.spare_slots: 1000 redundant expert slots per die" in err
+
+
+def test_a_bad_command_line_fault_after_config_faults_is_named_by_its_spec(tmp_path, capsys):
+    (tmp_path / "g.toml").write_text('[[faults]]\nkind = "network_error"\ndp = 1\niteration = 2\n')
+    argv = ["faults", "--config", str(tmp_path / "g.toml")]
+    err = _one_line(capsys, [*argv, "--fault", "network_error:dp=9,iteration=1"])
+    assert "--fault network_error:dp=9,iteration=1: dp: DP 9 does not exist" in err
+
+
+def test_eplb_layout_and_plan_errors_name_the_real_cause():
+    from xds.errors import ProtocolError
+    from xds.serve.eplb.policies import Layout, Plan, checked_plan
+
+    for n in (0, -1):
+        with pytest.raises(ConfigError) as err:
+            Layout.one_expert_per_die(n, 8)
+        assert err.value.field == "n_experts"
+    layout = Layout.one_expert_per_die(8, 10, 0)
+    dies = [[e] for e in range(8)]
+    dies[0].append(9)
+    with pytest.raises(ProtocolError, match=r"die 9 has no redundant slot \(spare_slots = 0\)"):
+        checked_plan(
+            Plan(np.array([len(d) for d in dies]), dies),
+            policy="p",
+            layer=0,
+            layout=layout,
+            budget=4,
+        )

@@ -243,7 +243,7 @@ def test_faults_rejects_bad_fault_specs_in_one_line(capsys):
     for spec, expected in (
         ("bogus:dp=1", "unknown fault kind 'bogus'"),
         ("network_error:dp=x,iteration=1", "dp must be a whole number, got 'x'"),
-        ("network_error:dp=9,iteration=1", "--fault #1 dp: DP 9 does not exist"),
+        ("network_error:dp=9,iteration=1", "--fault network_error:dp=9,iteration=1: dp: DP 9 does"),
         ("network_error:dp", "expected KEY=VALUE"),
     ):
         assert main(["faults", "--fault", spec]) == 2
@@ -260,7 +260,7 @@ def test_replay_injects_node_and_link_faults(capsys):
     assert "link probes" in out and "healthy" in out
     for spec, expected in (
         ("node:at=1", "needs server"),
-        ("node:at=1,server=99", "--fault #1 server: server 99 does not exist"),
+        ("node:at=1,server=99", "--fault node:at=1,server=99: server: server 99 does not"),
         ("link_down:at=1,prefill_te=0", "add --probe, or give duration=SECONDS"),
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),

@@ -914,7 +914,7 @@ def replay(
         def progress(t_ns: int, done: int, total: int) -> None:
             bar.update(task, completed=done, t=fmt_ns(t_ns))
 
-        with _names_deployment_file(deployment):
+        with _names_deployment_file(deployment), _names_fault_spec(fault_specs):
             result = run_replay(
                 workload, cfg, seed=seed, progress=progress, faults=faults, **policies
             )
@@ -1506,7 +1506,8 @@ def faults(
     changes: dict = {"faults": cfg.faults + extra}
     if on_unhealthy is not None:
         changes["heartbeat"] = msgspec.structs.replace(cfg.heartbeat, on_unhealthy=on_unhealthy)
-    cfg = msgspec.structs.replace(cfg, **changes)
+    with _names_fault_spec(fault_specs, offset=len(cfg.faults)):
+        cfg = msgspec.structs.replace(cfg, **changes)
     res = run(lambda: ReliableDecode(cfg).run(), seed=seed, backend=backend, event_log=False)  # type: ignore[arg-type]
     if as_json:
         print(msgspec.json.encode(res).decode())
@@ -1521,7 +1522,10 @@ def faults(
     table.add_row("stopped", escape(res.stopped) or "no: ran to completion")
     console.print(table)
     if res.rollbacks:
-        rb = Table(title="rollbacks (SPEC 11.2 stage 3)")
+        rb = Table(
+            title="rollbacks (SPEC 11.2 stage 3; code SCALE_DOWN: the abort of a scale-down, "
+            "whose survivors redo the iteration, not counted against max_retries)"
+        )
         for col in (
             "iteration",
             "attempt",
@@ -1701,6 +1705,21 @@ _FLAG_OF_FIELD = {
     "from_token": "--from-token",
 }
 """Library fields that a command-line flag sets: errors about them name the flag."""
+
+
+@contextlib.contextmanager
+def _names_fault_spec(specs: Sequence[str], *, offset: int = 0) -> Iterator[None]:
+    """A ConfigError about ``faults[i]`` names the ``--fault`` spec it came from (the first
+    ``offset`` faults came from a config file, which names itself)."""
+    try:
+        yield
+    except ConfigError as exc:
+        which = re.match(r"faults\[(\d+)\]\.?(.*)", exc.field or "")
+        k = int(which[1]) - offset if which and exc.source is None else -1
+        if not 0 <= k < len(specs):
+            raise
+        what = f" {which[2]}:" if which and which[2] else ""
+        raise click.UsageError(f"--fault {specs[k]}:{what} {exc.message}") from None
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from ...config import require_int
 from ...errors import ConfigError, ProtocolError
 from ..policies import binds
 
@@ -110,6 +111,7 @@ class Layout(msgspec.Struct, frozen=True):
 
     @classmethod
     def one_expert_per_die(cls, n_experts: int, n_dies: int, spare_slots: int = 1) -> Layout:
+        n_experts = require_int(n_experts, "n_experts", low=1)
         if n_experts > n_dies:
             raise ConfigError(
                 f"{n_experts} experts do not fit one per die on {n_dies} dies", field="n_dies"
@@ -599,6 +601,8 @@ def checked_plan(
             used[d] += 1
             if used[d] > layout.spare_slots:
                 n = layout.spare_slots
+                if not n:
+                    raise bad(f"expert {e}: die {d} has no redundant slot (spare_slots = 0)")
                 taken = "it is taken" if n == 1 else "they are all taken"
                 raise bad(
                     f"expert {e}: die {d} has {n} redundant slot{'s' if n != 1 else ''} and "
