@@ -887,6 +887,12 @@ def replay(
     if recovery is not None and not any(spec.startswith("node:") for spec in fault_specs):
         raise click.UsageError("--recovery applies to node faults: give a --fault node:...")
     for spec, fault in zip(fault_specs, faults, strict=True):
+        for te, have in (("prefill_te", cfg.prefill.tes), ("decode_te", cfg.decode_tes)):
+            if hasattr(fault, "prefill_te") and getattr(fault, te) >= have:
+                raise click.UsageError(
+                    f"--fault {spec}: {te}: the deployment has {have} "
+                    f"{'Prefill' if te == 'prefill_te' else 'Decode'} TE{'s' * (have != 1)}"
+                )
         if getattr(fault, "kind", "") == "link_down" and not fault.duration_ns and not cfg.probe:
             raise click.UsageError(
                 f"--fault {spec}: a link down for good (no duration, or duration=0) stalls its "
