@@ -587,7 +587,7 @@ def test_fault_specs_given_twice_empty_or_out_of_range_name_the_fault(tmp_path, 
     err = _one_line(
         capsys, ["replay", "--synthetic", "5", "--fault", "link_down:at=10,prefill_te=9"]
     )
-    assert "prefill_te: the deployment has 4 Prefill TEs" in err  # before "a link down for good"
+    assert "prefill_te: no DistFlow instance P9-D0: the deployment has 4 Prefill TEs" in err
     (tmp_path / "e.toml").write_text("[eplb]\nspare_slots = 1000\n")
     err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "e.toml")])
     assert "e.toml: eplb.spare_slots: 1000 redundant expert slots per die" in err

@@ -261,7 +261,7 @@ def test_replay_injects_node_and_link_faults(capsys):
     for spec, expected in (
         ("node:at=1", "needs server"),
         ("node:at=1,server=99", "--fault node:at=1,server=99: server: server 99 does not"),
-        ("link_down:at=1,prefill_te=0", "add --probe, or give duration=SECONDS"),
+        ("link_down:at=1,prefill_te=0", "--probe on the command line) or give the fault a dur"),
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),
         ("node:at=-1,server=0", "at must be in 0..1e+06"),

@@ -161,7 +161,7 @@ def test_a_permanent_link_down_without_probing_is_refused():
     cfg, wl = _replay_setup()
     with pytest.raises(ConfigError, match="link probing") as err:
         replay(wl, cfg, faults=[DistFlowFault(at_ns=0, prefill_te=0, kind="link_down")])
-    assert err.value.field == "faults"
+    assert err.value.field == "faults[0].duration_ns"
     with pytest.raises(ConfigError) as err:
         DistFlowFault(at_ns=0, prefill_te=0, duration_ns=5)
     assert err.value.field == "duration_ns"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import numbers
 import re
 import tomllib
@@ -315,6 +316,17 @@ def require_int(value: object, field: str, *, low: int = 0, high: int | None = N
             return v
     bounds = f">= {low}" if high is None else f"in {low}..{high}"
     raise ConfigError(f"must be an integer {bounds}, got {value!r:.40}", field=field)
+
+
+def require_positive(value: object, field: str) -> float:
+    """``value`` as a float if it is a finite real number > 0 (numpy ones too; not a bool);
+    else one ConfigError naming ``field`` (NaN, infinity, zero and strings are refused)."""
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, bool
+    )
+    if not number or not 0 < value < math.inf:  # type: ignore[operator]
+        raise ConfigError(f"must be a finite number > 0, got {value!r:.40}", field=field)
+    return float(value)  # type: ignore[arg-type]
 
 
 def require_instance(value: object, kind: type, field: str) -> None:

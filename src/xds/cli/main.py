@@ -860,6 +860,7 @@ def replay(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xds.serve.presets import pd_config
+    from xds.serve.replay import check_distflow_faults
     from xds.serve.replay import replay as run_replay
 
     _check_trace_options(trace, fmt, sort)
@@ -886,19 +887,8 @@ def replay(
     _no_fault_twice(fault_specs, faults)
     if recovery is not None and not any(spec.startswith("node:") for spec in fault_specs):
         raise click.UsageError("--recovery applies to node faults: give a --fault node:...")
-    for spec, fault in zip(fault_specs, faults, strict=True):
-        for te, have in (("prefill_te", cfg.prefill.tes), ("decode_te", cfg.decode_tes)):
-            if hasattr(fault, "prefill_te") and getattr(fault, te) >= have:
-                raise click.UsageError(
-                    f"--fault {spec}: {te}: the deployment has {have} "
-                    f"{'Prefill' if te == 'prefill_te' else 'Decode'} TE{'s' * (have != 1)}"
-                )
-        if getattr(fault, "kind", "") == "link_down" and not fault.duration_ns and not cfg.probe:
-            raise click.UsageError(
-                f"--fault {spec}: a link down for good (no duration, or duration=0) stalls its "
-                "transfers forever unless link probing finds it: add --probe, or give "
-                "duration=SECONDS"
-            )
+    with _names_fault_spec(fault_specs):
+        check_distflow_faults(cfg, faults)
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
     if trace is None:
@@ -1713,6 +1703,10 @@ _FLAG_OF_FIELD = {
 """Library fields that a command-line flag sets: errors about them name the flag."""
 
 
+_FAULT_FIELD = re.compile(r"faults\[(\d+)\]\.?(.*)")
+"""A field of the i-th fault: ``faults[i].dp`` (group 1: i; group 2: the field, maybe empty)."""
+
+
 @contextlib.contextmanager
 def _names_fault_spec(specs: Sequence[str], *, offset: int = 0) -> Iterator[None]:
     """A ConfigError about ``faults[i]`` names the ``--fault`` spec it came from (the first
@@ -1720,7 +1714,7 @@ def _names_fault_spec(specs: Sequence[str], *, offset: int = 0) -> Iterator[None
     try:
         yield
     except ConfigError as exc:
-        which = re.match(r"faults\[(\d+)\]\.?(.*)", exc.field or "")
+        which = _FAULT_FIELD.match(exc.field or "")
         k = int(which[1]) - offset if which and exc.source is None else -1
         if not 0 <= k < len(specs):
             raise
@@ -1761,7 +1755,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ConfigError as exc:
         flag = _FLAG_OF_FIELD.get(exc.field or "") if exc.source is None else None
-        fault = re.match(r"faults\[(\d+)\]\.?(.*)", exc.field or "")
+        fault = _FAULT_FIELD.match(exc.field or "")
         if fault and exc.source is None:  # the k-th --fault of the command line
             flag = f"--fault #{int(fault[1]) + 1}" + (f" {fault[2]}" if fault[2] else "")
         print(f"xds: error: {f'{flag}: {exc.message}' if flag else exc}", file=sys.stderr)

@@ -637,18 +637,7 @@ class Replay(Failover):
         )
 
     def _inject_distflow(self, fault: DistFlowFault) -> None:
-        cfg = self.config
-        prefill_te, decode_te = fault.prefill_te, fault.decode_te
-        if not (0 <= prefill_te < cfg.prefill.tes and 0 <= decode_te < cfg.decode_tes):
-            raise ConfigError(f"no DistFlow instance P{prefill_te}-D{decode_te}", field="pair")
-        if fault.kind == "link_down" and not fault.duration_ns and cfg.probe is None:
-            raise ConfigError(
-                f"a link_down fault of P{prefill_te}-D{decode_te} for good stalls its transfers "
-                "forever unless link probing finds it: set the deployment's probe (probe = {} "
-                "in a deployment file, --probe on the command line) or give the fault a "
-                "duration_ns",
-                field="faults",
-            )
+        _check_distflow_fault(self.config, fault, "")
         self._faults.append(fault)
 
     def _struck(self, fault: object) -> None:
@@ -864,6 +853,44 @@ MAX_ARRIVAL_NS = HORIZON_NS // 2
 :data:`xds.runtime.loop.HORIZON_NS`, and the requests still need serving."""
 
 
+def check_distflow_faults(config: PDConfig, faults: Sequence[object]) -> None:
+    """Every entry of ``faults`` is a replay fault, and each DistFlow fault names a (Prefill TE,
+    Decode TE) pair the deployment has (ConfigError ``faults[i]...``; node and memory faults
+    are checked against the deployment when injected)."""
+    for i, fault in enumerate(faults):
+        if isinstance(fault, NodeFault | MemoryFault):
+            continue
+        if not isinstance(fault, DistFlowFault):
+            raise ConfigError(
+                f"expected DistFlowFault, NodeFault or MemoryFault entries, got {fault!r}",
+                field=f"faults[{i}]",
+            )
+        _check_distflow_fault(config, fault, f"faults[{i}].")
+
+
+def _check_distflow_fault(config: PDConfig, fault: DistFlowFault, where: str) -> None:
+    """``fault``'s pair exists, and a link down for good has link probing to find it
+    (ConfigError naming ``where`` + the field)."""
+    for te, have, kind in (
+        ("prefill_te", config.prefill.tes, "Prefill"),
+        ("decode_te", config.decode_tes, "Decode"),
+    ):
+        if getattr(fault, te) >= have:
+            raise ConfigError(
+                f"no DistFlow instance P{fault.prefill_te}-D{fault.decode_te}: the "
+                f"deployment has {have} {kind} TE{'s' * (have != 1)}",
+                field=f"{where}{te}",
+            )
+    if fault.kind == "link_down" and not fault.duration_ns and config.probe is None:
+        raise ConfigError(
+            f"a link_down fault of P{fault.prefill_te}-D{fault.decode_te} for good stalls its "
+            "transfers forever unless link probing finds it: set the deployment's probe "
+            "(probe = {} in a deployment file, --probe on the command line) or give the fault "
+            "a duration",
+            field=f"{where}duration_ns",
+        )
+
+
 def _check_workload(workload: Workload) -> None:
     """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals."""
     if not isinstance(workload, Workload):
@@ -973,20 +1000,7 @@ def replay(
             f"{type(faults).__name__}",
             field="faults",
         )
-    for fault in faults:
-        if isinstance(fault, NodeFault | MemoryFault):
-            continue  # checked by Replay.inject_node_fault / inject_memory_fault
-        if not isinstance(fault, DistFlowFault):
-            raise ConfigError(
-                f"expected DistFlowFault, NodeFault or MemoryFault entries, got {fault!r}",
-                field="faults",
-            )
-        if fault.prefill_te >= cfg.prefill.tes or fault.decode_te >= cfg.decode_tes:
-            raise ConfigError(
-                f"no DistFlow instance P{fault.prefill_te}-D{fault.decode_te} (the deployment "
-                f"has {cfg.prefill.tes} Prefill TEs and {cfg.decode_tes} Decode TEs)",
-                field="faults",
-            )
+    check_distflow_faults(cfg, faults)
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..config import require_instance, require_int
-from ..errors import ConfigError, TraceError
+from ..config import require_instance, require_int, require_positive
+from ..errors import TraceError
 from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
 
 _json = msgspec.json.Decoder()
@@ -148,13 +148,6 @@ def _int_field(
 def _check_limit(limit: object) -> int | None:
     """``limit``: None (every request) or a count of requests >= 1."""
     return None if limit is None else require_int(limit, "limit", low=1)
-
-
-def _require_positive(value: object, field: str, what: str) -> None:
-    """A finite number > 0 (Python or numpy; not a bool), or one ConfigError naming ``field``."""
-    number = isinstance(value, (int, float, np.integer, np.floating))
-    if isinstance(value, bool) or not number or not 0 < value < math.inf:  # type: ignore[operator]
-        raise ConfigError(f"must be {what}, got {value!r:.40}", field=field)
 
 
 def _reached(rows: list[Any], limit: int | None, sort: bool) -> bool:
@@ -447,7 +440,7 @@ def load_lengths(
     if invalid not in ("error", "drop"):
         raise TraceError(f"invalid must be 'error' or 'drop', got {invalid!r}", field="invalid")
     require_instance(rng, np.random.Generator, "rng")
-    _require_positive(cv, "cv", "a finite number > 0")
+    require_positive(cv, "cv")
     limit = _check_limit(limit)
     p = _open(path)
     lengths = []
@@ -509,7 +502,7 @@ def load_generic(
     ``hash_block_tokens`` of its input (default 512, Mooncake's block); a replay checks that
     the deployment's prefix cache uses the same block size."""
     hash_block_tokens = require_int(hash_block_tokens, "hash_block_tokens", low=1)
-    _require_positive(time_unit_ns, "time_unit_ns", "a positive number of ns per time unit")
+    require_positive(time_unit_ns, "time_unit_ns")
     limit = _check_limit(limit)
     p = _open(path)
     for key in ("arrival", "input", "output"):

@@ -9,12 +9,12 @@ simple distributions; all randomness from the seeded generator passed in.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
+from ..config import require_positive
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..units import S
@@ -50,10 +50,7 @@ class Workload(msgspec.Struct, frozen=True):
 
     def scaled(self, rate_scale: float) -> Workload:
         """Arrivals ``rate_scale`` times as dense (``2`` halves every inter-arrival gap)."""
-        if not 0 < rate_scale < math.inf:
-            raise ConfigError(
-                f"rate_scale must be positive and finite, got {rate_scale}", field="rate_scale"
-            )
+        require_positive(rate_scale, "rate_scale")
         last = max((r.arrival_ns for r in self.requests), default=0)
         if last / rate_scale > 2**63 - 1:
             raise ConfigError(
@@ -113,8 +110,8 @@ def fixed(
 ) -> Workload:
     """``n`` identical requests, all at time 0 or evenly spaced at ``rate_per_s``."""
     _check_counts(n, input_tokens, output_tokens)
-    if rate_per_s is not None and rate_per_s <= 0:
-        raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
+    if rate_per_s is not None:
+        require_positive(rate_per_s, "rate_per_s")
     gap = 0 if rate_per_s is None else round(S / rate_per_s)
     return _build(
         [i * gap for i in range(n)],
@@ -140,18 +137,15 @@ def arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
 
 
 def poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
-    if not 0 < rate_per_s < float("inf"):
-        raise ConfigError(f"rate must be positive and finite, got {rate_per_s}", field="rate_per_s")
+    require_positive(rate_per_s, "rate_per_s")
     return arrival_times(rng.exponential(S / rate_per_s, n), rate_per_s)
 
 
 def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: float) -> np.ndarray:
     """Gamma inter-arrival times with mean ``1/rate`` and coefficient of variation ``cv``
     (cv = 1 is Poisson; > 1 is bursty)."""
-    if not 0 < rate_per_s < float("inf"):
-        raise ConfigError(f"rate must be positive and finite, got {rate_per_s}", field="rate_per_s")
-    if cv <= 0:
-        raise ConfigError(f"cv must be positive, got {cv}", field="cv")
+    require_positive(rate_per_s, "rate_per_s")
+    require_positive(cv, "cv")
     shape = 1.0 / cv**2
     return arrival_times(rng.gamma(shape, S / rate_per_s / shape, n), rate_per_s)
 
