@@ -262,6 +262,7 @@ def test_replay_injects_node_and_link_faults(capsys):
         ("node:at=1", "needs server"),
         ("node:at=1,server=99", "--fault node:at=1,server=99: server: server 99 does not"),
         ("link_down:at=1,prefill_te=0", "--probe on the command line) or give the fault a dur"),
+        ("link_down:at=1,prefill_te=0", "prefill_te=0: duration: a link_down fault"),  # its key
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),
         ("node:at=-1,server=0", "at must be in 0..1e+06"),

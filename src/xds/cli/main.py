@@ -1086,7 +1086,7 @@ def _replay_fault(spec: str):
     try:
         return _replay_fault_of(kind, values, ns)
     except ConfigError as exc:
-        raise click.UsageError(f"--fault {spec}: {exc.field}: {exc.message}") from None
+        raise click.UsageError(f"--fault {spec}: {_cli_key(exc.field)}: {exc.message}") from None
 
 
 def _replay_fault_of(kind: str, values: dict[str, float], ns):
@@ -1707,6 +1707,12 @@ _FAULT_FIELD = re.compile(r"faults\[(\d+)\]\.?(.*)")
 """A field of the i-th fault: ``faults[i].dp`` (group 1: i; group 2: the field, maybe empty)."""
 
 
+def _cli_key(field: str | None) -> str:
+    """The ``--fault`` key of a fault's field: its times are given in seconds, so
+    ``duration_ns`` is ``duration``."""
+    return (field or "").removesuffix("_ns")
+
+
 @contextlib.contextmanager
 def _names_fault_spec(specs: Sequence[str], *, offset: int = 0) -> Iterator[None]:
     """A ConfigError about ``faults[i]`` names the ``--fault`` spec it came from (the first
@@ -1718,7 +1724,7 @@ def _names_fault_spec(specs: Sequence[str], *, offset: int = 0) -> Iterator[None
         k = int(which[1]) - offset if which and exc.source is None else -1
         if not 0 <= k < len(specs):
             raise
-        what = f" {which[2]}:" if which and which[2] else ""
+        what = f" {_cli_key(which[2])}:" if which and which[2] else ""
         raise click.UsageError(f"--fault {specs[k]}:{what} {exc.message}") from None
 
 
@@ -1757,7 +1763,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = _FLAG_OF_FIELD.get(exc.field or "") if exc.source is None else None
         fault = _FAULT_FIELD.match(exc.field or "")
         if fault and exc.source is None:  # the k-th --fault of the command line
-            flag = f"--fault #{int(fault[1]) + 1}" + (f" {fault[2]}" if fault[2] else "")
+            flag = f"--fault #{int(fault[1]) + 1}" + (f" {_cli_key(fault[2])}" if fault[2] else "")
         print(f"xds: error: {f'{flag}: {exc.message}' if flag else exc}", file=sys.stderr)
         return 2
     except XdsError as exc:
