@@ -288,6 +288,9 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     assert main([*argv, "--deployment", str(bigger), "--bisections", "0"]) == 0
     text = capsys.readouterr().out
     assert "capacity compared" in text and "req/s per chip" in text
+    compared = text[text.index("capacity compared") :]
+    names = "".join(ln.split("│")[1].strip() for ln in compared.splitlines() if ln[:1] == "│")
+    assert f"{toml}{bigger}" in names  # long names fold, whole, rather than being cut off
     assert main([*argv, "--goodput", "0"]) == 2
     assert main([*argv, "--criterion", "p99"]) == 2
     assert main(["capacity", str(tmp_path / "t.jsonl"), "--unique-prompts"]) == 2

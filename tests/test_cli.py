@@ -412,3 +412,18 @@ def test_a_quick_reproduce_run_says_so_in_its_json():
     rows = [Row("iteration_ms", 93.0, 81.6, "ms", "approx", 0.1)]
     assert Result("peak-decode", 1.0, rows, quick=True).to_json_object()["quick"] is True
     assert "quick" not in Result("peak-decode", 1.0, rows).to_json_object()
+
+
+def test_a_single_valued_option_given_twice_is_an_error_not_last_wins(capsys):
+    for argv, expected in (
+        (["replay", "--synthetic", "3", "--deployment", "a", "--deployment=b"], "--deployment is"),
+        (["replay", "--synthetic", "3", "--seed", "1", "--seed", "2"], "--seed is given twice"),
+        (["capacity", "--window", "5", "--window", "6"], "--window is given twice"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "it takes one value" in err and err.count("\n") == 1
+    # a repeatable option stays repeatable, and a value that looks like an option is a value
+    argv = ["replay", "--synthetic", "20", "--fault", "node:at=1,server=1"]
+    assert main([*argv, "--fault", "node:at=2,server=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 20

@@ -621,3 +621,31 @@ class TestOverride:
         ]
     )
     assert "Traceback" not in result.stdout.str()
+
+
+def test_logging_from_a_later_test_reaches_that_tests_stderr(pytester):
+    """xds configures structlog at the first run; its logger once kept the stream that was
+    sys.stderr then: under capsys, a later test's log call wrote to a closed file."""
+    result = run(
+        pytester,
+        """
+import structlog
+from xds.runtime.logs import get_logger
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_structlog():
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
+
+@pytest.mark.xds
+async def test_first(capsys):
+    await xds.sleep_ns(5)
+
+@pytest.mark.xds
+async def test_second(capsys):
+    get_logger("mine").warning("hello from the second test")
+    assert "hello from the second test" in capsys.readouterr().err
+""",
+    )
+    result.assert_outcomes(passed=2)

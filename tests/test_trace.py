@@ -591,3 +591,21 @@ def test_lengths_loader_takes_numpy_numbers_for_its_arrival_process(tmp_path):
         return [r.arrival_ns for r in w.requests]
 
     assert arrivals(np.int64(2)) == arrivals(np.float32(2.0)) == arrivals(2)
+
+
+def test_a_csv_field_of_prompt_text_is_read_and_an_overlong_one_names_its_line(
+    tmp_path, monkeypatch
+):
+    import csv
+
+    import xds.trace.loaders as loaders
+
+    text = "word " * 40_000  # 200 kB: over the csv module's 128 KiB default field limit
+    head = "prompt,arrived_at,num_prefill_tokens,num_decode_tokens\n"
+    p = write(tmp_path, "v.csv", f'{head}"hi",0,5,2\n"{text}",1,9,3\n')
+    w = t.load(p)
+    assert [r.input_tokens for r in w.requests] == [5, 9]
+    assert csv.field_size_limit() == 131_072  # the process's limit is left as it was
+    monkeypatch.setattr(loaders, "_CSV_FIELD_BYTES", 1000)  # the default limit applies
+    with pytest.raises(TraceError, match=r"v\.csv:line 3: not readable as CSV: field larger"):
+        t.load(p)

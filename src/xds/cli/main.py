@@ -106,7 +106,49 @@ def _policies(specs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+class _OnceCommand(click.Command):
+    """A command whose single-valued options are given at most once: ``--seed 1 --seed 2`` or
+    ``--deployment A --deployment B`` is an error, where click would keep the last silently."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        options = {
+            name: p
+            for p in self.params
+            if isinstance(p, click.Option)
+            for name in (*p.opts, *p.secondary_opts)
+        }
+        seen: dict[str | None, str] = {}
+        tokens = iter(args)
+        for token in tokens:
+            if token == "--":
+                break
+            name, eq, _ = token.partition("=")
+            p = options.get(name if name.startswith("--") else token)
+            if p is None:
+                continue
+            if not (p.is_flag or p.count or eq):
+                for _ in range(p.nargs):  # its value, which may look like an option
+                    next(tokens, None)
+            if p.multiple or p.count:
+                continue
+            if p.name in seen:
+                again = "given twice" if seen[p.name] == name else f"given with {seen[p.name]}"
+                hint = (
+                    "; `xds capacity` compares deployments"
+                    if p.name == "deployment" and self.name == "replay"
+                    else ""
+                )
+                raise click.UsageError(f"{name} is {again}: it takes one value{hint}")
+            seen[p.name] = name
+        return super().parse_args(ctx, args)
+
+
+class _Group(click.Group):
+    command_class = _OnceCommand
+
+
 @click.group(
+    cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"]},
     invoke_without_command=False,
 )
@@ -1424,8 +1466,11 @@ def capacity(
         "goodput",
         "bound",
     ):
-        compare.add_column(
-            col, justify="left" if col[0] in "db" else "right", no_wrap=col != "deployment"
+        compare.add_column(  # a deployment's name folds rather than ending in "..."
+            col,
+            justify="left" if col[0] in "db" else "right",
+            no_wrap=col != "deployment",
+            overflow="fold" if col == "deployment" else "ellipsis",
         )
     for name, chips, res in found:
         p = res.found

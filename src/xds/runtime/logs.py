@@ -23,6 +23,20 @@ def _virtual_time(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dic
     return event_dict
 
 
+class _StderrLogger:
+    """structlog's print logger, writing to ``sys.stderr`` as it is at each call: a test
+    harness swaps ``sys.stderr`` per test (pytest's capture), so a stream held from the
+    first configuration would be another test's, closed by then."""
+
+    def __init__(self, *args: Any) -> None:  # a logger factory: structlog passes names
+        pass
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = msg
+
+
 def configure_logging(level: str | None = None, *, json: bool = False) -> None:
     """Configure structlog for xds: virtual ``t_ns`` stamps, level filter, console or JSON.
 
@@ -51,7 +65,7 @@ def configure_logging(level: str | None = None, *, json: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_StderrLogger,
         cache_logger_on_first_use=False,
     )
 

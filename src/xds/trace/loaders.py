@@ -294,15 +294,23 @@ def _key_twice(raw: bytes, keys: Collection[str]) -> str | None:
     return None
 
 
+_CSV_FIELD_BYTES = 1 << 30
+"""The longest CSV field a trace may hold (the csv module's own limit is 128 KiB)."""
+
+
 def _csv_rows(
     p: Path, required: list[str], also: Collection[str] = ()
 ) -> Iterator[tuple[int, dict[str, str]]]:
     """The rows of a UTF-8 CSV (a leading byte-order mark and leading blank lines are fine)
     with ``required`` columns; a column it reads (``required`` or ``also``) named twice in
-    the header is an error."""
+    the header is an error. A field may be long (request logs carry prompt text): the csv
+    module's 128 KiB field limit is lifted while the file is read."""
+    limit = csv.field_size_limit()
     with p.open(newline="", encoding="utf-8-sig") as f:
+        csv.field_size_limit(max(limit, _CSV_FIELD_BYTES))
+        reader = None
+        skipped = 0
         try:
-            skipped = 0
             first = f.readline()
             while first and not first.strip():
                 skipped += 1
@@ -315,6 +323,11 @@ def _csv_rows(
             yield from _checked_rows(p, reader, required, also, skipped)
         except UnicodeDecodeError:
             raise _not_utf8(p) from None
+        except csv.Error as exc:
+            line = None if reader is None else reader.line_num + 1 + skipped  # the row it was on
+            raise TraceError(f"not readable as CSV: {exc}", path=str(p), line=line) from None
+        finally:
+            csv.field_size_limit(limit)
 
 
 def _checked_rows(
