@@ -649,3 +649,15 @@ async def test_second(capsys):
 """,
     )
     result.assert_outcomes(passed=2)
+
+
+def test_the_backend_fixture_without_the_marker_says_what_is_missing(pytester):
+    result = run(
+        pytester,
+        """
+async def test_unmarked(xds_backend):
+    await xds.sleep_ns(1)
+""",
+    )
+    result.assert_outcomes(errors=2)  # once per backend, each told why
+    assert "takes the xds_backend fixture but has no @pytest.mark.xds" in result.stdout.str()

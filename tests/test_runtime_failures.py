@@ -9,6 +9,7 @@ import pytest
 
 import xds
 from xds.errors import ConfigError, ModelDeadlock, ModelLivelock, ModelTimeLimit, ModelTimeStepLimit
+from xds.runtime.core import UNWIND_SPIN_LIMIT
 
 
 def test_deadlock_names_every_waiting_task(xds_backend):
@@ -523,3 +524,28 @@ def test_a_cancelled_timer_does_not_move_virtual_time(xds_backend):
     with pytest.raises(ModelDeadlock) as info:
         xds.run(main, backend=xds_backend)
     assert info.value.t_ns == 5  # on trio too: the cancelled timer held no deadline
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_task_swallowing_cancellation_is_stopped_soon_and_named(backend):
+    """A failed run cancels its tasks; one that catches the cancellation and waits again
+    once spun up to livelock_limit (a million loop iterations, about a minute) before the
+    run stopped, and the report did not say why."""
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await anyio.Event().wait()
+            except anyio.get_cancelled_exc_class():
+                continue
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stubborn, name="stubborn")
+
+    rt = xds.Runtime(backend=backend)
+    with pytest.raises(ModelDeadlock) as info:
+        rt.run(main)
+    (note,) = info.value.__notes__
+    assert f"spun {UNWIND_SPIN_LIMIT:,} loop iterations" in note
+    assert "catches the cancellation" in note and "stubborn" in note

@@ -292,3 +292,14 @@ def test_nan_infinity_and_none_are_told_apart_in_the_log():
     log = xds.runtime.EventLog(lambda: 0)
     log.emit("c", "e", a=np.array([1.0, np.nan]), f=np.float32("inf"), ok=2.5)
     assert json.loads(log.to_jsonl())["fields"] == {"a": [1.0, "nan"], "f": "inf", "ok": 2.5}
+
+
+def test_long_doubles_and_sets_holding_nan_are_recorded():
+    """np.longdouble's .item() is itself (the encoder once recursed on it), and a set
+    holding NaN once failed to sort the NaN's text among the numbers."""
+    log = xds.runtime.EventLog(lambda: 0)
+    log.emit("c", "e", v=np.longdouble(1.5), w=np.longdouble("nan"), s={math.nan, 1.0, -2.0})
+    fields = json.loads(log.to_jsonl())["fields"]
+    assert fields == {"v": 1.5, "w": "nan", "s": [-2.0, 1.0, "nan"]}
+    with pytest.raises(xds.errors.ConfigError, match="cannot record in one order"):
+        log.emit("c", "e", s={"a", 1})  # elements that do not compare are still refused

@@ -138,6 +138,7 @@ class Runtime:
         self._used = False
         self._hard_stop = False
         self._trio_timers: TrioTimerWheel | None = None
+        self._livelock: Any = None  # trio's livelock instrument, during a trio run
         self.waiting_notes: Notes = {}
         """Task id -> what that task waits for (:func:`waiting_for`), one entry per open
         block, outermost first, for deadlock reports."""
@@ -236,6 +237,7 @@ class Runtime:
             self._time_steps = self.time_steps
             self._loop = None
             self._trio_clock = None
+            self._livelock = None
 
     async def _root(self, main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
         try:
@@ -306,6 +308,7 @@ class Runtime:
             self._run_due_callbacks,
         )
         livelock = LivelockInstrument(self._trio_clock, self.livelock_limit, self._on_livelock)
+        self._livelock = livelock
         try:
             with determinism.trio_run_scope(self.schedule_seed):
                 return anyio.run(
@@ -354,7 +357,7 @@ class Runtime:
             self._hard_stop = True
             raise self._failure or ModelDeadlock(self.now_ns(), self._waiting_tasks())
         self._failure = ModelDeadlock(self.now_ns(), self._waiting_tasks())
-        self._root_scope.cancel()
+        self._unwind()
 
     def _on_time_limit(self) -> None:
         """The next event is due after the virtual-time limit: fail the run there, naming the
@@ -391,18 +394,41 @@ class Runtime:
             self._hard_stop = True
             raise self._failure or make_failure()
         self._failure = make_failure()
-        self._root_scope.cancel()
+        self._unwind()
 
     def _on_callback_error(self, exc: BaseException) -> None:
         if self._failure is None and self._root_scope is not None:
             self._failure = exc
-            self._root_scope.cancel()
+            self._unwind()
+
+    def _unwind(self) -> None:
+        """The run failed (``self._failure``): cancel the root scope so the model unwinds.
+        Unwinding takes a few loop iterations at the current instant; a task that catches the
+        cancellation and waits again spins there instead, so from now on the livelock check
+        bites after :data:`UNWIND_SPIN_LIMIT` iterations rather than ``livelock_limit``."""
+        assert self._root_scope is not None
+        limit = min(self.livelock_limit, UNWIND_SPIN_LIMIT)
+        if self._loop is not None:
+            self._loop.livelock_limit, self._loop._spins = limit, 0
+        if self._livelock is not None:
+            self._livelock.limit, self._livelock._spins = limit, 0
+        self._root_scope.cancel()
 
     def _on_livelock(self, t_ns: int, iterations: int) -> None:
         if self._failure is not None or self._root_scope is None:
             # Still spinning after the root scope was cancelled: a task swallows cancellation.
             self._hard_stop = True
             failure = self._failure or ModelLivelock(t_ns, iterations, self._waiting_tasks())
+            if self._failure is not None and not getattr(failure, "_xds_swallowed", False):
+                failure._xds_swallowed = True  # type: ignore[attr-defined]
+                tasks = sorted({w.name for w in self._waiting_tasks()})
+                failure.add_note(
+                    f"then, while the run was being cancelled, the model spun {iterations:,} "
+                    f"loop iterations at t={t_ns} ns: a task catches the cancellation and goes "
+                    "on (an `except` of anyio.get_cancelled_exc_class(), CancelledError or "
+                    "BaseException that does not re-raise); still running: "
+                    + (", ".join(tasks) or "-")
+                )
             if self._trio_clock is not None:
                 # trio disables an instrument that raises; its run loop reads the clock next,
                 # and that read ends the run (trio.run raises TrioInternalError from it)
@@ -410,8 +436,12 @@ class Runtime:
                 return
             raise failure
         self._failure = ModelLivelock(t_ns, iterations, self._waiting_tasks())
-        self._root_scope.cancel()
+        self._unwind()
 
+
+UNWIND_SPIN_LIMIT = 10_000
+"""Loop iterations at one instant a failed run may take to unwind before it is stopped hard
+(a task that swallows cancellation would otherwise spin up to ``livelock_limit``)."""
 
 _debris = {"pending": False, "atexit": False}
 

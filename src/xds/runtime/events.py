@@ -58,7 +58,12 @@ class _Unencodable(NotImplementedError):
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.generic):
-        return obj.item()
+        item = obj.item()
+        if isinstance(item, np.generic):  # no Python equivalent (np.longdouble's is itself)
+            if isinstance(item, np.floating):
+                return float(item)
+            raise _Unencodable(obj)
+        return item
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     raise _Unencodable(obj)
@@ -69,12 +74,13 @@ _decoder = msgspec.json.Decoder(Event)
 
 _PLAIN: frozenset[type] = frozenset(
     {int, float, str, bool, type(None), np.bool_, np.float16, np.float32, np.float64}
+    | {np.longdouble}
     | {np.dtype(f"{kind}{size}").type for kind in "iu" for size in (1, 2, 4, 8)}
 )
 """Field types that always encode: ``emit`` checks nothing else about them."""
 _KEYS: frozenset[type] = frozenset({str, int})
 """Dict key types that always encode."""
-_FLOATS: frozenset[type] = frozenset({float, np.float16, np.float32, np.float64})
+_FLOATS: frozenset[type] = frozenset({float, np.float16, np.float32, np.float64, np.longdouble})
 
 
 def _finite(values: Any) -> bool:
@@ -129,6 +135,12 @@ def _nonfinite_text(value: Any) -> str:
     return "nan" if value != value else "inf" if value > 0 else "-inf"
 
 
+def _nonfinite_last(value: Any) -> tuple[bool, Any]:
+    """Sort key of a set's recorded elements: a NaN or infinity (recorded as its text) after
+    the numbers it was among."""
+    return (type(value) is str and value in ("nan", "inf", "-inf"), value)
+
+
 def _sets_sorted(value: Any) -> Any:
     """``value`` with every set in it (through lists, tuples, dicts and their subclasses, and
     msgspec Structs) replaced by a sorted list, and every NaN or infinite float (arrays too) by
@@ -139,7 +151,11 @@ def _sets_sorted(value: Any) -> Any:
     if kind in _PLAIN or _flat(value):
         return _nonfinite_text(value) if _nonfinite(value) else value
     if isinstance(value, (set, frozenset)):
-        return sorted(_sets_sorted(v) for v in value)
+        items = [_sets_sorted(v) for v in value]
+        try:
+            return sorted(items)
+        except TypeError:  # a NaN or infinity, now text, among numbers: numbers first
+            return sorted(items, key=_nonfinite_last)
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "fc" and not np.isfinite(value).all():
             return _sets_sorted(value.tolist())

@@ -102,6 +102,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Report misuse of the marker as this test's error, before any of its fixtures run."""
+    if (
+        isinstance(item, pytest.Function)
+        and item.get_closest_marker(MARKER) is None
+        and FIXTURE in item.fixturenames
+        and _is_async_test(item.obj)
+        and "anyio_backend" not in item.fixturenames
+    ):
+        pytest.fail(
+            f"this async test takes the {FIXTURE} fixture but has no @pytest.mark.{MARKER}: "
+            "mark it (or its class or module) so xds runs it in virtual time on that backend",
+            pytrace=False,
+        )
     if isinstance(item, pytest.Function) and item.get_closest_marker(MARKER) is not None:
         _check_markers(item)
         if _is_async_test(item.obj):
