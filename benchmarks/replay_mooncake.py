@@ -1,6 +1,6 @@
 """Wall time of replaying a real trace on ``production-4p1d`` (issue 7's performance figure).
 
-    python benchmarks/replay_mooncake.py [--limit N] [--trace PATH] [--format F]
+    python benchmarks/replay_mooncake.py [--limit N] [--trace PATH] [--format F] [--spread-ties]
 
 Any trace ``xds.trace.load`` reads works (e.g. the Azure 2023 CSVs).
 
@@ -14,6 +14,7 @@ import argparse
 import time
 
 from _data import MOONCAKE_CONVERSATION
+from xds.runtime.rng import RngStreams
 from xds.serve.presets import pd_config
 from xds.serve.replay import replay
 from xds.trace import load
@@ -27,8 +28,16 @@ def main() -> None:
     ap.add_argument("--format", default=None)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument(
+        "--spread-ties",
+        action="store_true",
+        help="spread requests sharing a timestamp over its step (xds replay --spread-ties)",
+    )
     args = ap.parse_args()
-    wl = load(args.trace, args.format).scaled(args.rate_scale).limited(args.limit)
+    wl = load(args.trace, args.format).limited(args.limit)
+    if args.spread_ties:
+        wl = wl.spread_ties(RngStreams(0)("trace/spread-ties"))
+    wl = wl.scaled(args.rate_scale)
     start = time.perf_counter()
     res = replay(wl, pd_config("production-4p1d"))
     wall = time.perf_counter() - start

@@ -580,7 +580,7 @@ def test_fault_specs_given_twice_empty_or_out_of_range_name_the_fault(tmp_path, 
     assert "an empty item (a stray comma?)" in err
     for spec, says in (
         ("memory:at=60,dp=128", "--fault memory:at=60,dp=128: dp: dp 128 does not exist"),
-        ("memory:at=60,dp=0,blocks=99999999", ",blocks=99999999: first_block: blocks 0..9999"),
+        ("memory:at=60,dp=0,blocks=99999999", ",blocks=99999999: blocks: blocks 0..9999"),
         ("memory:at=60,dp=0,blocks=0", "--fault memory:at=60,dp=0,blocks=0: blocks: "),
     ):
         assert says in _one_line(capsys, ["replay", "--synthetic", "5", "--fault", spec])

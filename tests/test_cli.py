@@ -6,8 +6,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from xds import __version__
 from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.trace.workload import gamma_arrivals
 
 
 def test_version(capsys):
@@ -427,3 +432,31 @@ def test_a_single_valued_option_given_twice_is_an_error_not_last_wins(capsys):
     argv = ["replay", "--synthetic", "20", "--fault", "node:at=1,server=1"]
     assert main([*argv, "--fault", "node:at=2,server=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == 20
+
+
+def test_extreme_arrival_numbers_are_one_line_errors(capsys):
+    for argv, expected in (
+        (["capacity", "--window", "1e-300"], "--window 1e-300: at --start 1 req/s it holds 0"),
+        (["capacity", "--window", "1e300"], "'--window': 1e+300 is not in the range"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match=r"cv: must be in 0\.001\.\.1000"):
+        gamma_arrivals(np.random.default_rng(0), 5, 1.0, 1e-300)
+
+
+def test_spread_ties_names_itself_and_a_tied_trace_gets_a_note(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 3000 * (i // 4), "input_length": 100, "output_length": 4} for i in range(24)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", str(trace), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "18 of 24 requests arrive at the same time" in captured.err
+    assert main(["replay", str(trace), "--json", "--spread-ties"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "spread over its step" in json.loads(captured.out)["workload"]
+    assert main(["replay", "--spread-ties"]) == 2
+    assert "--spread-ties applies to a TRACE with timestamps" in capsys.readouterr().err

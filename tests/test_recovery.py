@@ -374,3 +374,21 @@ def test_prefill_tes_waiting_behind_a_decode_te_come_back_once_it_is_served():
     assert set(back) == {"P0", "P1", "P2", "D0"} and min(back.values()) >= 20 * S
     late = [r for r in res.records if r.arrival_ns > 25 * S]
     assert late and all(r.outcome == "completed" for r in late)
+
+
+def test_spares_fit_in_the_pod_and_are_counted_apart(tmp_path, capsys):
+    from xds.cli.main import main
+
+    with pytest.raises(ConfigError, match="one CloudMatrix384 has 48 servers") as info:
+        msgspec.structs.replace(
+            CFG, recovery=msgspec.structs.replace(CFG.recovery, spare_servers=1000)
+        )
+    assert info.value.field == "recovery.spare_servers"
+    cfg = msgspec.structs.replace(
+        CFG, recovery=msgspec.structs.replace(CFG.recovery, spare_servers=2)
+    )
+    assert cfg.spare_chips == 16 and cfg.chips == CFG.chips  # per-chip figures: serving chips
+    toml = tmp_path / "spares.toml"
+    toml.write_text("[recovery]\nspare_servers = 2\n")
+    assert main(["replay", "--synthetic", "5", "--deployment", str(toml)]) == 0
+    assert "chips + 16 spare)" in capsys.readouterr().out

@@ -609,3 +609,28 @@ def test_a_csv_field_of_prompt_text_is_read_and_an_overlong_one_names_its_line(
     monkeypatch.setattr(loaders, "_CSV_FIELD_BYTES", 1000)  # the default limit applies
     with pytest.raises(TraceError, match=r"v\.csv:line 3: not readable as CSV: field larger"):
         t.load(p)
+
+
+def test_tied_timestamps_spread_over_their_step_in_order():
+    reqs = [(0, 10), (0, 11), (0, 12), (3_000, 13), (6_000, 14), (6_000, 15)]
+    w = t.Workload(
+        tuple(t.Request(i, a * 1_000_000, x, 5) for i, (a, x) in enumerate(reqs)), "f.jsonl"
+    )
+    assert w.tied() == 3
+    a = w.spread_ties(np.random.default_rng(1))
+    b = w.spread_ties(np.random.default_rng(1))
+    arrivals = [r.arrival_ns for r in a.requests]
+    assert a == b and a.tied() == 0  # seeded: the same spread
+    assert arrivals == sorted(arrivals) and [r.input_tokens for r in a.requests] == [
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+    ]
+    assert all(0 <= x < 3_000_000_000 for x in arrivals[:3]) and arrivals[3] == 3_000_000_000
+    assert all(6_000_000_000 <= x < 9_000_000_000 for x in arrivals[4:])  # the last: median step
+    assert "spread over its step (median 3 s)" in a.source
+    untied = t.Workload(w.requests[2:5], "g")
+    assert untied.spread_ties(np.random.default_rng(1)) is untied

@@ -616,10 +616,11 @@ def _trace_options(f):
             ),
             click.option(
                 "--cv",
-                type=_Finite(min=0, min_open=True),
+                type=_Finite(min=1e-3, max=1e3),
                 default=1.0,
                 show_default=True,
-                help="--format lengths: inter-arrival coefficient of variation (1 = Poisson).",
+                help="--format lengths: inter-arrival coefficient of variation (1 = Poisson; "
+                "0.001..1000).",
             ),
             click.option(
                 "--span",
@@ -632,6 +633,14 @@ def _trace_options(f):
                 is_flag=True,
                 help="Sort the TRACE by arrival time (default: timestamps going backwards "
                 "are an error).",
+            ),
+            click.option(
+                "--spread-ties",
+                is_flag=True,
+                help="A TRACE with timestamps: spread the requests that share a timestamp "
+                "uniformly over its step, up to the next timestamp (seeded by --seed). The "
+                "Mooncake conversation trace's timestamps come in ~3 s steps, up to 28 "
+                "requests each. Default: replayed as given, in bursts.",
             ),
             _seed_option,
         ]
@@ -656,6 +665,11 @@ def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None
         for name, flag in (("fmt", "--format"), ("sort", "--sort"), ("span", "--span")):
             if _given(name):
                 raise click.UsageError(f"{flag} applies to a TRACE")
+    if _given("spread_ties") and (trace is None or fmt in ("lengths", "servegen")):
+        raise click.UsageError(
+            "--spread-ties applies to a TRACE with timestamps (not the built-in workload, "
+            "--format lengths or ServeGen, whose arrivals xds draws)"
+        )
     if fmt != "lengths":
         for name, flag in (
             ("columns", "--columns"),
@@ -679,6 +693,7 @@ def _load_trace(
     span: str = "0,600",
     drop_invalid: bool = False,
     limit: int | None = None,
+    spread_ties: bool = False,
 ):
     """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``, and leaves
     out unreadable rows with ``drop_invalid``; a ServeGen directory is sampled over
@@ -707,7 +722,19 @@ def _load_trace(
     if _given("span"):
         raise click.UsageError("--span applies to a ServeGen directory")
     if fmt != "lengths":
-        return load(trace, fmt, sort=sort, limit=limit)
+        workload = load(trace, fmt, sort=sort, limit=limit)
+        if spread_ties:
+            from xds.runtime.rng import RngStreams
+
+            return workload.spread_ties(RngStreams(seed)("trace/spread-ties"))
+        if (tied := workload.tied()) > len(workload) // 10:
+            click.echo(
+                f"xds: {tied:,} of {len(workload):,} requests arrive at the same time as the "
+                "one before (quantised timestamps?): replayed as given, in bursts; "
+                "--spread-ties spreads them over each timestamp's step",
+                err=True,
+            )
+        return workload
     cols = [c.strip() for c in columns.split(",")]
     if len(cols) != 2 or not all(cols):
         raise click.UsageError("--columns takes two names: INPUT,OUTPUT")
@@ -892,6 +919,7 @@ def replay(
     seed: int,
     as_json: bool,
     drop_invalid: bool = False,
+    spread_ties: bool = False,
     fault_specs: tuple[str, ...] = (),
     probe: bool = False,
     recovery: str | None = None,
@@ -936,7 +964,9 @@ def replay(
     if trace is None:
         workload = _built_in(synthetic_n, rate, seed, unique_prompts)
     else:
-        workload = _load_trace(trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid, limit)
+        workload = _load_trace(
+            trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid, limit, spread_ties
+        )
     workload = workload.scaled(rate_scale).limited(limit)
     _note_dropped(workload)
     with Progress(
@@ -987,7 +1017,8 @@ def replay(
     if as_json:
         print(msgspec.json.encode(s).decode())
         return
-    table = Table(title=f"replay: {workload.source} on {deployment} ({result.chips} chips)")
+    spares = f" + {cfg.spare_chips} spare" if cfg.spare_chips else ""
+    table = Table(title=f"replay: {workload.source} on {deployment} ({result.chips} chips{spares})")
     table.add_column("metric")
     for col in ("mean", "p50", "p90", "p99"):
         table.add_column(col, justify="right")
@@ -1192,10 +1223,11 @@ def _ms(value: float, digits: int) -> str:
 @click.option(
     "--window",
     "window_s",
-    type=_Finite(min=0, min_open=True),
+    type=_Finite(min=0, min_open=True, max=86_400),
     default=600.0,
     show_default=True,
-    help="Without TRACE: seconds of arrivals replayed at each rate.",
+    help="Without TRACE: seconds of arrivals replayed at each rate (at most a day; a rate "
+    f"whose window holds fewer than {MIN_SEARCH_REQUESTS} arrivals replays that many).",
 )
 @click.option(
     "--start",
@@ -1290,6 +1322,7 @@ def capacity(
     jobs: int,
     as_json: bool,
     drop_invalid: bool = False,
+    spread_ties: bool = False,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
@@ -1337,12 +1370,19 @@ def capacity(
                 )
             max_scale = min(max_scale or 256 * start, limit_rate)
 
+        if round(start * window_s) < MIN_SEARCH_REQUESTS:  # the search would judge a burst
+            raise click.UsageError(
+                f"--window {window_s:g}: at --start {start:g} req/s it holds "
+                f"{round(start * window_s)} arrival(s); a search needs at least "
+                f"{MIN_SEARCH_REQUESTS} (a window of at least {MIN_SEARCH_REQUESTS / start:g} s)"
+            )
+
         def workload_at(x: float):
             return _built_in(max(MIN_SEARCH_REQUESTS, round(x * window_s)), x, seed, unique_prompts)
     else:
         unit, knob = "x trace rate", "rate scale"
         base = _load_trace(
-            trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid, limit
+            trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid, limit, spread_ties
         ).limited(limit)
         _note_dropped(base)
         if len(base) < MIN_SEARCH_REQUESTS or not base.duration_ns:

@@ -160,6 +160,16 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 "not count)",
                 field="decode_tes" if decode_dies > pod_dies // 2 else "prefill.tes",
             )
+        spare = self.recovery.spare_servers
+        in_pod = self.decode_servers + (
+            p.tes * self.prefill_servers_per_te if p.hardware == "910c" else 0
+        )
+        if spare and in_pod + spare > POD_DIES // 16:
+            raise ConfigError(
+                f"{in_pod} servers of the pod serve and {spare} are spares: one CloudMatrix384 "
+                f"has {POD_DIES // 16} servers",
+                field="recovery.spare_servers",
+            )
         b_dies = p.tes * p.dies_per_te if p.hardware == "910b" else 0
         if b_dies > MAX_DEPLOYMENT_DIES - POD_DIES:
             raise ConfigError(
@@ -222,11 +232,18 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def chips(self) -> int:
         """Chips of the deployment: each TE's dies on whole chips (two dies per 910C chip, so
-        an odd count leaves a die idle; a 910B chip has one die)."""
+        an odd count leaves a die idle; a 910B chip has one die). Spare servers are not
+        counted: they serve only after a failover (:attr:`spare_chips`)."""
         p = self.prefill
         per_chip = 2 if p.hardware == "910c" else 1
         prefill = p.tes * -(-p.dies_per_te // per_chip)
         return prefill + self.decode_tes * -(-self.decode.dies // 2)
+
+    @property
+    def spare_chips(self) -> int:
+        """Chips of the spare servers (``recovery.spare_servers``, eight 910C chips each): the
+        hardware a design with spares also buys, which :attr:`chips` leaves out."""
+        return self.recovery.spare_servers * 8
 
 
 class DistFlowFault(msgspec.Struct, frozen=True, kw_only=True):
@@ -842,7 +859,7 @@ class Replay(Failover):
             raise ConfigError(
                 f"blocks {fault.first_block}..{fault.first_block + fault.blocks - 1} lie "
                 f"outside a Decode DP group's KV blocks 0..{capacity - 1}",
-                field="first_block",
+                field="first_block" if fault.first_block >= capacity else "blocks",
             )
         self._memory_faults.append(fault)
 

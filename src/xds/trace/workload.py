@@ -67,6 +67,40 @@ class Workload(msgspec.Struct, frozen=True):
             source=self.source if rate_scale == 1 else f"{self.source} at {rate_scale:g}x its rate",
         )
 
+    def tied(self) -> int:
+        """Requests that arrive at the same nanosecond as the request before them: a trace
+        whose timestamps were quantised (the Mooncake conversation trace's ~3 s steps)."""
+        arrivals = np.fromiter((r.arrival_ns for r in self.requests), np.int64, len(self))
+        return int(np.count_nonzero(np.diff(arrivals) == 0))
+
+    def spread_ties(self, rng: np.random.Generator) -> Workload:
+        """Requests sharing a timestamp spread uniformly over their step: from it to the next
+        distinct timestamp (the last step is as long as the median step). Arrivals stay in
+        request order, as the trace's own order within a timestamp is kept. For a trace with
+        quantised timestamps, whose literal replay arrives in bursts; a workload without ties
+        is returned as it is."""
+        if not self.tied():
+            return self
+        arrivals = np.fromiter((r.arrival_ns for r in self.requests), np.int64, len(self))
+        stamps, first, count = np.unique(arrivals, return_index=True, return_counts=True)
+        steps = np.diff(stamps)
+        last = int(np.median(steps)) if len(steps) else 0
+        widths = np.append(steps, last)
+        spread = arrivals.copy()
+        for t, i, n, w in zip(stamps, first, count, widths, strict=True):
+            if n > 1 and w > 1:
+                offsets = np.sort(rng.integers(0, int(w), int(n)))
+                spread[i : i + n] = int(t) + offsets
+        return msgspec.structs.replace(
+            self,
+            requests=tuple(
+                r if r.arrival_ns == a else msgspec.structs.replace(r, arrival_ns=int(a))
+                for r, a in zip(self.requests, spread.tolist(), strict=True)
+            ),
+            source=f"{self.source}, arrivals sharing a timestamp spread over its step (median "
+            f"{_step_text(last)})",
+        )
+
     def limited(self, limit: int | None) -> Workload:
         """The first ``limit`` requests; of :attr:`dropped`, the rows before the last of them
         (those read to get them)."""
@@ -136,9 +170,18 @@ def arrival_times(gaps_ns: np.ndarray, rate_per_s: float) -> np.ndarray:
     return times.astype(np.int64)
 
 
+def _step_text(step_ns: int) -> str:
+    """A timestamp step as a reader says it: "3 s", "250 ms"."""
+    return f"{step_ns / S:.3g} s" if step_ns >= S else f"{step_ns / 1e6:.3g} ms"
+
+
 def poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> np.ndarray:
     require_positive(rate_per_s, "rate_per_s")
     return arrival_times(rng.exponential(S / rate_per_s, n), rate_per_s)
+
+
+CV_RANGE = (1e-3, 1e3)
+"""The coefficients of variation Gamma arrivals take."""
 
 
 def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: float) -> np.ndarray:
@@ -146,6 +189,10 @@ def gamma_arrivals(rng: np.random.Generator, n: int, rate_per_s: float, cv: floa
     (cv = 1 is Poisson; > 1 is bursty)."""
     require_positive(rate_per_s, "rate_per_s")
     require_positive(cv, "cv")
+    if not CV_RANGE[0] <= cv <= CV_RANGE[1]:  # the Gamma shape 1/cv**2 stays a usable float
+        raise ConfigError(
+            f"must be in {CV_RANGE[0]:g}..{CV_RANGE[1]:g} (1 is Poisson), got {cv!r}", field="cv"
+        )
     shape = 1.0 / cv**2
     return arrival_times(rng.gamma(shape, S / rate_per_s / shape, n), rate_per_s)
 
