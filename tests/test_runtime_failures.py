@@ -549,3 +549,39 @@ def test_a_task_swallowing_cancellation_is_stopped_soon_and_named(backend):
     (note,) = info.value.__notes__
     assert f"spun {UNWIND_SPIN_LIMIT:,} loop iterations" in note
     assert "catches the cancellation" in note and "stubborn" in note
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_waiting_on_a_worker_thread_is_refused_at_the_call(backend):
+    """A thread's result comes back in wall-clock time: whether the run deadlocked or went on
+    once depended on the machine (on trio, 27 runs of 30 deadlocked)."""
+
+    async def main() -> int:
+        async def ticker() -> None:
+            for _ in range(50):
+                await xds.sleep_ns(1_000)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            return await anyio.to_thread.run_sync(sum, range(10))
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        xds.run(main, backend=backend)
+    (error,) = info.value.exceptions
+    assert isinstance(error, ConfigError) and error.field == "to_thread"
+    assert "anyio.to_thread.run_sync" in str(error)
+
+    async def outside() -> int:  # outside a run, anyio's threads are anyio's own
+        return await anyio.to_thread.run_sync(sum, range(10))
+
+    assert anyio.run(outside, backend=backend) == 45
+
+
+def test_asyncio_executors_are_refused_in_a_run():
+    import asyncio
+
+    async def main() -> int:
+        return await asyncio.to_thread(sum, range(10))
+
+    with pytest.raises(ConfigError, match=r"run_in_executor / asyncio\.to_thread"):
+        xds.run(main)

@@ -44,6 +44,7 @@ from .events import EventLog
 from .logs import ensure_logging_configured
 from .loop import VirtualTimeEventLoop, effective_limit_ns
 from .rng import RngStreams
+from .threads import no_worker_threads
 from .timers import TrioTimerWheel
 
 T = TypeVar("T")
@@ -228,9 +229,10 @@ class Runtime:
         ensure_logging_configured()
         token = _current.set(self)
         try:
-            if self.backend == "asyncio":
-                return self._run_asyncio(main, args)
-            return self._run_trio(main, args)
+            with no_worker_threads():
+                if self.backend == "asyncio":
+                    return self._run_asyncio(main, args)
+                return self._run_trio(main, args)
         finally:
             _current.reset(token)
             self.end_ns = self.now_ns()
@@ -324,6 +326,13 @@ class Runtime:
                 # trio's run state, abandoned mid-loop, complains when collected: collect it
                 # now, quietly (the traceback into trio's loop says nothing about the model)
                 cause.__traceback__ = cause.__context__ = None
+                del exc
+                self._root_scope = None
+                _trio_debris()
+                raise cause from None
+            if cause is not None and not isinstance(cause, Exception):
+                # raised into trio's loop from outside the model, by a signal handler: a
+                # test's timeout (pytest-timeout's Failed), say. It is that, not trio's bug.
                 del exc
                 self._root_scope = None
                 _trio_debris()

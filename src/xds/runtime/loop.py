@@ -203,6 +203,13 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         timer._scheduled = True
         return timer
 
+    def run_in_executor(self, executor, func, *args):  # type: ignore[no-untyped-def, override]
+        """Refused: a worker thread's result arrives in wall-clock time (asyncio.to_thread
+        and run_in_executor; :mod:`xds.runtime.threads`)."""
+        from .threads import worker_thread_refused
+
+        raise worker_thread_refused("run_in_executor / asyncio.to_thread")
+
     # -- model failure reports -----------------------------------------------------------------
     def _report_deadlock(self) -> None:
         if self._on_deadlock is None:
