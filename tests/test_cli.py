@@ -409,6 +409,8 @@ def test_an_empty_out_directory_is_refused(tmp_path, monkeypatch, capsys):
     assert main(["replay", "--synthetic", "3", "--out", ""]) == 2
     assert "--out takes a directory name" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written in the current directory
+    assert main(["replay", "--synthetic", "3", "--out", "/proc/xds-out"]) == 2  # checked by
+    assert "--out /proc/xds-out: cannot create it in /proc" in capsys.readouterr().err  # doing
 
 
 def test_a_quick_reproduce_run_says_so_in_its_json():

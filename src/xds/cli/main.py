@@ -782,6 +782,7 @@ def _check_out_dir(out_dir: str) -> None:
     """Fail before a long replay, not after it, if ``--out`` cannot be a directory we can
     write in; the directory is created only when the results are written."""
     import os
+    import tempfile
 
     if not out_dir.strip():
         raise click.UsageError("--out takes a directory name, got an empty one")
@@ -802,8 +803,11 @@ def _check_out_dir(out_dir: str) -> None:
         base = base.parent
     if not base.is_dir():
         raise click.UsageError(f"--out {out_dir}: {base} is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise click.UsageError(f"--out {out_dir}: cannot create it in {base} (permission denied)")
+    try:  # a directory made and removed: permissions alone miss read-only and virtual file
+        os.rmdir(tempfile.mkdtemp(prefix=".xds-write-check-", dir=base))  # systems (/proc)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise click.UsageError(f"--out {out_dir}: cannot create it in {base} ({why})") from None
 
 
 def _write_out(out_dir: str, records, summary, as_csv: bool, faults: dict | None) -> None:
