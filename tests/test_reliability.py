@@ -259,7 +259,15 @@ def test_bad_fault_plans_name_the_field():
         (dict(faults=(NetworkError(dp=0, iteration=0, layer=3),)), "faults[0].layer"),
         (
             dict(faults=(MemoryFault(dp=0, iteration=0, first_block=63, blocks=2),)),
+            "faults[0].blocks",
+        ),
+        (
+            dict(faults=(MemoryFault(dp=0, iteration=0, first_block=64),)),
             "faults[0].first_block",
+        ),
+        (  # the second would never strike: the DP's executor has stopped
+            dict(faults=(ExecutorHang(dp=1, iteration=2), ExecutorCrash(dp=1, iteration=2))),
+            "faults[1]",
         ),
         (dict(kv_blocks_per_dp=8), "kv_blocks_per_dp"),
     ]

@@ -216,8 +216,19 @@ class ReliabilityConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise ConfigError(
                     f"blocks {f.first_block}..{f.first_block + f.blocks - 1} lie outside the "
                     f"DP's {self.kv_blocks_per_dp} KV blocks",
-                    field=f"faults[{i}].first_block",
+                    field=f"faults[{i}]."
+                    + ("first_block" if f.first_block >= self.kv_blocks_per_dp else "blocks"),
                 )
+        stops: dict[tuple[int, int], int] = {}  # (dp, iteration) -> the fault stopping it
+        for i, f in enumerate(self.faults):
+            if isinstance(f, (ExecutorHang, ExecutorCrash)):
+                j = stops.setdefault((f.dp, f.iteration), i)
+                if j != i:
+                    raise ConfigError(
+                        f"faults[{j}] already stops DP {f.dp}'s executor at iteration "
+                        f"{f.iteration}: this one would never strike",
+                        field=f"faults[{i}]",
+                    )
         if self.dps * self.slots_per_die < self.n_experts:
             raise ConfigError(
                 f"{self.dps} dies x {self.slots_per_die} slots cannot hold {self.n_experts} "
