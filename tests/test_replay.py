@@ -174,6 +174,29 @@ def test_910b_prefill_moves_kv_over_roce_more_slowly():
     assert roce > 4 * ub
 
 
+def test_a_910b_prefill_te_exchanges_over_hccs_and_its_scale_out_not_the_kv_link():
+    """A 910B Prefill TE's dispatch/combine once ran over the 25 GB/s link the KV leaves by:
+    a 4K prompt took 4x as long as on 910C, mostly in all-to-all. Its dies talk over HCCS in
+    their server and over their own 50 GB/s scale-out across servers."""
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+    from xds.serve.prefill_cost import prefill_te_link
+
+    pod = PodConfig()
+    c, b = PrefillConfig(), PrefillConfig(hardware="910b")
+    assert prefill_te_link(c) == pod.ub and prefill_hardware(b)[1] == pod.roce
+    link = prefill_te_link(b)  # 7 of 31 peers on HCCS, 24 over scale-out: that share binds
+    assert link.bandwidth == pytest.approx(pod.b_scale_out.bandwidth * 31 / 24)
+    assert prefill_te_link(msgspec.structs.replace(b, dies_per_te=8)) == pod.hccs
+
+    def step(cfg: PrefillConfig) -> int:
+        die, _ = prefill_hardware(cfg)
+        cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, pod.engines, prefill_te_link(cfg))
+        return cost.step_ns([[(4096, 0)]])
+
+    assert 1.0 < step(b) / step(c) < 2.5  # compute-bound on both (SPEC 10.2)
+
+
 def test_comm_interpolation_is_monotone_and_clamped():
     grid = comm_grid(SMALL.decode)
     assert grid[0].tokens_per_die == 1 and grid[-1].tokens_per_die == 8

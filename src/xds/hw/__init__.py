@@ -3,6 +3,7 @@
 from .specs import (
     ASCEND_910B2,
     ASCEND_910C_DIE,
+    B_SCALE_OUT_LINK,
     DEFAULT_ENGINES,
     HCCS_LINK,
     NOC_LINK,
@@ -22,6 +23,7 @@ from .topology import CloudMatrix384, DieLocation, PodConfig
 __all__ = [
     "ASCEND_910B2",
     "ASCEND_910C_DIE",
+    "B_SCALE_OUT_LINK",
     "DEFAULT_ENGINES",
     "HCCS_LINK",
     "NOC_LINK",

@@ -243,6 +243,13 @@ HCCS_LINK = LinkSpec(
     latency_ns=1_500,
     source="910B HCCS 196 GB/s per chip [LLS model value]; 1.5 us [emulator choice]",
 )
+B_SCALE_OUT_LINK = LinkSpec(
+    name="910B RoCE",
+    bandwidth=50 * GB,
+    latency_ns=3_000,
+    source="Ascend 910B2 scale-out 50 GB/s per die [LLS model value; REFERENCE.md 1.2]; 3 us "
+    "one-way [emulator choice, as RoCE]",
+)
 VPC_LINK = LinkSpec(
     name="VPC",
     bandwidth=50 * GB,

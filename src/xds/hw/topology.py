@@ -21,6 +21,7 @@ from ..config import check_fields
 from .specs import (
     ASCEND_910B2,
     ASCEND_910C_DIE,
+    B_SCALE_OUT_LINK,
     DEFAULT_ENGINES,
     HCCS_LINK,
     NOC_LINK,
@@ -69,6 +70,9 @@ class PodConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Ascend 910B servers (8 single-die chips each) reachable over RoCE."""
     b_die: DieSpec = ASCEND_910B2
     hccs: LinkSpec = HCCS_LINK
+    b_scale_out: LinkSpec = B_SCALE_OUT_LINK
+    """Between 910B servers: each die's own RDMA interface (a Prefill TE of 910B dies spans
+    servers of 8)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

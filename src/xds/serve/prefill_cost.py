@@ -33,7 +33,8 @@ def _tokens(piece: Piece) -> float:
 
 
 class PrefillCost:
-    """Step time of one Prefill TE (all its DP groups in lockstep)."""
+    """Step time of one Prefill TE (all its DP groups in lockstep). ``link`` is the one its
+    all-to-all and SP ring run over (:func:`prefill_te_link`)."""
 
     def __init__(
         self,
@@ -129,7 +130,7 @@ class PrefillCost:
             attention=True,
         )
         # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
-        # the attention compute, at the UB rate of one link
+        # the attention compute, at the rate of one link
         ring = max(
             (
                 round((_sp(p) - 1) * (p[0] + p[1]) / _sp(p) * kv_token / self.link.bandwidth * 1e9)
@@ -273,8 +274,32 @@ def prefill_hardware(
     config: PrefillConfig, pod: PodConfig | None = None
 ) -> tuple[DieSpec, LinkSpec]:
     """The prefill die and the link its KV leaves by: UB inside the pod, RoCE from attached
-    910B servers (P104)."""
+    910B servers (P104), at the receiving 910C die's RDMA rate."""
     pod = pod or PodConfig()
     if config.hardware == "910b":
         return pod.b_die, pod.roce
     return pod.die, pod.ub
+
+
+def prefill_te_link(config: PrefillConfig, pod: PodConfig | None = None) -> LinkSpec:
+    """The link a Prefill TE's own all-to-all (dispatch, combine) and SP ring run over, per
+    die: UB inside the pod. 910B dies sit 8 to a server on HCCS, and a TE of more spans
+    servers joined by each die's scale-out RDMA: of a die's ``dies_per_te - 1`` peers, those
+    in its server take their share of its bytes over HCCS and the rest over scale-out, both at
+    once, so the rate is that of the slower share."""
+    pod = pod or PodConfig()
+    if config.hardware != "910b":
+        return pod.ub
+    peers = config.dies_per_te - 1
+    inside = min(config.dies_per_te, 8) - 1
+    outside = peers - inside
+    if not outside:
+        return pod.hccs
+    per_byte = max(inside / peers / pod.hccs.bandwidth, outside / peers / pod.b_scale_out.bandwidth)
+    return LinkSpec(
+        name="910B HCCS + scale-out",
+        bandwidth=1.0 / per_byte,
+        latency_ns=pod.b_scale_out.latency_ns,
+        source=f"{inside} of {peers} peers over {pod.hccs.name}, {outside} over "
+        f"{pod.b_scale_out.name}",
+    )

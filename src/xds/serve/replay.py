@@ -58,7 +58,7 @@ from .job_executor import (
 from .kv import kv_capacity_blocks
 from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
-from .prefill_cost import PrefillCost, prefill_hardware
+from .prefill_cost import PrefillCost, prefill_hardware, prefill_te_link
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
 from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart, TEFailover
 from .routing import DecodeRouting, lowest_kv
@@ -350,7 +350,9 @@ class Replay(Failover):
         model = cfg.decode.spec
         pod = PodConfig()
         die, link = prefill_hardware(cfg.prefill, pod)
-        self.prefill_cost = PrefillCost(model, cfg.prefill, die, pod.engines, link)
+        self.prefill_cost = PrefillCost(
+            model, cfg.prefill, die, pod.engines, prefill_te_link(cfg.prefill, pod)
+        )
         self._kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
         self._prefill_placement = prefill_placement
         self._decode_routing = decode_routing
