@@ -197,6 +197,28 @@ def test_a_910b_prefill_te_exchanges_over_hccs_and_its_scale_out_not_the_kv_link
     assert 1.0 < step(b) / step(c) < 2.5  # compute-bound on both (SPEC 10.2)
 
 
+def test_tp_attention_gathers_latents_and_scatters_its_output_over_the_tp_link():
+    """TP4 attention on sequence-split projections: per layer an all-gather of the compressed
+    latents and a reduce-scatter of the output projection (once priced as free)."""
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    pod, m = PodConfig(), MODELS["deepseek-r1"]
+    cfg = PrefillConfig()
+    die, _ = prefill_hardware(cfg)
+    cost = PrefillCost(m, cfg, die, pod.engines, pod.ub, tp_link=pod.ub)
+    gather, scatter = cost._tp_exchange(4096.0)
+    share = 3 / 4 * 4096 * 2 / pod.ub.bandwidth * 1e9
+    assert gather == [3 * pod.ub.latency_ns + round(share * (1536 + 512 + 64))]
+    assert scatter == [3 * pod.ub.latency_ns + round(share * 7168)]
+    tp1 = msgspec.structs.replace(cfg, attention_tp=1, dies_per_te=8)
+    assert PrefillCost(m, tp1, die, pod.engines, pod.ub)._tp_exchange(4096.0) == ([], [])
+    no_exchange = PrefillCost(m, cfg, die, pod.engines, pod.ub)
+    no_exchange._tp_exchange = lambda tokens: ([], [])  # type: ignore[method-assign]
+    step = cost.step_ns([[(4096, 0)]])
+    assert 1.04 < step / no_exchange.step_ns([[(4096, 0)]]) < 1.12  # two per layer, 62 layers
+
+
 def test_comm_interpolation_is_monotone_and_clamped():
     grid = comm_grid(SMALL.decode)
     assert grid[0].tokens_per_die == 1 and grid[-1].tokens_per_die == 8

@@ -34,7 +34,8 @@ def _tokens(piece: Piece) -> float:
 
 class PrefillCost:
     """Step time of one Prefill TE (all its DP groups in lockstep). ``link`` is the one its
-    all-to-all and SP ring run over (:func:`prefill_te_link`)."""
+    all-to-all and SP ring run over (:func:`prefill_te_link`), ``tp_link`` the one inside a
+    TP group (one server: UB, or HCCS for 910B; default ``link``)."""
 
     def __init__(
         self,
@@ -43,12 +44,14 @@ class PrefillCost:
         die: DieSpec,
         engines: EngineSpec,
         link: LinkSpec,
+        tp_link: LinkSpec | None = None,
     ):
         self.model = model
         self.config = config
         self.cost = CostModel(model, die, precision=config.precision, efficiency=config.efficiency)
         self.engines = engines
         self.link = link
+        self.tp_link = tp_link or link
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
         self._work: tuple[float, float] | None = None
@@ -140,10 +143,13 @@ class PrefillCost:
         )
         # projections split over the TP ranks; the attention kernel is already per die (its
         # FLOPs count this rank's heads; every rank reads the whole latent cache)
+        gather, scatter = self._tp_exchange(tokens)
         attn_side = [
             *self._scaled([k.time_ns for k in c.mla_prolog(tokens)], tp),
+            *gather,
             max(attn.time_ns, ring),
             *self._scaled([k.time_ns for k in c.mla_output(tokens)], tp),
+            *scatter,
         ]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
         shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
@@ -156,6 +162,23 @@ class PrefillCost:
         reqs = float(len(group))
         head = [c.lm_head(reqs).time_ns, c.sampling(reqs).time_ns]
         return dense, [*attn_side, gate, dispatch], [shared, combine], mtp_proj, head
+
+    def _tp_exchange(self, tokens: float) -> tuple[list[int], list[int]]:
+        """The TP group's two collectives per layer, as ring exchanges over ``tp_link`` (none
+        at TP1). Each rank projects its 1/tp of the tokens down (the cost above splits those
+        projections over the ranks), so before the attention core the ranks all-gather the
+        compressed latents (q and kv LoRA ranks plus the RoPE key; the hidden state for a
+        model without MLA); after the row-parallel output projection they reduce-scatter its
+        BF16 partial sums, each rank keeping its tokens' hidden states for the gate, its
+        share of the dispatch and the next layer. Each moves (tp - 1) / tp of its bytes in
+        tp - 1 steps."""
+        tp, m = self.config.attention_tp, self.model
+        if tp == 1:
+            return [], []
+        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim if m.kv_lora_rank else m.hidden
+        steps = (tp - 1) * self.tp_link.latency_ns
+        share = (tp - 1) / tp * tokens * 2 / self.tp_link.bandwidth * 1e9  # per BF16 element
+        return [steps + round(share * latent)], [steps + round(share * m.hidden)]
 
     def _attn_flops(self, group: Sequence[Piece]) -> float:
         """Causal MLA attention FLOPs per die of a group: each new token attends to the cached

@@ -351,7 +351,12 @@ class Replay(Failover):
         pod = PodConfig()
         die, link = prefill_hardware(cfg.prefill, pod)
         self.prefill_cost = PrefillCost(
-            model, cfg.prefill, die, pod.engines, prefill_te_link(cfg.prefill, pod)
+            model,
+            cfg.prefill,
+            die,
+            pod.engines,
+            prefill_te_link(cfg.prefill, pod),
+            tp_link=pod.hccs if cfg.prefill.hardware == "910b" else pod.ub,
         )
         self._kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
         self._prefill_placement = prefill_placement
