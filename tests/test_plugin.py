@@ -661,20 +661,3 @@ async def test_unmarked(xds_backend):
     )
     result.assert_outcomes(errors=2)  # once per backend, each told why
     assert "takes the xds_backend fixture but has no @pytest.mark.xds" in result.stdout.str()
-
-
-def test_a_timed_out_trio_test_fails_as_a_timeout_not_a_trio_bug(pytester):
-    pytester.makepyfile(
-        HEADER
-        + """
-@pytest.mark.timeout(1)
-@pytest.mark.xds(backend="trio", time_step_limit=None, time_limit_ns=None)
-async def test_spins_forever():
-    while True:
-        await xds.sleep_ns(1)
-"""
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
-    result.assert_outcomes(failed=1)
-    out = result.stdout.str()
-    assert "Timeout" in out and "TrioInternalError" not in out

@@ -585,3 +585,24 @@ def test_asyncio_executors_are_refused_in_a_run():
 
     with pytest.raises(ConfigError, match=r"run_in_executor / asyncio\.to_thread"):
         xds.run(main)
+
+
+def test_an_interrupt_raised_into_trios_loop_surfaces_as_itself():
+    """A BaseException raised into trio's run loop from outside the model (pytest-timeout's
+    Failed, from its signal handler) once surfaced as "internal error in Trio - please file
+    a bug!". Here a timed callback, run by the clock inside trio's loop, raises one."""
+    from xds.runtime.core import current_runtime
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupt() -> None:
+        raise Interrupt("from outside the model")
+
+    async def main() -> None:
+        current_runtime().call_at_ns(10, interrupt)
+        await xds.sleep_ns(100)
+
+    with pytest.raises(Interrupt, match="from outside the model") as info:
+        xds.run(main, backend="trio")
+    assert info.value.__cause__ is None
