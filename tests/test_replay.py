@@ -180,18 +180,21 @@ def test_a_910b_prefill_te_exchanges_over_hccs_and_its_scale_out_not_the_kv_link
     their server and over their own 50 GB/s scale-out across servers."""
     from xds.hw import PodConfig
     from xds.model import MODELS
-    from xds.serve.prefill_cost import prefill_te_link
+    from xds.serve.prefill_cost import prefill_te_link, prefill_tp_link
 
     pod = PodConfig()
     c, b = PrefillConfig(), PrefillConfig(hardware="910b")
     assert prefill_te_link(c) == pod.ub and prefill_hardware(b)[1] == pod.roce
+    assert prefill_tp_link(c) == pod.ub and prefill_tp_link(b) == pod.hccs
     link = prefill_te_link(b)  # 7 of 31 peers on HCCS, 24 over scale-out: that share binds
     assert link.bandwidth == pytest.approx(pod.b_scale_out.bandwidth * 31 / 24)
     assert prefill_te_link(msgspec.structs.replace(b, dies_per_te=8)) == pod.hccs
 
     def step(cfg: PrefillConfig) -> int:
         die, _ = prefill_hardware(cfg)
-        cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, pod.engines, prefill_te_link(cfg))
+        cost = PrefillCost(
+            MODELS["deepseek-r1"], cfg, die, pod.engines, prefill_te_link(cfg), prefill_tp_link(cfg)
+        )
         return cost.step_ns([[(4096, 0)]])
 
     assert 1.0 < step(b) / step(c) < 2.5  # compute-bound on both (SPEC 10.2)

@@ -35,7 +35,7 @@ def _tokens(piece: Piece) -> float:
 class PrefillCost:
     """Step time of one Prefill TE (all its DP groups in lockstep). ``link`` is the one its
     all-to-all and SP ring run over (:func:`prefill_te_link`), ``tp_link`` the one inside a
-    TP group (one server: UB, or HCCS for 910B; default ``link``)."""
+    TP group (:func:`prefill_tp_link`; default ``link``)."""
 
     def __init__(
         self,
@@ -302,6 +302,13 @@ def prefill_hardware(
     if config.hardware == "910b":
         return pod.b_die, pod.roce
     return pod.die, pod.ub
+
+
+def prefill_tp_link(config: PrefillConfig, pod: PodConfig | None = None) -> LinkSpec:
+    """The link inside one TP group of a Prefill TE (its ranks share a server): UB in the pod,
+    HCCS in a 910B server."""
+    pod = pod or PodConfig()
+    return pod.hccs if config.hardware == "910b" else pod.ub
 
 
 def prefill_te_link(config: PrefillConfig, pod: PodConfig | None = None) -> LinkSpec:

@@ -58,7 +58,7 @@ from .job_executor import (
 from .kv import kv_capacity_blocks
 from .policies import require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
-from .prefill_cost import PrefillCost, prefill_hardware, prefill_te_link
+from .prefill_cost import PrefillCost, prefill_hardware, prefill_te_link, prefill_tp_link
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
 from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart, TEFailover
 from .routing import DecodeRouting, lowest_kv
@@ -356,7 +356,7 @@ class Replay(Failover):
             die,
             pod.engines,
             prefill_te_link(cfg.prefill, pod),
-            tp_link=pod.hccs if cfg.prefill.hardware == "910b" else pod.ub,
+            tp_link=prefill_tp_link(cfg.prefill, pod),
         )
         self._kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
         self._prefill_placement = prefill_placement

@@ -67,11 +67,13 @@ class Workload(msgspec.Struct, frozen=True):
             source=self.source if rate_scale == 1 else f"{self.source} at {rate_scale:g}x its rate",
         )
 
+    def _arrivals(self) -> np.ndarray:
+        return np.fromiter((r.arrival_ns for r in self.requests), np.int64, len(self))
+
     def tied(self) -> int:
         """Requests that arrive at the same nanosecond as the request before them: a trace
         whose timestamps were quantised (the Mooncake conversation trace's ~3 s steps)."""
-        arrivals = np.fromiter((r.arrival_ns for r in self.requests), np.int64, len(self))
-        return int(np.count_nonzero(np.diff(arrivals) == 0))
+        return int(np.count_nonzero(np.diff(self._arrivals()) == 0))
 
     def spread_ties(self, rng: np.random.Generator) -> Workload:
         """Requests sharing a timestamp spread uniformly over their step: from it to the next
@@ -79,9 +81,9 @@ class Workload(msgspec.Struct, frozen=True):
         request order, as the trace's own order within a timestamp is kept. For a trace with
         quantised timestamps, whose literal replay arrives in bursts; a workload without ties
         is returned as it is."""
-        if not self.tied():
+        arrivals = self._arrivals()
+        if not np.any(np.diff(arrivals) == 0):
             return self
-        arrivals = np.fromiter((r.arrival_ns for r in self.requests), np.int64, len(self))
         stamps, first, count = np.unique(arrivals, return_index=True, return_counts=True)
         steps = np.diff(stamps)
         last = int(np.median(steps)) if len(steps) else 0
