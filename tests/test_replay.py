@@ -164,6 +164,41 @@ def test_prefill_step_cost_grows_with_tokens_and_shrinks_with_cached_prefix():
     assert cost.step_ns([[(4000, 0)]] * 8) > cost.step_ns([[(4000, 0)]])  # MoE over all groups
 
 
+def test_cached_context_is_priced_in_the_cheaper_mla_form():
+    """A cached prefix is latent KV: attending to it costs either its up-projection (the
+    non-absorbed form) or ~3.4x attention FLOPs (the absorbed form), whichever is cheaper,
+    never neither."""
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    cfg = PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, PodConfig().engines, link)
+    ctx = 16_384
+    up = cost._context_up_projection(ctx)
+    assert up > 0 and cost._context_up_projection(0) == 0
+    for new in (64, 512, 4_096):
+        mha, absorbed, context = cost._forms((new, ctx))
+        assert context == ctx and absorbed > 3 * mha
+        flops, chosen = cost._attention_plan([(new, ctx)], False)
+        t_mha = cost._attention_ns(mha, False) + up
+        t_abs = cost._attention_ns(absorbed, False)
+        assert (flops, chosen) == ((mha, ctx) if t_mha <= t_abs else (absorbed, 0))
+    # a short turn on a long prefix attends in the absorbed form, a long prompt up-projects
+    assert cost._attention_plan([(64, ctx)], False)[1] == 0
+    assert cost._attention_plan([(4_096, ctx)], False)[1] == ctx
+    # the extra over the same turn without a prefix covers at least the cheaper form's extra
+    for new in (64, 512):
+        mha, absorbed, _ = cost._forms((new, ctx))
+        plain = cost._forms((new, 0))[0]
+        floor = min(
+            up + cost._attention_ns(mha - plain, False), cost._attention_ns(absorbed - plain, False)
+        )
+        assert cost.step_ns([[(new, ctx)]]) - cost.step_ns([[(new, 0)]]) >= 0.9 * floor
+    # an SP share up-projects the other shares' new tokens (they reach it as latents)
+    assert cost._forms((8_000, 1_000, 4))[2] == 1_000 + 8_000 - 2_000
+
+
 def test_910b_prefill_moves_kv_over_roce_more_slowly():
     wl = _workload((0, 8000, 20))
     ub = replay(wl, SMALL).records[0].kv_transfer_ns

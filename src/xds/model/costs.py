@@ -190,6 +190,14 @@ class CostModel:
         act = tokens * h * (d_in + d_out) * 2
         return self.kernel(name, 2.0 * tokens * h * d_in * d_out, weights + act, "cube_bf16")
 
+    def kv_up_projection(self, tokens: float, heads: int | None = None) -> Kernel:
+        """MLA's ``kv_b_proj`` on ``tokens`` of cached latent: up to ``heads`` heads' no-RoPE
+        keys and values (all heads by default; a TP rank computes its own), as the
+        non-absorbed form needs for context it attends to."""
+        m = self.model
+        out = (m.heads if heads is None else heads) * (m.qk_nope_head_dim + m.v_head_dim)
+        return self._gemm("kv_b_proj", tokens, m.kv_lora_rank, out, self.precision.mla_int8)
+
     def mtp_projection(self, tokens: float) -> Kernel:
         """The MTP module's eh_proj: [embedding; hidden] (2H) -> H, BF16 (DeepSeek-V3's MTP
         module; its norms and embedding lookup are negligible)."""

@@ -54,24 +54,26 @@ class PrefillCost:
         self.tp_link = tp_link or link
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
-        self._work: tuple[float, float] | None = None
+        self._work: tuple[float, float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
         self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
         self._groups: dict[tuple[tuple[Piece, ...], bool], tuple[list[int], ...]] = {}
 
     def piece_work(self, new: int, cached: int) -> float:
-        """A job's weight when the leader balances a step: ``a new + b new (cached + new/2)``
-        (per-token projections, experts and all-to-all, plus causal attention), with ``a`` and
-        ``b`` read off this cost model's own step times (cached on first use)."""
+        """A job's weight when the leader balances a step:
+        ``a new + b new (cached + new/2) + e cached`` (per-token projections, experts and
+        all-to-all; causal attention; up-projecting the cached context), with ``a``, ``b``
+        and ``e`` read off this cost model's own step times (cached on first use)."""
         if self._work is None:
-            t1 = self.step_ns([[(2_048, 0)]])
-            t2 = self.step_ns([[(8_192, 0)]])
-            t3 = self.step_ns([[(2_048, 16_384)]])
-            b = max(0.0, (t3 - t1) / (2_048 * 16_384))
-            a = max(1e-9, (t2 - t1 - b * (8_192**2 - 2_048**2) / 2) / 6_144)
-            self._work = (a, b)
-        a, b = self._work
-        return new * (a + b * (cached + new / 2))
+            short, long, ctx = 2_048, 8_192, 16_384
+            t1, t2 = self.step_ns([[(short, 0)]]), self.step_ns([[(long, 0)]])
+            t3, t4 = self.step_ns([[(short, ctx)]]), self.step_ns([[(long, ctx)]])
+            b = max(0.0, ((t4 - t2) - (t3 - t1)) / ((long - short) * ctx))
+            e = max(0.0, (t3 - t1 - b * short * ctx) / ctx)
+            a = max(1e-9, (t2 - t1 - b * (long**2 - short**2) / 2) / (long - short))
+            self._work = (a, b, e)
+        a, b, e = self._work
+        return new * (a + b * (cached + new / 2)) + e * cached
 
     def _scaled(self, times: list[int], tp: int) -> list[int]:
         return [-(-t // tp) for t in times]
@@ -125,13 +127,15 @@ class PrefillCost:
         kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
         # every piece reads its whole context's latent cache (an SP share sees it pass by)
         kv_bytes = sum(p[0] + p[1] for p in group) * kv_token
+        attn_flops, context = self._attention_plan(group, int8_attention)
         attn = c.kernel(
             "mla_prefill_attention",
-            self._attn_flops(group),
+            attn_flops,
             kv_bytes,
             "cube_int8" if int8_attention else "cube_bf16",
             attention=True,
         )
+        up = self._context_up_projection(context)
         # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
         # the attention compute, at the rate of one link
         ring = max(
@@ -147,7 +151,7 @@ class PrefillCost:
         attn_side = [
             *self._scaled([k.time_ns for k in c.mla_prolog(tokens)], tp),
             *gather,
-            max(attn.time_ns, ring),
+            max(attn.time_ns + up, ring),
             *self._scaled([k.time_ns for k in c.mla_output(tokens)], tp),
             *scatter,
         ]
@@ -180,16 +184,54 @@ class PrefillCost:
         share = (tp - 1) / tp * tokens * 2 / self.tp_link.bandwidth * 1e9  # per BF16 element
         return [steps + round(share * latent)], [steps + round(share * m.hidden)]
 
-    def _attn_flops(self, group: Sequence[Piece]) -> float:
-        """Causal MLA attention FLOPs per die of a group: each new token attends to the cached
-        prefix and, on average, half of the new tokens (non-absorbed form, heads split by TP).
-        An SP share does 1/sp of its request's work (load-balanced causal split)."""
+    def _attention_plan(self, group: Sequence[Piece], int8_attention: bool) -> tuple[float, float]:
+        """(attention FLOPs per die, context tokens to up-project) of a group, each piece in
+        the cheaper of MLA's two forms (:meth:`_forms`)."""
+        flops = context = 0.0
+        for p in group:
+            mha, absorbed, up = self._forms(p)
+            t_mha = self._attention_ns(mha, int8_attention) + self._context_up_projection(up)
+            if t_mha <= self._attention_ns(absorbed, int8_attention):
+                flops, context = flops + mha, context + up
+            else:
+                flops += absorbed
+        return flops, context
+
+    def _forms(self, piece: Piece) -> tuple[float, float, float]:
+        """A piece's causal attention in MLA's two forms, per die (heads split by TP; an SP
+        share does 1/sp of its request's work, a load-balanced causal split): each new token
+        attends to the cached prefix and, on average, half of the new tokens.
+
+        - *Non-absorbed* (MHA over 192-dim keys and 128-dim values): the keys and values of
+          the context it attends to must first be up-projected from the latent cache (the
+          cached prefix, and for an SP share the other shares' new tokens, which arrive by
+          the ring as latents). Its own new tokens' up-projection costs what the prolog's
+          and output's absorb kernels already charge per new token, so only the context's is
+          extra.
+        - *Absorbed* (MQA over the 512 + 64-dim latent, 512-dim values): no up-projection,
+          but about 3.4x the FLOPs per attended pair (DeepSeek-V3's dims).
+
+        Returns (non-absorbed FLOPs, absorbed FLOPs, context tokens the first up-projects)."""
         m = self.model
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        new, cached, sp = piece[0], piece[1], _sp(piece)
         heads = m.heads / self.config.attention_tp
-        return sum(
-            2.0 * p[0] * (p[1] + p[0] / 2) * heads * (qk + m.v_head_dim) / _sp(p) for p in group
-        )
+        pairs = 2.0 * new * (cached + new / 2) * heads / sp
+        mha = pairs * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        absorbed = pairs * (m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank)
+        return mha, absorbed, cached + new - new / sp
+
+    def _attention_ns(self, flops: float, int8_attention: bool) -> int:
+        """The attention kernel's compute time for ``flops`` (the form choice compares compute:
+        both forms read the same latent cache)."""
+        engine = "cube_int8" if int8_attention else "cube_bf16"
+        return self.cost.kernel("attention_form", flops, 0.0, engine, attention=True).time_ns
+
+    def _context_up_projection(self, tokens: float) -> int:
+        """Up-projecting ``tokens`` of cached latent to this rank's heads (0 without context)."""
+        if tokens <= 0:
+            return 0
+        heads = self.model.heads // self.config.attention_tp
+        return self.cost.kv_up_projection(tokens, heads).time_ns
 
     def sp_step(self, new: int, cached: int) -> list[list[Piece]]:
         """The step of one request run sequence-parallel over every DP group of the TE."""
