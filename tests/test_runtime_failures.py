@@ -577,6 +577,18 @@ def test_waiting_on_a_worker_thread_is_refused_at_the_call(backend):
     assert anyio.run(outside, backend=backend) == 45
 
 
+def test_trio_worker_threads_called_directly_are_refused_in_a_run():
+    import trio
+
+    async def main() -> int:
+        return await trio.to_thread.run_sync(sum, range(10))
+
+    with pytest.raises(ConfigError, match=r"trio\.to_thread\.run_sync") as info:
+        xds.run(main, backend="trio")
+    assert info.value.field == "to_thread"
+    assert trio.run(main) == 45  # outside a run, trio's threads are trio's own
+
+
 def test_asyncio_executors_are_refused_in_a_run():
     import asyncio
 

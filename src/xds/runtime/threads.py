@@ -8,12 +8,14 @@ xds run the call itself is refused (:func:`no_worker_threads`) with a :class:`Co
 raised in the calling task, at a virtual instant that is the same on every run.
 
 The refusal patches anyio's two backends' ``run_sync_in_worker_thread`` (a private detail of
-anyio, which is pinned) the first time a run starts; outside runs, and in other threads, anyio
-behaves as shipped. ``trio.to_thread`` called directly is not covered.
+anyio, which is pinned) and ``trio.to_thread.run_sync`` (a model on the trio backend may call
+it directly; trio's own thread helpers, e.g. ``trio.open_file``, look it up there too) the first
+time a run starts; outside runs, and in other threads, both behave as shipped.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,10 +58,28 @@ def _install() -> None:
         backend.run_sync_in_worker_thread = classmethod(run_sync_in_worker_thread)  # type: ignore[method-assign, assignment]
 
 
+def _install_trio() -> None:
+    import trio.to_thread
+
+    original = trio.to_thread.run_sync
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(original)
+    async def run_sync(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_runs, "depth", 0):
+            raise worker_thread_refused("trio.to_thread.run_sync")
+        return await original(*args, **kwargs)
+
+    setattr(run_sync, _PATCHED_ATTR, True)
+    trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+
+
 @contextmanager
 def no_worker_threads() -> Iterator[None]:
     """While an xds run is on in this thread: anyio's worker threads are refused."""
     _install()
+    _install_trio()
     _runs.depth = getattr(_runs, "depth", 0) + 1
     try:
         yield
