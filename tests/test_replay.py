@@ -164,6 +164,35 @@ def test_prefill_step_cost_grows_with_tokens_and_shrinks_with_cached_prefix():
     assert cost.step_ns([[(4000, 0)]] * 8) > cost.step_ns([[(4000, 0)]])  # MoE over all groups
 
 
+def test_prefill_experts_wait_for_the_busiest_die():
+    """Uniform gating still loads the TE's expert dies unevenly (binomially): the routed
+    experts take as long as the busiest die's share, which shrinks towards the mean as the
+    step grows; checked against sampled die loads."""
+    from xds.hw import PodConfig
+    from xds.model import MODELS
+
+    cfg = PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    cost = PrefillCost(MODELS["deepseek-r1"], cfg, die, PodConfig().engines, link)
+    dies = cfg.dies_per_te
+    gen = np.random.default_rng(7)
+    over = []
+    for copies in (2_048 * 8, 32_768 * 8):
+        model = cost.busiest_die_copies(copies)
+        sampled = gen.multinomial(copies, np.full(dies, 1 / dies), size=400).max(axis=1).mean()
+        assert model == pytest.approx(sampled, rel=0.01)
+        over.append(model / (copies / dies))
+    assert over[0] > over[1] > 1.0
+    one = PrefillCost(
+        MODELS["deepseek-r1"],
+        msgspec.structs.replace(cfg, dies_per_te=1, attention_tp=1),
+        die,
+        PodConfig().engines,
+        link,
+    )
+    assert one.busiest_die_copies(1_000.0) == 1_000.0  # one die holds every copy
+
+
 def test_cached_context_is_priced_in_the_cheaper_mla_form():
     """A cached prefix is latent KV: attending to it costs either its up-projection (the
     non-absorbed form) or ~3.4x attention FLOPs (the absorbed form), whichever is cheaper,

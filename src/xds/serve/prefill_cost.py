@@ -7,7 +7,9 @@ the TE's dies, the SP ring) and for the scheduler that uses it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +56,7 @@ class PrefillCost:
         self.tp_link = tp_link or link
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
+        self._blom = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25)) if ep > 1 else 0.0
         self._work: tuple[float, float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
         self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
@@ -92,13 +95,26 @@ class PrefillCost:
             int8_attention = cfg.precision.attention_int8
         busy = [g for g in groups if g]
         all_tokens = sum(_tokens(p) for g in busy for p in g)
-        per_die = all_tokens * m.top_k / cfg.dies_per_te
         experts_here = max(1, m.routed_experts // cfg.dies_per_te)
-        routed = experts_here * self.cost.expert(per_die / experts_here).time_ns
+        busiest = self.busiest_die_copies(all_tokens * m.top_k)
+        routed = experts_here * self.cost.expert(busiest / experts_here).time_ns
         per_group = [self._group_times(g, routed, int8_attention) for g in busy]
         return tuple(
             [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
         )
+
+    def busiest_die_copies(self, copies: float) -> float:
+        """Routed copies on the TE's busiest expert die when ``copies`` spread over its dies
+        (uniform gating, as decode's default draws them: each copy lands on a die with
+        probability 1/dies, so a die's load is binomial): the expected largest of the dies'
+        loads, in the normal approximation with Blom's score for the top of ``dies`` order
+        statistics (2.07 sd above the mean for 32 dies: a 2,048-token prompt's busiest die
+        holds 9 % over the mean, a 32K-token step's 2 %). The experts wait for it."""
+        dies = self.config.dies_per_te
+        mean = copies / dies
+        if dies == 1 or copies <= 0:
+            return mean
+        return mean + self._blom * math.sqrt(copies * (1 / dies) * (1 - 1 / dies))
 
     def _group_times(
         self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
