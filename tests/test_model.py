@@ -35,6 +35,9 @@ def test_kv_bytes_match_the_published_derivations():
     assert MINIMAX_M1.kv_bytes_per_token() == 40_960
     assert DEEPSEEK_V3.expert_params == 44_040_192
     assert DEEPSEEK_V3.moe_layers == 58
+    # a deployment that drafts caches the MTP layer's KV as well (61 + 1 layers)
+    assert DEEPSEEK_V3.kv_bytes_per_token(mtp=True) == 70_272 // 61 * 62
+    assert KIMI_K2.kv_bytes_per_token(mtp=True) == 70_272  # no MTP layer
 
 
 @given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=64))

@@ -193,6 +193,45 @@ def test_prefill_experts_wait_for_the_busiest_die():
     assert one.busiest_die_copies(1_000.0) == 1_000.0  # one die holds every copy
 
 
+def test_the_mtp_layer_runs_in_prefill_and_its_kv_moves_only_when_the_decode_drafts():
+    from xds.hw import CloudMatrix384, PodConfig
+    from xds.model import MODELS
+    from xds.serve.decode_model import CommCosts, decode_kv_capacity
+    from xds.serve.mtp import MTPConfig
+
+    cfg = PrefillConfig()
+    die, link = prefill_hardware(cfg)
+    pod = PodConfig()
+    r1, kimi = MODELS["deepseek-r1"], MODELS["kimi-k2"]
+    drafting = PrefillCost(r1, cfg, die, pod.engines, link)
+    plain = PrefillCost(r1, cfg, die, pod.engines, link, mtp=False)
+    assert drafting.mtp and not plain.mtp
+    assert drafting.step_ns([[(4_096, 0)]]) > plain.step_ns([[(4_096, 0)]])
+    assert not PrefillCost(kimi, cfg, die, pod.engines, link).mtp  # it has no MTP layer
+
+    wl = _workload((0, 2_000, 4))
+    no_mtp = msgspec.structs.replace(
+        SMALL, decode=msgspec.structs.replace(SMALL.decode, mtp=MTPConfig(k=0))
+    )
+    grid = [CommCosts(1, 10_000, 10_000)]  # (not used: nothing runs)
+
+    async def built(config: PDConfig) -> tuple[int, bool, int]:
+        r = Replay(wl, config, grid)
+        return r.kv_bytes_per_token, r.prefill_cost.mtp, r._kv_dp
+
+    (bytes_on, mtp_on, blocks_on), (bytes_off, mtp_off, blocks_off) = (
+        run(lambda: built(SMALL)),
+        run(lambda: built(no_mtp)),
+    )
+    per_layer = r1.kv_bytes_per_token_layer(int8_nope=SMALL.decode.precision.kv_int8_nope)
+    assert bytes_on - bytes_off == per_layer
+    assert mtp_on and not mtp_off
+    assert blocks_on < blocks_off  # prefill blocks hold the MTP layer's KV too
+    assert decode_kv_capacity(SMALL.decode, CloudMatrix384()) < decode_kv_capacity(
+        no_mtp.decode, CloudMatrix384()
+    )
+
+
 def test_cached_context_is_priced_in_the_cheaper_mla_form():
     """A cached prefix is latent KV: attending to it costs either its up-projection (the
     non-absorbed form) or ~3.4x attention FLOPs (the absorbed form), whichever is cheaper,

@@ -69,9 +69,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         kv = 2 * self.kv_heads * self.head_dim
         return kv * (1 if int8_nope else 2)
 
-    def kv_bytes_per_token(self, *, int8_nope: bool = False) -> int:
-        """KV-cache bytes per token over all cached layers (MTP layer excluded)."""
-        return self.kv_bytes_per_token_layer(int8_nope=int8_nope) * self.kv_cached_layers
+    def kv_bytes_per_token(self, *, int8_nope: bool = False, mtp: bool = False) -> int:
+        """KV-cache bytes per token over all cached layers; with ``mtp`` also the MTP
+        layers' (a deployment that drafts keeps their cache too: the MTP layer attends over
+        every earlier position, so prefill computes it and it moves with the rest)."""
+        layers = self.kv_cached_layers + (self.mtp_layers if mtp else 0)
+        return self.kv_bytes_per_token_layer(int8_nope=int8_nope) * layers
 
     @property
     def expert_params(self) -> int:

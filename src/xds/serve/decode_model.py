@@ -162,7 +162,10 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     field="dies",
                 )
         else:  # an override (a group after a scale-down, a what-if), but never beyond HBM
-            block = m.kv_bytes_per_token(int8_nope=self.precision.kv_int8_nope) * self.block_tokens
+            per_token = m.kv_bytes_per_token(
+                int8_nope=self.precision.kv_int8_nope, mtp=self.mtp_config.k > 0
+            )
+            block = per_token * self.block_tokens
             if self.kv_blocks_per_die * block > hbm:
                 raise ConfigError(
                     f"{self.kv_blocks_per_die} blocks of {self.block_tokens} tokens are "
@@ -665,13 +668,15 @@ def decode_weight_bytes(config: DecodeConfig) -> int:
 def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
     """KV blocks of one decode die: HBM left after the weights it holds (attention and dense
     layers replicated per DP, its routed experts + one redundant slot per MoE layer in INT8,
-    embeddings and LM head in BF16) and the workspace."""
+    embeddings and LM head in BF16) and the workspace; a block holds the MTP layer's KV too
+    when the deployment drafts."""
     return kv_capacity_blocks(
         config.spec,
         pod.die_spec,
         weight_bytes=decode_weight_bytes(config),
         block_tokens=config.block_tokens,
         int8_nope=config.precision.kv_int8_nope,
+        mtp=config.mtp_config.k > 0,
     )
 
 

@@ -32,6 +32,7 @@ def kv_capacity_blocks(
     block_tokens: int = 128,
     int8_nope: bool = True,
     workspace_fraction: float = WORKSPACE_FRACTION,
+    mtp: bool = False,
 ) -> int:
     """Blocks that fit in one die's HBM after ``weight_bytes`` of weights and a workspace
     (activations, communication buffers: ``workspace_fraction`` of HBM, an emulator choice)."""
@@ -42,7 +43,7 @@ def kv_capacity_blocks(
             f"a {die.hbm_bytes / 2**30:.0f} GiB die",
             field="weight_bytes",
         )
-    per_block = model.kv_bytes_per_token(int8_nope=int8_nope) * block_tokens
+    per_block = model.kv_bytes_per_token(int8_nope=int8_nope, mtp=mtp) * block_tokens
     return int(free // per_block)
 
 

@@ -211,6 +211,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             weight_bytes=weights,
             block_tokens=self.block_tokens,
             int8_nope=self.precision.kv_int8_nope,
+            mtp=self.mtp_config.k > 0,
         )
 
 

@@ -37,7 +37,8 @@ def _tokens(piece: Piece) -> float:
 class PrefillCost:
     """Step time of one Prefill TE (all its DP groups in lockstep). ``link`` is the one its
     all-to-all and SP ring run over (:func:`prefill_te_link`), ``tp_link`` the one inside a
-    TP group (:func:`prefill_tp_link`; default ``link``)."""
+    TP group (:func:`prefill_tp_link`; default ``link``); ``mtp=False`` leaves the model's
+    MTP layer out (a deployment that does not draft)."""
 
     def __init__(
         self,
@@ -47,8 +48,13 @@ class PrefillCost:
         engines: EngineSpec,
         link: LinkSpec,
         tp_link: LinkSpec | None = None,
+        *,
+        mtp: bool | None = None,
     ):
         self.model = model
+        self.mtp = bool(model.mtp_layers) and (mtp is None or mtp)
+        """Whether a step runs the MTP layer after the main model (the deployment drafts;
+        by default, whenever the model has one)."""
         self.config = config
         self.cost = CostModel(model, die, precision=config.precision, efficiency=config.efficiency)
         self.engines = engines
@@ -276,7 +282,8 @@ class PrefillCost:
         INT8, and its kind (0 dense, 1 MoE, 2 MTP) as :meth:`layer_times` orders them."""
         if self._kinds is None:
             m, p = self.model, self.config.precision
-            kinds = [0] * m.dense_layers + [1] * (m.layers - m.dense_layers) + [2]
+            kinds = [0] * m.dense_layers + [1] * (m.layers - m.dense_layers)
+            kinds += [2] * (m.mtp_layers if self.mtp else 0)
             self._kinds = [(p.int8_attention(x), kind) for x, kind in enumerate(kinds)]
         return self._kinds
 

@@ -350,6 +350,7 @@ class Replay(Failover):
         model = cfg.decode.spec
         pod = PodConfig()
         die, link = prefill_hardware(cfg.prefill, pod)
+        drafts = cfg.decode.mtp_config.k > 0  # prefill runs (and keeps) the MTP layer too
         self.prefill_cost = PrefillCost(
             model,
             cfg.prefill,
@@ -357,6 +358,7 @@ class Replay(Failover):
             pod.engines,
             prefill_te_link(cfg.prefill, pod),
             tp_link=prefill_tp_link(cfg.prefill, pod),
+            mtp=drafts,
         )
         self._kv_dp = _prefill_kv_blocks(cfg.prefill, cfg.decode, die)
         self._prefill_placement = prefill_placement
@@ -379,7 +381,7 @@ class Replay(Failover):
         self.monitor: LinkMonitor | None = None
         self._picks = 0
         self.kv_bytes_per_token = model.kv_bytes_per_token(
-            int8_nope=cfg.decode.precision.kv_int8_nope
+            int8_nope=cfg.decode.precision.kv_int8_nope, mtp=drafts
         )
         self.records: dict[int, RequestRecord] = {}
         self.ended = 0
@@ -964,7 +966,7 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
     at the prefill's precision) and the workspace. MLA's latent cache is replicated on the TP
-    ranks."""
+    ranks; a block holds the MTP layer's KV too when the decode drafts."""
     m = d.spec
     experts = max(1, m.routed_experts // p.dies_per_te) + m.shared_experts
     weights = p.precision.weight_bytes(m, experts=experts, tp=p.attention_tp)
@@ -974,6 +976,7 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
         weight_bytes=weights,
         block_tokens=p.block_tokens,
         int8_nope=p.precision.kv_int8_nope,
+        mtp=d.mtp_config.k > 0,
     )
 
 
