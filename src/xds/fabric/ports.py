@@ -56,17 +56,21 @@ class Port:
         # start_ns on, the transfer takes every gap before intervals i, i + 1, ... until its
         # time is used up: all of [start_ns, end] is then busy, one interval
         i = bisect.bisect_right(ends, start_ns)
-        t, j = start_ns, i
-        while j < len(starts):
+        t, j, n = start_ns, i, len(starts)
+        # (the comparisons below stand for max(gap, 0.0) and max(t, ends[j]), exactly: they
+        # keep the first operand on a tie, and remaining stays positive here)
+        while j < n:
             gap = starts[j] - t
             if gap >= remaining - _EPS_NS:  # it fits (float sums may miss by an ulp)
                 break
-            remaining -= max(gap, 0.0)
-            t = max(t, ends[j])
+            if gap > 0.0:
+                remaining -= gap
+            if ends[j] > t:
+                t = ends[j]
             j += 1
         end = t + remaining
-        lo, hi = (min(start_ns, starts[i]) if i < len(starts) else start_ns), end
-        if j < len(starts) and starts[j] <= end + _EPS_NS:  # it filled the gap before j
+        lo, hi = (min(start_ns, starts[i]) if i < n else start_ns), end
+        if j < n and starts[j] <= end + _EPS_NS:  # it filled the gap before j
             end = min(end, starts[j])
             hi = ends[j]
             j += 1
@@ -93,5 +97,7 @@ def finish_ns(
     end = start_ns + nbytes * 1e9 / rate
     port_bytes = nbytes if efficiency == 1.0 else math.ceil(nbytes / efficiency)
     for port in ports:
-        end = max(end, port.reserve(start_ns, port_bytes, now_ns=now_ns))
+        carried = port.reserve(start_ns, port_bytes, now_ns=now_ns)
+        if carried > end:  # max(end, carried), which keeps end on a tie
+            end = carried
     return math.ceil(end)

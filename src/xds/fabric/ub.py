@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import require_instance
 from ..errors import ConfigError, ProtocolError
-from ..hw import CloudMatrix384, Network, aiv_mte_bandwidth
+from ..hw import CloudMatrix384, LinkSpec, Network, aiv_mte_bandwidth
 from ..runtime import Runtime, current_runtime, sleep_until_ns
 from ..runtime.core import _current as _current_run
 from . import checks
@@ -61,6 +61,9 @@ class Transfer(msgspec.Struct, frozen=True):
     end_ns: int
     visible_ns: int
 
+
+_PORT_NAMES = {net: (f"{net.value}.out", f"{net.value}.in") for net in Network}
+"""Per network, the names of a die's egress and ingress ports on it."""
 
 _META_DELAY: dict[tuple[object, object, tuple[int, ...]], np.ndarray] = {}
 
@@ -103,6 +106,8 @@ class UBFabric:
         self._memories: dict[int, DieMemory] = {}
         self._ports: dict[tuple[int, str], Port] = {}
         self._links: dict[tuple[int, int], tuple[tuple[Port, ...], float, int]] = {}
+        self._workers: dict[int, tuple[int, float]] = {}
+        self._link_specs: dict[Network, LinkSpec] = {}
         self._collective_fields = 0
         self._p2p: P2P | None = None
         self.failures = DieFailures(self)
@@ -203,6 +208,10 @@ class UBFabric:
     # -- ports and costs -----------------------------------------------------------------------
     def port(self, die: int, name: str, bandwidth: float) -> Port:
         self._enter_run()
+        return self._port(die, name, bandwidth)
+
+    def _port(self, die: int, name: str, bandwidth: float) -> Port:
+        """:meth:`port` once this run's use of the fabric is noted (:meth:`_enter_run`)."""
         key = (die, name)
         port = self._ports.get(key)
         if port is None:
@@ -220,15 +229,33 @@ class UBFabric:
             hit = self._links[(src, dst)] = self._link_ports_of(src, dst)
         return hit
 
+    def _mte_worker(self, die: int) -> tuple[int, float]:
+        """(largest MTE operation in bytes, ``b_aiv``) of one AIV of ``die``: remembered per
+        valid die index, since they depend on the die's spec and the engine costs alone (the
+        pod never changes; a later run does not touch them). Other index types (numpy
+        integers, bools) are checked every time, as :meth:`_link_ports` does."""
+        cacheable = type(die) is int
+        hit = self._workers.get(die) if cacheable else None
+        if hit is None:
+            worker = self.pod.spec_of(die)
+            hit = (worker.mte_max_bytes, aiv_mte_bandwidth(self.engines, worker))
+            if cacheable:
+                self._workers[die] = hit
+        return hit
+
     def _link_ports_of(self, src: int, dst: int) -> tuple[tuple[Port, ...], float, int]:
+        """What :meth:`_link_ports` remembers (it has noted the run)."""
         net = self.pod.network_between(src, dst)
         if net is Network.LOCAL:
             hbm = self.pod.spec_of(src).hbm_bandwidth
-            return (self.port(src, "hbm", hbm),), hbm, 0
-        link = self.pod.link(net)
+            return (self._port(src, "hbm", hbm),), hbm, 0
+        link = self._link_specs.get(net)
+        if link is None:  # the pod's link table, looked up once per network
+            link = self._link_specs[net] = self.pod.link(net)
+        out_name, in_name = _PORT_NAMES[net]
         ports = (
-            self.port(src, f"{net.value}.out", link.bandwidth),
-            self.port(dst, f"{net.value}.in", link.bandwidth),
+            self._port(src, out_name, link.bandwidth),
+            self._port(dst, in_name, link.bandwidth),
         )
         return ports, link.bandwidth, link.latency_ns
 
@@ -265,16 +292,15 @@ class UBFabric:
         if op_bytes is None and aivs > 1:  # each AIV's first operation is its share at most
             share = -(-nbytes // aivs)
             op = min(op, max(self.config.min_chunk_bytes, -(-share // 32) * 32))
-        if op:  # AIVs beyond one operation's worth of bytes each do not speed it up (counted
-            aivs = min(aivs, max(1.0, nbytes / op))  # as a fraction: cost rises with bytes)
-        worker = self.pod.spec_of(src if aiv_die is None else aiv_die)
-        limit = worker.mte_max_bytes
+        if op and aivs > 1:  # AIVs beyond one operation's worth of bytes each do not speed
+            # it up (counted as a fraction: cost rises with bytes); one AIV is never capped
+            aivs = min(aivs, max(1.0, nbytes / op))
+        limit, b_aiv = self._mte_worker(src if aiv_die is None else aiv_die)
         if op > limit:
             raise ProtocolError(
                 f"an MTE operation moves at most half a UBuf ({limit} bytes), got {op}"
             )
         ports, link_bw, latency = self._link_ports(src, dst)
-        b_aiv = aiv_mte_bandwidth(e, worker)
         now = start_ns if now_ns is None else now_ns
         begin = start_ns + (e.mte_startup_ns + op * 1e9 / b_aiv if fill else 0.0)
         if src == dst:  # a local copy reads and writes the same HBM

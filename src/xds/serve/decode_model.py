@@ -613,12 +613,13 @@ def measure_comm(
             tier="collective",
         )
         pick = rng("decode/comm-routing")
+        choice, experts, top_k = pick.choice, m.routed_experts, m.top_k  # one lookup each
         routes = []
         for r in range(n):
             idx = (
                 np.stack(
                     [
-                        pick.choice(m.routed_experts, m.top_k, replace=False, p=popularity)
+                        choice(experts, top_k, replace=False, p=popularity)
                         for _ in range(tokens_per_die)
                     ]
                 )

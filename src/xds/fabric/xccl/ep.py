@@ -320,18 +320,19 @@ class EPGroup:
         side_all["k"] = copy_j
         cut = np.searchsorted(copy_i, handle.rank_prefix).tolist()
         for src in range(self.R):
-            lo, a, b = int(handle.rank_prefix[src]), cut[src], cut[src + 1]
-            rows_i, rows_j = copy_i[a:b] - lo, copy_j[a:b]
+            a, b = cut[src], cut[src + 1]
             counts[src] = b - a
             side = side_all[a:b]
             data = None
             if bytes_mode:
+                lo = int(handle.rank_prefix[src])
+                rows_i, rows_j = copy_i[a:b] - lo, copy_j[a:b]
                 copies = np.zeros(len(rows_i), dtype=dt)
                 wire.encode_payload(copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype)
                 copies["token"] = side["token"]
                 copies["k"] = side["k"]
                 data = copies.tobytes()
-            blocks.append(_Block(len(rows_i), data, side))
+            blocks.append(_Block(b - a, data, side))
         if bytes_mode and (
             topk_weights is None or np.shape(topk_weights) != (handle.n_tokens, cfg.top_k)
         ):
@@ -404,12 +405,13 @@ class EPGroup:
         # SPEC 4.2: blocks are sized by the max batch; a combine block holds one copy per
         # (token, expert), so up to top_k copies per token.
         cap = self.config.max_tokens_per_rank * (1 if phase == _DISPATCH else self.config.top_k)
-        for dest, n in enumerate(counts):
-            if n > cap:
-                raise ProtocolError(
-                    f"rank {rank} would send {int(n)} rows to rank {dest}, above the block "
-                    f"capacity of {cap} (max_tokens_per_rank); nothing was written"
-                )
+        over = np.flatnonzero(np.asarray(counts) > cap)
+        if over.size:  # the first destination over capacity
+            dest = int(over[0])
+            raise ProtocolError(
+                f"rank {rank} would send {int(counts[dest])} rows to rank {dest}, above the "
+                f"block capacity of {cap} (max_tokens_per_rank); nothing was written"
+            )
         costs = (round(pack_vector_ns), per_row_ns, round(post_ns))
         exchange = (
             self._exchange_collective if self.tier == "collective" else self._exchange_protocol
@@ -641,6 +643,8 @@ class EPGroup:
         """A member die that failed before (or at the instant) it was to post its metadata in
         ``result``'s exchange, repaired since or not (the collective tier counts every rank's
         arrival; a die that failed during its launch or packing never wrote), or None."""
+        if not self._failures.failed:  # no member failed this run (the usual case)
+            return None
         for s, die in enumerate(self.ranks):
             if self._failures.failed_by(die, int(result.posted[s])) is not None:
                 return die

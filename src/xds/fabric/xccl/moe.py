@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Sequence
 from typing import Literal
@@ -191,5 +192,10 @@ def layout(routed: Routed, n_ranks: int) -> Layout:
         rows, cols = np.nonzero(dest >= 0)
         in_rank[rows, dest[rows, cols]] = True
         copies = np.bincount(dest[dest >= 0], minlength=n_ranks).astype(np.int64)
-    tokens = [np.nonzero(in_rank[:, r])[0] for r in range(n_ranks)]
-    return Layout(tokens, in_rank, in_rank.sum(axis=0).astype(np.int64), copies)
+    per_rank = in_rank.sum(axis=0).astype(np.int64)
+    # every destination's tokens at once: destination-major, tokens ascending; rank r's are
+    # the r-th run of per_rank[r] entries
+    token_ids = np.nonzero(in_rank.T)[1]
+    cuts = [0, *np.cumsum(per_rank).tolist()]
+    tokens = [token_ids[lo:hi] for lo, hi in itertools.pairwise(cuts)]
+    return Layout(tokens, in_rank, per_rank, copies)
