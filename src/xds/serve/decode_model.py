@@ -247,6 +247,7 @@ class KernelTimes:
         self._attn_cache: dict[tuple[int, float, int, bool], tuple[int, int, int]] = {}
         self._dense_cache: dict[float, int] = {}
         self._expert_cache: dict[float, int] = {}
+        self._head_cache: dict[float, tuple[int, int]] = {}
         self._expert_table = np.zeros(0, dtype=np.float64)
         """``expert_ns(float(t))`` for integer token counts ``t``, grown on demand."""
 
@@ -294,7 +295,16 @@ class KernelTimes:
         return hit
 
     def head_ns(self, tokens: float) -> tuple[int, int]:
-        return self.cost.lm_head(tokens).time_ns, self.cost.sampling(tokens).time_ns
+        """(LM head, sampling) of ``tokens`` tokens on one die."""
+        hit = self._head_cache.get(tokens)
+        if hit is None:
+            if len(self._head_cache) >= 65_536:
+                self._head_cache.clear()
+            hit = self._head_cache[tokens] = (
+                self.cost.lm_head(tokens).time_ns,
+                self.cost.sampling(tokens).time_ns,
+            )
+        return hit
 
     def expert_ns_of(self, counts: np.ndarray) -> np.ndarray:
         """``expert_ns(float(t))`` for each integer token count in ``counts`` (a table grown
@@ -327,6 +337,17 @@ class KernelTimes:
         return round(busiest)
 
 
+_PassKey = tuple[float, int, int, int]
+"""A forward pass: (tokens per sequence, first layer, dense layers, MoE layers)."""
+
+_ROW = ("arrive", "attention", "other", "gate", "dense_mlp", "layer", "attn", "layer8", "attn8")
+"""What :meth:`DecodeModel._pass_row` gives of one DP group in one pass (ns): its arrival at
+the first dispatch (jitter aside), the attention, other MLA + norms, gating and dense-MLP time
+up to there, then one later MoE layer's attention + other + gating and its attention, in BF16
+(``layer``, ``attn``) and INT8 (``layer8``, ``attn8``) attention."""
+_ARRIVE, _ATTENTION, _OTHER, _GATE, _DENSE_MLP, _LAYER, _ATTN, _LAYER8, _ATTN8 = range(len(_ROW))
+
+
 class DecodeModel(KernelTimes):
     """Per-iteration costs of the instance (shared by both tiers)."""
 
@@ -352,13 +373,15 @@ class DecodeModel(KernelTimes):
         self.routed_die_share: np.ndarray | None = None
         """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
         placements on skewed routing); None means uniform routing drawn per pass."""
-        self._parts_cache: dict[tuple[int, float, bool], tuple[int, int, int, int]] = {}
-        """(attention, other, gating, dense MLP) per (seqs << 32 | context, tokens per
-        sequence, INT8 attention)."""
-        self._tables: dict[tuple[float, bool], tuple[np.ndarray, np.ndarray]] = {}
-        """Per (tokens per sequence, INT8 attention): the DP shapes of the last pass priced
-        and their [dies, 4] rows of :attr:`_parts_cache`; the next pass re-reads only the DP
-        groups whose shape changed (between iterations, a few at most)."""
+        self._rows: dict[tuple[int, _PassKey], tuple[int, ...]] = {}
+        """:meth:`_pass_row` per (DP shape, pass)."""
+        self._tables: dict[_PassKey, tuple[np.ndarray, np.ndarray]] = {}
+        """Per pass: the DP shapes it was last priced at and their [len(_ROW), dies] table of
+        :meth:`_pass_row` columns. Invariant: column ``i`` is the row of shape ``i``; the next
+        pass recomputes only the DP groups whose shape changed (between iterations, a few at
+        most)."""
+        self._proj_cache: dict[float, int] = {}
+        """The MTP eh_proj's time per widest DP batch."""
         self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
 
     # pieces of one pass ------------------------------------------------------------------------
@@ -441,7 +464,7 @@ class DecodeModel(KernelTimes):
         k = self.config.mtp_config.k
         bd = Breakdown()
         t = 0
-        proj = self.cost.mtp_projection(float(seqs.max())).time_ns  # the MTP eh_proj
+        proj = self._mtp_projection_ns(float(seqs.max()))  # the MTP eh_proj
         shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
@@ -478,32 +501,53 @@ class DecodeModel(KernelTimes):
         """Each DP group's shape, ``seqs << 32 | context``: kernel times are a function of it."""
         return seqs.astype(np.int64) << 32 | context.astype(np.int64)
 
-    def _parts(self, shapes: np.ndarray, tokens_per_seq: float, layer: int | None) -> np.ndarray:
-        """[dies, 4] (attention, other MLA + norms, gating, dense MLP) per DP group of
-        ``shapes`` (``layer`` picks the attention precision)."""
-        int8 = self.cost.precision.int8_attention(layer)
-        last = self._tables.get((tokens_per_seq, int8))
+    def _mtp_projection_ns(self, tokens: float) -> int:
+        hit = self._proj_cache.get(tokens)
+        if hit is None:
+            if len(self._proj_cache) >= 65_536:
+                self._proj_cache.clear()
+            hit = self._proj_cache[tokens] = self.cost.mtp_projection(tokens).time_ns
+        return hit
+
+    def _pass_row(self, shape: int, key: _PassKey) -> tuple[int, ...]:
+        """The :data:`_ROW` times of a DP group of ``shape`` (``seqs << 32 | context``) in the
+        pass ``key``, cached."""
+        hit = self._rows.get((shape, key))
+        if hit is not None:
+            return hit
+        tokens_per_seq, first_layer, dense, n_moe = key
+        n8_dense, first8, _, layer8 = self._int8_layout(first_layer, dense, n_moe)
+        seqs, context = shape >> 32, shape & 0xFFFFFFFF
+        attn, other, gate = self.attention_part(seqs, tokens_per_seq, context, None)
+        attn8 = (
+            self.attention_part(seqs, tokens_per_seq, context, layer8)[0]
+            if layer8 is not None
+            else attn
+        )
+        dense_mlp = self.dense_mlp_ns(float(seqs) * tokens_per_seq)
+        # alone until the first dispatch: the dense layers, then the first MoE layer's attention
+        attention = (dense - n8_dense) * attn + n8_dense * attn8 + (attn8 if first8 else attn)
+        arrive = attention + dense * (other + dense_mlp) + other + gate
+        row = (arrive, attention, other, gate, dense_mlp)
+        row += (attn + other + gate, attn, attn8 + other + gate, attn8)
+        if len(self._rows) >= 65_536:
+            self._rows.clear()
+        self._rows[(shape, key)] = row
+        return row
+
+    def _pass_table(self, shapes: np.ndarray, key: _PassKey) -> np.ndarray:
+        """[len(_ROW), dies]: :meth:`_pass_row` of every DP group of ``shapes`` in the pass
+        ``key`` (updated in place from the last one; read it before the next pass)."""
+        last = self._tables.get(key)
         if last is not None and len(last[0]) == len(shapes):
-            todo = np.flatnonzero(last[0] != shapes)
-            if not todo.size:
-                return last[1]
-            table = last[1].copy()
+            todo = np.flatnonzero(last[0] != shapes).tolist()
+            table = last[1]
         else:
             todo = range(len(shapes))
-            table = np.empty((len(shapes), 4), dtype=np.int64)
-        cache = self._parts_cache
+            table = np.empty((len(_ROW), len(shapes)), dtype=np.int64)
         for i in todo:
-            k = int(shapes[i])
-            row = cache.get((k, tokens_per_seq, int8))
-            if row is None:
-                if len(cache) >= 65_536:
-                    cache.clear()
-                row = cache[(k, tokens_per_seq, int8)] = (
-                    *self.attention_part(k >> 32, tokens_per_seq, k & 0xFFFFFFFF, layer),
-                    self.dense_mlp_ns(float(k >> 32) * tokens_per_seq),
-                )
-            table[i] = row
-        self._tables[(tokens_per_seq, int8)] = (shapes, table)
+            table[:, i] = self._pass_row(int(shapes[i]), key)
+        self._tables[key] = (shapes, table)
         return table
 
     def _pass(
@@ -524,41 +568,39 @@ class DecodeModel(KernelTimes):
         numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
-        n8_dense, first8, n8_between, layer8 = self._int8_layout(first_layer, dense, n_moe)
+        n8_between = self._int8_layout(first_layer, dense, n_moe)[2]
         if shapes is None:
             shapes = self._shapes(seqs, context)
-        attn, other, gate, dense_mlp = self._parts(shapes, tokens_per_seq, None).T
-        attn8 = self._parts(shapes, tokens_per_seq, layer8)[:, 0] if layer8 is not None else attn
-        first_attn = attn8 if first8 else attn
+        table = self._pass_table(shapes, (tokens_per_seq, first_layer, dense, n_moe))
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        lead = (dense - n8_dense) * attn + n8_dense * attn8 + dense * (other + dense_mlp)
-        arrive = lead + first_attn + other + gate + jitter
-        barrier = int(arrive.max())
-        first_dispatch = barrier - arrive + d
+        arrive = table[_ARRIVE] + jitter
         slowest = int(np.argmax(arrive))
+        barrier = int(arrive[slowest])
+        first_dispatch = barrier - arrive + d
+        row = table[:, slowest].tolist()
         t = barrier
         bd.jitter_wait += int(jitter[slowest])
-        bd.attention += int(
-            (dense - n8_dense) * attn[slowest] + n8_dense * attn8[slowest] + first_attn[slowest]
-        )
-        bd.mla_other += int((dense + 1) * other[slowest])
-        bd.gating += int(gate[slowest])
-        bd.dense_mlp += int(dense * dense_mlp[slowest])
+        bd.attention += row[_ATTENTION]
+        bd.mla_other += (dense + 1) * row[_OTHER]
+        bd.gating += row[_GATE]
+        bd.dense_mlp += dense * row[_DENSE_MLP]
         # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
         t += n_moe * (d + c) + sum(experts)
         bd.dispatch += n_moe * d
         bd.experts += sum(experts)
         bd.combine += n_moe * c
         between = max(0, n_moe - 1)
-        for a, count in ((attn, between - n8_between), (attn8, n8_between)):
+        for layer, attn, count in (
+            (_LAYER, _ATTN, between - n8_between),
+            (_LAYER8, _ATTN8, n8_between),
+        ):
             if not count:  # the layers after the first MoE one, by attention precision
                 continue
-            per_layer = a + other + gate
-            i_max = int(np.argmax(per_layer))
-            t += count * int(per_layer[i_max])
-            bd.attention += count * int(a[i_max])
-            bd.mla_other += count * int(other[i_max])
-            bd.gating += count * int(gate[i_max])
+            i_max = int(np.argmax(table[layer]))
+            t += count * int(table[layer, i_max])
+            bd.attention += count * int(table[attn, i_max])
+            bd.mla_other += count * int(table[_OTHER, i_max])
+            bd.gating += count * int(table[_GATE, i_max])
         head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
         t += head + samp
         bd.lm_head += head

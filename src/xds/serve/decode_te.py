@@ -36,7 +36,7 @@ from .decode import (
 )
 from .jitter import JitterConfig, sample_dps
 from .kv import KVBlockManager
-from .mtp import tokens_per_step
+from .mtp import committed_tokens
 from .routing import BACKPRESSURE, DecodeRouter, DecodeRouting, lowest_kv
 
 _GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
@@ -140,6 +140,102 @@ DIES_PER_SERVER = PodConfig().chips_per_server * PodConfig().dies_per_chip
 """A CloudMatrix384 server: 8 Ascend 910C chips of 2 dies (SPEC 1.1)."""
 
 
+class _LiveBatch:
+    """A Decode TE's live sequences (``remaining > 0``) in slot order, as plain lists: the
+    iteration loop runs a few dozen sequences, where a numpy call costs more than the Python
+    arithmetic it replaces.
+
+    A snapshot of the TE's slot arrays (``slot_req``, ``remaining``, ``context``, all
+    [DP groups, batch limit]); :meth:`commit` moves both it and the arrays, so it stays equal to
+    them until something else changes which slots are live (``DecodeTE._live_dirty``)."""
+
+    def __init__(
+        self,
+        slot_req: np.ndarray,
+        remaining: np.ndarray,
+        context: np.ndarray,
+        records: dict[int, RequestRecord] | None,
+    ):
+        live = remaining > 0
+        self.flat = np.flatnonzero(live)
+        """Flat indices (``dp * batch limit + slot``) of the live slots, ascending: the
+        row-major order ``np.nonzero`` and ``np.place`` walk the slot arrays in."""
+        self.slots: list[int] = self.flat.tolist()
+        self.req: list[int] = slot_req.reshape(-1)[self.flat].tolist()
+        self.remaining: list[int] = remaining.reshape(-1)[self.flat].tolist()
+        self.context: list[int] = context.reshape(-1)[self.flat].tolist()
+        self.tokens = None if records is None else [records[r].token_ns for r in self.req]
+        """Each sequence's token times (None: not recorded)."""
+        self.seqs_all = live.sum(axis=1)
+        """Live sequences of every DP group (in service or not)."""
+        self.dps = np.flatnonzero(self.seqs_all)
+        """The DP groups holding live sequences, ascending: the batch's groups."""
+        group = {dp: g for g, dp in enumerate(self.dps.tolist())}
+        self.group = [group[i // live.shape[1]] for i in self.slots]
+        """Each sequence's group (index into :attr:`dps`)."""
+        self.seqs: list[int] = self.seqs_all[self.dps].tolist()
+        self.sums = [0] * len(self.seqs)
+        """Each group's context, summed over its sequences."""
+        for g, c in zip(self.group, self.context, strict=True):
+            self.sums[g] += c
+        self.steps: list[int] = []
+        """Each group's mean context in 256-token steps, rounded up (the kernel cost cache's
+        step: the iteration is priced at it)."""
+        self._next: list[int] = []
+        """The context sum at which each group's step moves up (contexts only grow)."""
+        self.moved = True
+        """A group's step changed since the iteration was last priced."""
+        self._set_steps()
+
+    def _set_steps(self) -> None:
+        self.steps = [-(-(s // n) // 256) for s, n in zip(self.sums, self.seqs, strict=True)]
+        self._next = [(256 * st + 1) * n for st, n in zip(self.steps, self.seqs, strict=True)]
+
+    def still_in(self, slot_req: np.ndarray) -> list[int]:
+        """The positions of the sequences still in their slots (others were dropped)."""
+        now = slot_req.reshape(-1)[self.flat].tolist()
+        return [i for i, (a, b) in enumerate(zip(now, self.req, strict=True)) if a == b]
+
+    def commit(
+        self,
+        drawn: list[int],
+        kept: list[int] | None,
+        t: int,
+        remaining: np.ndarray,
+        context: np.ndarray,
+    ) -> list[int]:
+        """Commit one step's tokens: ``drawn[j]`` (at most what is left) to the ``j``-th
+        sequence of ``kept`` (positions; None: all), at time ``t``, in the batch and in the
+        TE's ``remaining`` and ``context``. Returns the flat indices of the sequences that
+        ended, in slot order."""
+        pos = range(len(self.slots)) if kept is None else kept
+        rem, ctx, sums, group, tokens = (
+            self.remaining,
+            self.context,
+            self.sums,
+            self.group,
+            self.tokens,
+        )
+        ended: list[int] = []
+        # fewer kept than drawn (a memory fault): the first draws go to them
+        for j, n in zip(pos, drawn, strict=False):
+            n = min(n, rem[j])
+            rem[j] -= n
+            ctx[j] += n
+            sums[group[j]] += n
+            if tokens is not None:
+                tokens[j].extend([t] * n)
+            if not rem[j]:
+                ended.append(self.slots[j])
+        flat = self.flat if kept is None else self.flat[kept]
+        remaining.reshape(-1)[flat] = rem if kept is None else [rem[j] for j in kept]
+        context.reshape(-1)[flat] = ctx if kept is None else [ctx[j] for j in kept]
+        if any(s >= x for s, x in zip(sums, self._next, strict=True)):
+            self._set_steps()
+            self.moved = True
+        return ended
+
+
 class DecodeTE:
     """One Decode TE: TE-shell routing, DP masters, and the iteration loop.
 
@@ -201,6 +297,15 @@ class DecodeTE:
         """Requests held under backpressure, in arrival order (each waits on its event)."""
         self.iterations = 0
         self.busy_ns = 0
+        self._live_dirty = True
+        """Set by whatever may change which slots are live (``remaining > 0``) other than the
+        iteration loop's own commits: a sequence joins, finishes or is dropped, or the DP
+        groups in service change. While clear, :attr:`_live` is exact; the loop takes a new
+        one when it is set."""
+        self._live = _LiveBatch(self.slot_req, self.remaining, self.context, None)
+        self._dropped = 0
+        """Counts sequences a memory fault dropped from the batch (they may leave mid-iteration,
+        the epoch unchanged)."""
 
     @property
     def kv_capacity(self) -> int:
@@ -291,6 +396,7 @@ class DecodeTE:
         self.records[record.request_id] = record
         record.decode_placement = f"D{self.index}/DP{dp}"
         self.router.admitted(record.request_id)
+        self._live_dirty = True
         self._work.set()
 
     def abandon(self, dp: int, record: RequestRecord) -> None:
@@ -345,6 +451,8 @@ class DecodeTE:
             self.slot_req[dp, s] = -1
             self.remaining[dp, s] = 0
             self.context[dp, s] = 0
+            self._live_dirty = True
+            self._dropped += 1
             self.records.pop(req)
             self.kv[dp].release(req)
             self.router.finished(req)
@@ -399,6 +507,7 @@ class DecodeTE:
     ) -> None:
         """The DP groups in service changed: price iterations on ``config`` from now on."""
         self._alive_idx = np.nonzero(self.alive)[0]
+        self._live_dirty = True
         self.config, self.grid = config, grid
         self._comm_at.clear()
         self.model = _ReplayDecodeModel(
@@ -429,49 +538,54 @@ class DecodeTE:
         gen = rng(f"decode-te/{self.index}/iteration")
         jitter_gen = rng(f"decode-te/{self.index}/jitter")
         mtp_gen = rng(f"decode-te/{self.index}/mtp")
+        out: IterationOutcome | None = None
         while True:
             if self._holds:
                 await self._resumed.wait()
                 continue
             cfg = self.config  # a scale-down changes it
-            live = self.remaining > 0
-            seqs_all = live.sum(axis=1)
-            n_live = int(seqs_all.sum())
-            if not n_live:
+            if self._live_dirty:
+                tokens = self.records if self.record_token_times else None
+                self._live = _LiveBatch(self.slot_req, self.remaining, self.context, tokens)
+                self._live_dirty = False
+                out = None
+            live = self._live
+            if not live.slots:
                 self._work = anyio.Event()
                 await self._work.wait()
                 continue
-            ctx = np.einsum("ij,ij->i", self.context, live) // np.maximum(seqs_all, 1)
-            ctx = -(-ctx // 256) * 256  # context in 256-token steps (kernel cost cache)
-            idx = self._alive_idx
-            seqs = seqs_all if len(idx) == len(seqs_all) else seqs_all[idx]
-            ctx = ctx if len(idx) == len(ctx) else ctx[idx]
-            self.model.comm, self.model.comm_mtp = self._comm(int(seqs.max()), k)
-            out = self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
-            step = out.time_ns + cfg.scheduler_gap_ns + self._jitter(out, jitter_gen, len(idx))
-            epoch, owners = self._epoch, self.slot_req.copy()
+            if out is None or live.moved:
+                out = self._price(live, k, gen)
+            dps = len(self._alive_idx)
+            step = out.time_ns + cfg.scheduler_gap_ns + self._jitter(out, jitter_gen, dps)
+            epoch, dropped = self._epoch, self._dropped
             await sleep_ns(step)
             if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
                 continue
-            live &= self.slot_req == owners  # sequences dropped meanwhile (a memory fault)
             self.busy_ns += step
             self.iterations += 1
-            committed = np.zeros_like(self.remaining)
-            np.place(committed, live, tokens_per_step(cfg.mtp_config, mtp_gen, n_live))
-            np.minimum(committed, self.remaining, out=committed)
-            self.remaining -= committed
-            self.context += committed
+            drawn = committed_tokens(cfg.mtp_config, mtp_gen, len(live.slots))
+            kept = None
+            if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
+                kept = live.still_in(self.slot_req)
             t = now_ns()
-            if self.record_token_times:
-                got = committed > 0
-                for req, n in zip(
-                    self.slot_req[got].tolist(), committed[got].tolist(), strict=True
-                ):
-                    self.records[req].token_ns.extend([t] * n)
-            ended = live & (self.remaining == 0)
-            if ended.any():
-                for dp, s in zip(*np.nonzero(ended), strict=True):
-                    self._finish(int(dp), int(s), t)
+            ended = live.commit(drawn, kept, t, self.remaining, self.context)
+            limit = self.remaining.shape[1]
+            for i in ended:
+                self._finish(i // limit, i % limit, t)
+
+    def _price(self, live: _LiveBatch, k: int, gen: np.random.Generator) -> IterationOutcome:
+        """The iteration of the live batch on the DP groups in service."""
+        seqs = live.seqs_all
+        ctx = np.zeros(len(seqs), dtype=np.int64)
+        ctx[live.dps] = live.steps
+        ctx *= 256
+        idx = self._alive_idx
+        if len(idx) != len(seqs):
+            seqs, ctx = seqs[idx], ctx[idx]
+        self.model.comm, self.model.comm_mtp = self._comm(int(seqs.max()), k)
+        live.moved = False
+        return self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
 
     def _comm(self, widest: int, k: int) -> tuple[CommCosts, CommCosts]:
         """Dispatch/combine costs of the main pass (``1 + k`` tokens per sequence) and of the
@@ -501,6 +615,7 @@ class DecodeTE:
     def _finish(self, dp: int, s: int, t: int) -> None:
         req = int(self.slot_req[dp, s])
         self.slot_req[dp, s] = -1
+        self._live_dirty = True
         rec = self.records.pop(req)
         rec.finish_ns = t
         self.kv[dp].release(req)

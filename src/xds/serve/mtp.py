@@ -59,14 +59,23 @@ def accepted_drafts(config: MTPConfig, rng: np.random.Generator) -> int:
 
 def tokens_per_step(config: MTPConfig, rng: np.random.Generator, steps: int) -> np.ndarray:
     """Committed tokens of ``steps`` steps (vectorised; same law as :func:`accepted_drafts`)."""
-    out = np.ones(steps, dtype=np.int64)
-    if config.k:
-        alive = rng.random(steps) < config.p(0)
+    if not config.k:
+        return np.ones(steps, dtype=np.int64)
+    alive = rng.random(steps) < config.p(0)
+    out = np.add(alive, 1, dtype=np.int64)
+    for d in range(1, config.k):
+        alive &= rng.random(steps) < config.p(d)
         out += alive
-        for d in range(1, config.k):
-            alive &= rng.random(steps) < config.p(d)
-            out += alive
     return out
+
+
+def committed_tokens(config: MTPConfig, rng: np.random.Generator, steps: int) -> list[int]:
+    """:func:`tokens_per_step` as a list (the same draws, the same values), cheaper for a few
+    dozen steps with one draft."""
+    if config.k != 1:
+        return tokens_per_step(config, rng, steps).tolist()
+    p = config.p(0)
+    return [2 if u < p else 1 for u in rng.random(steps).tolist()]
 
 
 def mtp_step(
