@@ -16,6 +16,7 @@ from xds.cli.main import main
 from xds.errors import ConfigError
 from xds.runtime import now_ns, run, sleep_ns
 from xds.serve.decode import DecodeConfig
+from xds.serve.decode_model import CommCosts
 from xds.serve.decode_te import comm_grid, interpolate
 from xds.serve.distflow import TransferState
 from xds.serve.jitter import JitterConfig
@@ -330,6 +331,38 @@ def test_comm_interpolation_is_monotone_and_clamped():
     assert grid[0].tokens_per_die == 1 and grid[-1].tokens_per_die == 8
     values = [interpolate(grid, t).dispatch_ns for t in (0, 1, 3, 5, 8, 50)]
     assert values == sorted(values) and values[0] == values[1] and values[-1] == values[-2]
+
+
+def test_comm_grid_points_are_measured_when_first_read_inside_or_outside_a_run():
+    """A grid measures a point the first time it is read, with the value an eager
+    measurement gives; inside a running replay the measurement runs aside and virtual time
+    does not move; a light load never measures the wide points."""
+    from xds.serve.decode_model import measure_comm
+    from xds.serve.decode_te import CommGrid
+
+    cfg = msgspec.structs.replace(SMALL.decode, batch_per_die=12)  # points 1, 8, 16, 24
+    grid = CommGrid(cfg, [1, 8, 16, 24], seed=5)
+    assert grid.measured == [] and len(grid) == 4
+    assert interpolate(grid, 3.0) == interpolate(
+        [measure_comm(cfg, 1, seed=5), measure_comm(cfg, 8, seed=5)], 3.0
+    )
+    assert grid.measured == [1, 8]
+
+    async def inside() -> tuple[int, CommCosts]:
+        t0 = now_ns()
+        costs = grid[-1]
+        return now_ns() - t0, costs
+
+    moved, last = run(inside)
+    assert moved == 0 and last == measure_comm(cfg, 24, seed=5)
+    assert grid.measured == [1, 8, 24] and grid[1:3][0] == grid[1]
+    with pytest.raises(IndexError):
+        grid[4]
+
+    wide = msgspec.structs.replace(SMALL, decode=cfg)
+    light = replay(_workload((0, 500, 20), (MS, 400, 10)), wide, seed=11)  # 1 sequence per DP
+    assert light.summary.completed == 2
+    assert comm_grid(cfg, seed=11).measured == [1, 8]  # 2 tokens per die: not 16 or 24
 
 
 def test_config_errors_name_the_field(tmp_path):

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from .core import _current
+
 T = TypeVar("T")
 
 
@@ -33,3 +35,11 @@ def run_nested(measure: Callable[[], T], *, name: str = "xds-nested") -> T:
     if failed:
         raise failed[0]
     return out[0]
+
+
+def measure_anywhere(measure: Callable[[], T], *, name: str = "xds-nested") -> T:
+    """``measure()`` wherever it is asked for: called directly outside a run, through
+    :func:`run_nested` inside one (in this thread)."""
+    if _current.get() is None:
+        return measure()
+    return run_nested(measure, name=name)

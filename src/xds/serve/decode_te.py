@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import overload
 
 import anyio
 import msgspec
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..hw.topology import PodConfig
 from ..runtime import emit, now_ns, rng, sleep_ns
-from ..runtime.nested import run_nested
+from ..runtime.nested import measure_anywhere
 from ..trace.metrics import RequestRecord
 from .decode import (
     CommCosts,
@@ -39,16 +40,54 @@ from .kv import KVBlockManager
 from .mtp import committed_tokens
 from .routing import BACKPRESSURE, DecodeRouter, DecodeRouting, lowest_kv
 
-_GRIDS: dict[tuple[bytes, int], tuple[CommCosts, ...]] = {}
+_GRIDS: dict[tuple[bytes, int], CommGrid] = {}
 _NO_JITTER = JitterConfig(enabled=False)
 
 
-def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
-    """Dispatch/combine costs at the tokens-per-die points a decode batch can reach.
+class CommGrid(Sequence[CommCosts]):
+    """Dispatch/combine costs at the tokens-per-die points (:attr:`tokens`) a decode batch
+    can reach, each point measured the first time it is read: a collective-tier run of its
+    own (seeded, so the same whenever and wherever it is taken; inside a running replay it
+    runs in a helper thread while the replay waits, its virtual time unmoved). A light load
+    never reads the wide points, whose measurements cost the most."""
 
-    Each point is a collective-tier run of its own (seeded, so deterministic) on the default
-    pod; the grid of a configuration is computed once per process (up to 16 configurations;
-    the cache starts afresh when full)."""
+    def __init__(self, config: DecodeConfig, tokens: Sequence[int], *, seed: int = 0):
+        self.config = config
+        self.seed = seed
+        self.tokens: tuple[int, ...] = tuple(tokens)
+        """The points, ascending."""
+        self._costs: list[CommCosts | None] = [None] * len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @overload
+    def __getitem__(self, i: int) -> CommCosts: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[CommCosts]: ...
+    def __getitem__(self, i: int | slice) -> CommCosts | list[CommCosts]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        j = range(len(self))[i]  # negative indices count from the end; IndexError beyond
+        hit = self._costs[j]
+        if hit is None:
+            cfg, t, seed = self.config, self.tokens[j], self.seed
+            hit = self._costs[j] = measure_anywhere(
+                lambda: measure_comm(cfg, t, seed=seed), name="xds-comm-grid"
+            )
+        return hit
+
+    @property
+    def measured(self) -> list[int]:
+        """The points measured so far."""
+        return [t for t, c in zip(self.tokens, self._costs, strict=True) if c is not None]
+
+
+def comm_grid(config: DecodeConfig, *, seed: int = 0) -> CommGrid:
+    """Dispatch/combine costs at the tokens-per-die points a decode batch can reach: 1, the
+    powers and steps up to 256 below the largest, and the largest (batch limit x (1 + MTP
+    drafts)), each measured on first use (:class:`CommGrid`). One grid per configuration and
+    seed per process (up to 16 configurations; the cache starts afresh when full)."""
     # host jitter does not touch the fabric: configurations differing only there share a grid
     key = (msgspec.json.encode(msgspec.structs.replace(config, jitter=_NO_JITTER)), seed)
     grid = _GRIDS.get(key)
@@ -57,20 +96,14 @@ def comm_grid(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
             _GRIDS.clear()
         top = config.batch_per_die * (1 + config.mtp_config.k)
         points = sorted({1, *(p for p in (8, 16, 32, 64, 96, 128, 192, 256) if p < top), top})
-        grid = _GRIDS[key] = tuple(measure_comm(config, t, seed=seed) for t in points)
-    return list(grid)
+        grid = _GRIDS[key] = CommGrid(config, points, seed=seed)
+    return grid
 
 
-def comm_grid_blocking(config: DecodeConfig, *, seed: int = 0) -> list[CommCosts]:
-    """:func:`comm_grid` from inside a running replay (a Decode scale-down needs the smaller
-    TE's costs): the measurements are virtual-time runs of their own, so they run in a helper
-    thread while this one waits for them, and the replay's virtual time does not move."""
-    return run_nested(lambda: comm_grid(config, seed=seed), name="xds-comm-grid")
-
-
-def interpolate(grid: list[CommCosts], tokens: float) -> CommCosts:
-    """Linear interpolation of the grid at ``tokens`` per die (clamped at its ends)."""
-    xs = [g.tokens_per_die for g in grid]
+def interpolate(grid: Sequence[CommCosts], tokens: float) -> CommCosts:
+    """Linear interpolation of the grid at ``tokens`` per die (clamped at its ends); of a
+    :class:`CommGrid`, only the two points around ``tokens`` are measured."""
+    xs = grid.tokens if isinstance(grid, CommGrid) else [g.tokens_per_die for g in grid]
     if tokens <= xs[0]:
         return grid[0]
     if tokens >= xs[-1]:
@@ -247,7 +280,7 @@ class DecodeTE:
     def __init__(
         self,
         config: DecodeConfig,
-        grid: list[CommCosts],
+        grid: Sequence[CommCosts],
         *,
         index: int = 0,
         record_token_times: bool = True,
@@ -476,7 +509,7 @@ class DecodeTE:
             if s == server and bool(self.alive[dp]) == alive
         ]
 
-    def scale_down(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
+    def scale_down(self, server: int, config: DecodeConfig, grid: Sequence[CommCosts]) -> list[int]:
         """Drop the DP groups on ``server`` with everything they hold (their requests have
         failed: the caller fails them first) and serve on with the others: ``config`` is the
         smaller TE (its ``dies`` the DP groups left) and ``grid`` its dispatch/combine costs.
@@ -503,7 +536,7 @@ class DecodeTE:
         return lost
 
     def _resized(
-        self, config: DecodeConfig, grid: list[CommCosts], event: str, server: int
+        self, config: DecodeConfig, grid: Sequence[CommCosts], event: str, server: int
     ) -> None:
         """The DP groups in service changed: price iterations on ``config`` from now on."""
         self._alive_idx = np.nonzero(self.alive)[0]
@@ -517,7 +550,7 @@ class DecodeTE:
         emit("decode-te", event, te=self.index, server=server, dies=config.dies)
         self._signal_capacity()
 
-    def scale_up(self, server: int, config: DecodeConfig, grid: list[CommCosts]) -> list[int]:
+    def scale_up(self, server: int, config: DecodeConfig, grid: Sequence[CommCosts]) -> list[int]:
         """Take the DP groups on ``server`` (dropped by :meth:`scale_down`) back into service,
         empty; ``config`` and ``grid`` describe the TE with them. Returns the DP groups back."""
         back = self.dps_on(server, alive=False)

@@ -9,7 +9,7 @@ scale-down is possible is :func:`~xds.serve.scale_down.scaled_down_config`'s cal
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns
@@ -36,7 +36,7 @@ class Elastic:
     _bad_memory: dict[tuple[int, int], list[KVMask]]
     _scaled_out: dict[int, tuple[int, DecodeTE]]
     _spares: list[int]
-    _grid: list[CommCosts]
+    _grid: Sequence[CommCosts]
 
     if TYPE_CHECKING:  # provided by Failover and Replay
 
@@ -45,7 +45,7 @@ class Elastic:
         def _live_decode(self, te: DecodeTE | None) -> bool: ...
         def _fail_held(self, held: Callable[[int, Where], bool], reason: str) -> int: ...
         def _free_servers(self) -> None: ...
-        def _grid_of(self, config: DecodeConfig) -> list[CommCosts]: ...
+        def _grid_of(self, config: DecodeConfig) -> Sequence[CommCosts]: ...
         def _struck(self, fault: object) -> None: ...
 
     async def _memory_fault(self, fault: MemoryFault) -> None:

@@ -42,7 +42,7 @@ from ..trace.workload import Request, Workload
 from ..units import S
 from .decode import CommCosts, DecodeConfig
 from .decode_model import decode_kv_capacity
-from .decode_te import DecodeTE, KVNoFit, comm_grid, comm_grid_blocking
+from .decode_te import DecodeTE, KVNoFit, comm_grid
 from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover
 from .jitter import JitterConfig
@@ -306,7 +306,7 @@ class Replay(Failover):
         self,
         workload: Workload,
         config: PDConfig,
-        grid: list[CommCosts],
+        grid: Sequence[CommCosts],
         *,
         progress: Progress | None = None,
         prefill_placement: PrefillPlacement = least_work,
@@ -431,9 +431,9 @@ class Replay(Failover):
         self._remask(te)
         return te
 
-    def _grid_of(self, config: DecodeConfig) -> list[CommCosts]:
+    def _grid_of(self, config: DecodeConfig) -> Sequence[CommCosts]:
         """Dispatch/combine costs of a Decode TE of ``config`` (a scale-down's smaller TE)."""
-        return comm_grid_blocking(config, seed=current_runtime().seed)
+        return comm_grid(config, seed=current_runtime().seed)
 
     # -- the Job Executor --
     def select_prefill(self, req: Request) -> PrefillTE:
@@ -993,7 +993,7 @@ def replay(
     seed: int = 0,
     progress: Progress | None = None,
     backend: str = "asyncio",
-    grid: list[CommCosts] | None = None,
+    grid: Sequence[CommCosts] | None = None,
     prefill_placement: PrefillPlacement = least_work,
     decode_routing: DecodeRouting = lowest_kv,
     prefill_te_selection: PrefillTESelection = earliest_first_token,
