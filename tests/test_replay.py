@@ -192,6 +192,16 @@ def test_prefill_experts_wait_for_the_busiest_die():
         link,
     )
     assert one.busiest_die_copies(1_000.0) == 1_000.0  # one die holds every copy
+    # 256 experts on 24 dies: the fullest hold 11, and their load is what the experts wait on
+    uneven = PrefillCost(
+        MODELS["deepseek-r1"],
+        msgspec.structs.replace(cfg, dies_per_te=24),
+        die,
+        PodConfig().engines,
+        link,
+    )
+    copies = 32_768 * 8
+    assert uneven.busiest_die_copies(copies) > copies * 11 / 256 > copies / 24
 
 
 def test_the_mtp_layer_runs_in_prefill_and_its_kv_moves_only_when_the_decode_drafts():
@@ -358,6 +368,11 @@ def test_comm_grid_points_are_measured_when_first_read_inside_or_outside_a_run()
     assert grid.measured == [1, 8, 24] and grid[1:3][0] == grid[1]
     with pytest.raises(IndexError):
         grid[4]
+    on_point = CommGrid(cfg, [1, 8, 16, 24], seed=5)
+    assert interpolate(on_point, 8) == grid[1] and on_point.measured == [8]  # not 16 too
+    for bad in ([], [8, 1], [1, 1, 8], [0, 8]):
+        with pytest.raises(ConfigError, match="ascending, distinct and >= 1"):
+            CommGrid(cfg, bad)
 
     wide = msgspec.structs.replace(SMALL, decode=cfg)
     light = replay(_workload((0, 500, 20), (MS, 400, 10)), wide, seed=11)  # 1 sequence per DP

@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from ..errors import ConfigError
 from ..hw.topology import PodConfig
 from ..runtime import emit, now_ns, rng, sleep_ns
 from ..runtime.nested import measure_anywhere
@@ -52,9 +53,15 @@ class CommGrid(Sequence[CommCosts]):
     never reads the wide points, whose measurements cost the most."""
 
     def __init__(self, config: DecodeConfig, tokens: Sequence[int], *, seed: int = 0):
+        points = tuple(tokens)
+        if not points or any(t < 1 for t in points) or list(points) != sorted(set(points)):
+            raise ConfigError(
+                f"grid points must be ascending, distinct and >= 1 token per die, got {points}",
+                field="tokens",
+            )
         self.config = config
         self.seed = seed
-        self.tokens: tuple[int, ...] = tuple(tokens)
+        self.tokens: tuple[int, ...] = points
         """The points, ascending."""
         self._costs: list[CommCosts | None] = [None] * len(self.tokens)
 
@@ -109,6 +116,8 @@ def interpolate(grid: Sequence[CommCosts], tokens: float) -> CommCosts:
     if tokens >= xs[-1]:
         return grid[-1]
     i = bisect.bisect_right(xs, tokens)
+    if xs[i - 1] == tokens:  # on a point: the next one is not needed (nor measured)
+        return grid[i - 1]
     a, b = grid[i - 1], grid[i]
     w = (tokens - a.tokens_per_die) / (b.tokens_per_die - a.tokens_per_die)
     return CommCosts(

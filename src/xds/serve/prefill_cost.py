@@ -101,7 +101,7 @@ class PrefillCost:
             int8_attention = cfg.precision.attention_int8
         busy = [g for g in groups if g]
         all_tokens = sum(_tokens(p) for g in busy for p in g)
-        experts_here = max(1, m.routed_experts // cfg.dies_per_te)
+        experts_here = max(1, -(-m.routed_experts // cfg.dies_per_te))  # the fullest die's
         busiest = self.busiest_die_copies(all_tokens * m.top_k)
         routed = experts_here * self.cost.expert(busiest / experts_here).time_ns
         per_group = [self._group_times(g, routed, int8_attention) for g in busy]
@@ -116,7 +116,11 @@ class PrefillCost:
         loads, in the normal approximation with Blom's score for the top of ``dies`` order
         statistics (2.07 sd above the mean for 32 dies: a 2,048-token prompt's busiest die
         holds 9 % over the mean, a 32K-token step's 2 %). The experts wait for it."""
-        dies = self.config.dies_per_te
+        dies, experts = self.config.dies_per_te, self.model.routed_experts
+        if experts % dies:  # uneven: the fullest dies hold ceil(experts / dies) experts each
+            share = -(-experts // dies) / experts
+            mean = copies * share
+            return mean + self._blom * math.sqrt(copies * share * (1 - share))
         mean = copies / dies
         if dies == 1 or copies <= 0:
             return mean
@@ -227,9 +231,10 @@ class PrefillCost:
         - *Non-absorbed* (MHA over 192-dim keys and 128-dim values): the keys and values of
           the context it attends to must first be up-projected from the latent cache (the
           cached prefix, and for an SP share the other shares' new tokens, which arrive by
-          the ring as latents). Its own new tokens' up-projection costs what the prolog's
-          and output's absorb kernels already charge per new token, so only the context's is
-          extra.
+          the ring as latents). Its own new tokens' up-projection takes the FLOPs the
+          prolog's and output's absorb kernels already charge per new token, so only the
+          context's is added (the absorb kernels are BF16 and move more bytes than an INT8
+          ``kv_b_proj`` would: a non-absorbed piece's own tokens are priced a little high).
         - *Absorbed* (MQA over the 512 + 64-dim latent, 512-dim values): no up-projection,
           but about 3.4x the FLOPs per attended pair (DeepSeek-V3's dims).
 
@@ -243,8 +248,10 @@ class PrefillCost:
         return mha, absorbed, cached + new - new / sp
 
     def _attention_ns(self, flops: float, int8_attention: bool) -> int:
-        """The attention kernel's compute time for ``flops`` (the form choice compares compute:
-        both forms read the same latent cache)."""
+        """The attention kernel's compute time for ``flops``. The form choice compares compute
+        only: the non-absorbed form also reads its up-projected keys and values (16 KB per
+        token per rank against the latent's 656 B), which is not charged, so near the forms'
+        crossover (tens to a hundred-odd new tokens on a long prefix) it is priced low."""
         engine = "cube_int8" if int8_attention else "cube_bf16"
         return self.cost.kernel("attention_form", flops, 0.0, engine, attention=True).time_ns
 
