@@ -20,10 +20,11 @@ outside runs anyio's cancel scopes and trio's scheduler behave as the libraries 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
+
+from .run_depth import RunDepth
 
 T = TypeVar("T")
 
@@ -73,7 +74,7 @@ class OrderedSet(Generic[T]):
 
 
 _PATCHED_ATTR = "__xds_ordered__"
-_runs = threading.local()
+_runs = RunDepth()
 """``depth``: xds asyncio runs on in this thread (a run's loop runs in the thread that called
 it; a nested measurement runs in a helper thread of its own)."""
 
@@ -90,7 +91,7 @@ def install_ordered_cancel_scopes() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        if getattr(_runs, "depth", 0):
+        if _runs.on:
             self._tasks = OrderedSet()
             self._child_scopes = OrderedSet()
 
@@ -109,18 +110,15 @@ def ordered_cancel_scopes_installed() -> bool:
 
 def ordered_cancel_scopes_active() -> bool:
     """True if cancel scopes created now, in this thread, keep their tasks in order."""
-    return ordered_cancel_scopes_installed() and bool(getattr(_runs, "depth", 0))
+    return ordered_cancel_scopes_installed() and _runs.on
 
 
 @contextmanager
 def asyncio_run_scope() -> Iterator[None]:
     """While an xds asyncio run is on: anyio cancel scopes it creates keep insertion order."""
     install_ordered_cancel_scopes()
-    _runs.depth = getattr(_runs, "depth", 0) + 1
-    try:
+    with _runs.entered():
         yield
-    finally:
-        _runs.depth -= 1
 
 
 def seed_trio_scheduler(seed: int) -> None:

@@ -16,15 +16,15 @@ time a run starts; outside runs, and in other threads, both behave as shipped.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ConfigError
+from .run_depth import RunDepth
 
 _PATCHED_ATTR = "_xds_no_worker_threads"
-_runs = threading.local()
+_runs = RunDepth()
 
 
 def worker_thread_refused(what: str) -> ConfigError:
@@ -49,7 +49,7 @@ def _install() -> None:
         def run_sync_in_worker_thread(
             cls: Any, func: Any, *args: Any, _original: Any = original, **kwargs: Any
         ) -> Any:
-            if getattr(_runs, "depth", 0):
+            if _runs.on:
                 raise worker_thread_refused("anyio.to_thread.run_sync")
             return _original(cls, func, *args, **kwargs)
 
@@ -67,7 +67,7 @@ def _install_trio() -> None:
 
     @functools.wraps(original)
     async def run_sync(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_runs, "depth", 0):
+        if _runs.on:
             raise worker_thread_refused("trio.to_thread.run_sync")
         return await original(*args, **kwargs)
 
@@ -80,8 +80,5 @@ def no_worker_threads() -> Iterator[None]:
     """While an xds run is on in this thread: anyio's worker threads are refused."""
     _install()
     _install_trio()
-    _runs.depth = getattr(_runs, "depth", 0) + 1
-    try:
+    with _runs.entered():
         yield
-    finally:
-        _runs.depth -= 1

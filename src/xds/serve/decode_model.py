@@ -162,9 +162,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     field="dies",
                 )
         else:  # an override (a group after a scale-down, a what-if), but never beyond HBM
-            per_token = m.kv_bytes_per_token(
-                int8_nope=self.precision.kv_int8_nope, mtp=self.mtp_config.k > 0
-            )
+            per_token = m.kv_bytes_per_token(int8_nope=self.precision.kv_int8_nope, mtp=self.drafts)
             block = per_token * self.block_tokens
             if self.kv_blocks_per_die * block > hbm:
                 raise ConfigError(
@@ -178,6 +176,12 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def mtp_config(self) -> MTPConfig:
         """The MTP that runs: :attr:`mtp`, or the model's own."""
         return resolve_mtp(self.mtp, MODELS[self.model])
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the deployment drafts (MTP k > 0): it then keeps, and a PD transfer
+        moves, the MTP layer's KV too."""
+        return self.mtp_config.k > 0
 
     @property
     def spec(self):
@@ -719,7 +723,7 @@ def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:
         weight_bytes=decode_weight_bytes(config),
         block_tokens=config.block_tokens,
         int8_nope=config.precision.kv_int8_nope,
-        mtp=config.mtp_config.k > 0,
+        mtp=config.drafts,
     )
 
 

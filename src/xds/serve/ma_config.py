@@ -185,6 +185,12 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return resolve_mtp(self.mtp, self.spec)
 
     @property
+    def drafts(self) -> bool:
+        """Whether the deployment drafts (MTP k > 0): it then keeps, and a PD transfer
+        moves, the MTP layer's KV too."""
+        return self.mtp_config.k > 0
+
+    @property
     def attention_dies(self) -> int:
         return self.domains * self.attention_dies_per_domain
 
@@ -211,7 +217,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             weight_bytes=weights,
             block_tokens=self.block_tokens,
             int8_nope=self.precision.kv_int8_nope,
-            mtp=self.mtp_config.k > 0,
+            mtp=self.drafts,
         )
 
 

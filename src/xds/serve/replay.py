@@ -350,7 +350,7 @@ class Replay(Failover):
         model = cfg.decode.spec
         pod = PodConfig()
         die, link = prefill_hardware(cfg.prefill, pod)
-        drafts = cfg.decode.mtp_config.k > 0  # prefill runs (and keeps) the MTP layer too
+        drafts = cfg.decode.drafts  # prefill runs (and keeps) the MTP layer too
         self.prefill_cost = PrefillCost(
             model,
             cfg.prefill,
@@ -976,7 +976,7 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
         weight_bytes=weights,
         block_tokens=p.block_tokens,
         int8_nope=p.precision.kv_int8_nope,
-        mtp=d.mtp_config.k > 0,
+        mtp=d.drafts,
     )
 
 
