@@ -219,7 +219,7 @@ def test_memory_that_cannot_exist_is_refused():
         )
     assert err.value.field == "kv_blocks_per_die"
     assert DecodeConfig(kv_blocks_per_die=12_000).kv_blocks_per_die == 12_000  # a what-if: fits
-    with pytest.raises(ConfigError, match=r"152\.2 GiB of weights") as err:
+    with pytest.raises(ConfigError, match=r"154\.9 GiB of weights") as err:
         MADecodeConfig(
             domains=1,
             attention_dies_per_domain=4,

@@ -281,4 +281,23 @@ def test_a_die_holds_the_weights_of_every_redundant_slot():
     two = decode_weight_bytes(msgspec.structs.replace(base, eplb=OnlineEPLBConfig(spare_slots=2)))
     m = base.spec
     assert decode_weight_bytes(base) == one  # without EPLB: one redundant slot per layer
-    assert two - one == m.moe_layers * m.expert_params
+    assert base.drafts  # the MTP layer is a MoE layer with its own slots
+    assert two - one == (m.moe_layers + m.mtp_layers) * m.expert_params
+
+
+def test_a_drafting_die_holds_the_mtp_layer_and_every_die_holds_kv_b_proj():
+    """The MTP layer's weights (attention, expert slots, BF16 eh_proj) take HBM only where
+    the deployment drafts; MLA's kv_b_proj (W_UK, W_UV) is part of every layer's attention."""
+    from xds.serve.decode import decode_weight_bytes
+    from xds.serve.decode_model import expert_slots_per_die
+
+    base = DecodeConfig()
+    plain = msgspec.structs.replace(base, mtp=MTPConfig(k=0))
+    m = base.spec
+    slots = expert_slots_per_die(base)
+    mtp_layer = m.attention_layer_params + slots * m.expert_params + 2 * 2 * m.hidden**2
+    assert decode_weight_bytes(base) - decode_weight_bytes(plain) == mtp_layer  # INT8 but eh_proj
+    kv_b = m.kv_lora_rank * m.heads * (m.qk_nope_head_dim + m.v_head_dim)
+    assert kv_b == 16_777_216
+    assert m.attention_layer_params == 187_105_280  # Wq_a, Wq_b, Wkv_a, kv_b_proj, Wo
+    assert m.attention_params == m.layers * m.attention_layer_params

@@ -95,20 +95,33 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 field=field,
             )
 
-    def weight_bytes(self, model: ModelSpec, *, experts: int = 0, tp: int = 1) -> int:
+    def weight_bytes(
+        self, model: ModelSpec, *, experts: int = 0, tp: int = 1, mtp: bool = False
+    ) -> int:
         """Bytes of weights one die holds: attention (split over ``tp`` ranks), dense MLP and
         ``experts`` expert instances (per MoE layer, e.g. routed + redundant + shared slots)
         at 1 byte per parameter in INT8 (``mla_int8`` for attention, ``moe_int8`` for experts
-        and dense MLP, P087-P088) and 2 in BF16; embeddings and LM head in BF16."""
-        attention = model.attention_params * (1 if self.mla_int8 else 2)
+        and dense MLP, P087-P088) and 2 in BF16; embeddings and LM head in BF16. With ``mtp``
+        (a deployment that drafts) the MTP layers too: attention, experts like any MoE
+        layer's, and the BF16 eh_proj (the embedding and head are shared)."""
+        n_mtp = model.mtp_layers if mtp else 0
+        attention = (model.attention_params + n_mtp * model.attention_layer_params) * (
+            1 if self.mla_int8 else 2
+        )
         mlp = 1 if self.moe_int8 else 2
-        replicated = attention + model.dense_mlp_params * mlp + 2 * model.embedding_params
-        return replicated // tp + self.expert_bytes(model, experts)
+        replicated = (
+            attention
+            + model.dense_mlp_params * mlp
+            + 2 * model.embedding_params
+            + 2 * n_mtp * model.mtp_projection_params
+        )
+        return replicated // tp + self.expert_bytes(model, experts, mtp=mtp)
 
-    def expert_bytes(self, model: ModelSpec, experts: int) -> int:
-        """Bytes of ``experts`` expert instances per MoE layer, over every MoE layer (1 byte
-        per parameter with ``moe_int8``, 2 in BF16)."""
-        return experts * model.moe_layers * model.expert_params * (1 if self.moe_int8 else 2)
+    def expert_bytes(self, model: ModelSpec, experts: int, *, mtp: bool = False) -> int:
+        """Bytes of ``experts`` expert instances per MoE layer, over every MoE layer and, with
+        ``mtp``, the MTP layers (1 byte per parameter with ``moe_int8``, 2 in BF16)."""
+        layers = model.moe_layers + (model.mtp_layers if mtp else 0)
+        return experts * layers * model.expert_params * (1 if self.moe_int8 else 2)
 
     def int8_attention(self, layer: int | None) -> bool:
         """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer
@@ -170,7 +183,10 @@ class CostModel:
         )
 
     # -- decode kernels ----------------------------------------------------------------------------
-    def mla_prolog(self, tokens: float) -> list[Kernel]:
+    def mla_prolog(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:
+        """The projections before attention on ``tokens``; of them ``absorb`` (default all)
+        take the absorbed form's query absorb kernel (prefill's non-absorbed form skips it:
+        none is a zero-time kernel)."""
         m, int8 = self.model, self.precision.mla_int8
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         return [
@@ -178,8 +194,22 @@ class CostModel:
             self._gemm("q_a_proj", tokens, m.hidden, m.q_lora_rank, int8),
             self._gemm("q_b_proj", tokens, m.q_lora_rank, m.heads * qk, int8),
             self._gemm("kv_a_proj", tokens, m.hidden, m.kv_lora_rank + m.qk_rope_head_dim, int8),
-            self._absorb("q_absorb", tokens, m.qk_nope_head_dim, m.kv_lora_rank),
+            self._absorb("q_absorb", tokens, m.qk_nope_head_dim, m.kv_lora_rank)
+            if absorb is None
+            else self.mla_absorbs(absorb)[0],
         ]
+
+    def mla_absorbs(self, tokens: float) -> tuple[Kernel, Kernel]:
+        """The absorbed MLA's two per-head kernels on ``tokens``: W_UK into the latent before
+        attention, W_UV out of it after (zero-time kernels for no tokens)."""
+        m = self.model
+        if tokens <= 0:
+            none = Kernel("q_absorb", 0.0, 0.0, "cube_bf16", 0)
+            return none, msgspec.structs.replace(none, name="v_absorb")
+        return (
+            self._absorb("q_absorb", tokens, m.qk_nope_head_dim, m.kv_lora_rank),
+            self._absorb("v_absorb", tokens, m.kv_lora_rank, m.v_head_dim),
+        )
 
     def _absorb(self, name: str, tokens: float, d_in: int, d_out: int) -> Kernel:
         """A per-head batched projection of the absorbed MLA (W_UK into the latent, or the
@@ -220,10 +250,13 @@ class CostModel:
         engine: Engine = "cube_int8" if p.int8_attention(layer) else "cube_bf16"
         return self.kernel("mla_attention", flops, kv_bytes, engine, attention=True)
 
-    def mla_output(self, tokens: float) -> list[Kernel]:
+    def mla_output(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:
+        """The projections after attention; ``absorb`` as for :meth:`mla_prolog`."""
         m, int8 = self.model, self.precision.mla_int8
         return [
-            self._absorb("v_absorb", tokens, m.kv_lora_rank, m.v_head_dim),
+            self._absorb("v_absorb", tokens, m.kv_lora_rank, m.v_head_dim)
+            if absorb is None
+            else self.mla_absorbs(absorb)[1],
             self._gemm("o_proj", tokens, m.heads * m.v_head_dim, m.hidden, int8),
         ]
 

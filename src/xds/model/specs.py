@@ -82,17 +82,30 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         return 3 * self.hidden * self.moe_intermediate
 
     @property
-    def attention_params(self) -> int:
-        """MLA projection parameters of all layers (Wq_a, Wq_b, Wkv_a, Wo; the absorbed
-        W_UK/W_UV are small and left out)."""
+    def attention_layer_params(self) -> int:
+        """MLA projection parameters of one layer: Wq_a, Wq_b, Wkv_a, Wo and ``kv_b_proj``
+        (W_UK and W_UV: the absorbed form folds them into its per-head kernels, prefill's
+        non-absorbed form up-projects the latent with them; 16.8M of DeepSeek-V3's 187M)."""
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        per_layer = (
+        return (
             self.hidden * self.q_lora_rank
             + self.q_lora_rank * self.heads * qk
             + self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
             + self.heads * self.v_head_dim * self.hidden
         )
-        return self.layers * per_layer
+
+    @property
+    def attention_params(self) -> int:
+        """MLA projection parameters of all decoder layers (:attr:`attention_layer_params`
+        each)."""
+        return self.layers * self.attention_layer_params
+
+    @property
+    def mtp_projection_params(self) -> int:
+        """The MTP module's own projection per MTP layer (eh_proj: [embedding; hidden] -> hidden;
+        it shares the embedding and LM head with the main model)."""
+        return 2 * self.hidden * self.hidden
 
     @property
     def dense_mlp_params(self) -> int:

@@ -708,8 +708,10 @@ def decode_weight_bytes(config: DecodeConfig) -> int:
     """Weight bytes one decode die holds: attention and dense layers replicated per DP, its
     routed experts + its redundant slots per MoE layer (one, or the online EPLB's
     ``spare_slots``), at the config's precision (INT8 by default), embeddings and LM head in
-    BF16."""
-    return config.precision.weight_bytes(config.spec, experts=expert_slots_per_die(config))
+    BF16; the MTP layer's when the deployment drafts."""
+    return config.precision.weight_bytes(
+        config.spec, experts=expert_slots_per_die(config), mtp=config.drafts
+    )
 
 
 def decode_kv_capacity(config: DecodeConfig, pod: CloudMatrix384) -> int:

@@ -135,7 +135,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         routed_dies = self.expert_dies - self.shared_expert_dies
         per_die = max(-(-m.routed_experts // routed_dies), m.shared_experts)
-        weights = self.precision.expert_bytes(m, per_die)
+        weights = self.precision.expert_bytes(m, per_die, mtp=self.drafts)
         room = (1 - WORKSPACE_FRACTION) * ASCEND_910C_DIE.hbm_bytes
         if weights > room:
             raise ConfigError(
@@ -207,10 +207,11 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def kv_blocks_per_die(self) -> int:
         """KV blocks of an attention die: HBM after attention and dense weights (replicated per
-        DP group, at the precision: INT8 by default) and the embedding and LM head (BF16); no
-        expert weights."""
+        DP group, at the precision: INT8 by default), the embedding and LM head (BF16) and,
+        when drafting, the MTP layer's attention; no expert weights."""
         m = self.spec
-        weights = self.precision.weight_bytes(m)  # attention, dense MLP, embeddings
+        # attention, dense MLP, embeddings (and the MTP layer's attention when drafting)
+        weights = self.precision.weight_bytes(m, mtp=self.drafts)
         return kv_capacity_blocks(
             m,
             ASCEND_910C_DIE,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -23,6 +23,19 @@ if TYPE_CHECKING:
 
 Piece = tuple[int, int] | tuple[int, int, int]
 """Work a DP group holds in a step: (new tokens, cached tokens[, SP degree])."""
+
+
+class _Form(NamedTuple):
+    """A group's (or one piece's) attention work per die in one of MLA's forms."""
+
+    flops: float
+    """Attention FLOPs."""
+    kv_bytes: float
+    """Keys and values the attention kernel reads."""
+    up_tokens: float
+    """Latent tokens ``kv_b_proj`` up-projects first (the non-absorbed form)."""
+    absorb_tokens: float
+    """New tokens through the absorb kernels (the absorbed form)."""
 
 
 def _sp(piece: Piece) -> int:
@@ -151,17 +164,9 @@ class PrefillCost:
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
         kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
-        # every piece reads its whole context's latent cache (an SP share sees it pass by)
-        kv_bytes = sum(p[0] + p[1] for p in group) * kv_token
-        attn_flops, context = self._attention_plan(group, int8_attention)
-        attn = c.kernel(
-            "mla_prefill_attention",
-            attn_flops,
-            kv_bytes,
-            "cube_int8" if int8_attention else "cube_bf16",
-            attention=True,
-        )
-        up = self._context_up_projection(context)
+        plan = self._attention_plan(group, int8_attention)
+        attn = self._attention_ns(plan.flops, plan.kv_bytes, int8_attention)
+        up = self._context_up_projection(plan.up_tokens)
         # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
         # the attention compute, at the rate of one link
         ring = max(
@@ -175,10 +180,10 @@ class PrefillCost:
         # FLOPs count this rank's heads; every rank reads the whole latent cache)
         gather, scatter = self._tp_exchange(tokens)
         attn_side = [
-            *self._scaled([k.time_ns for k in c.mla_prolog(tokens)], tp),
+            *self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=plan.absorb_tokens)], tp),
             *gather,
-            max(attn.time_ns + up, ring),
-            *self._scaled([k.time_ns for k in c.mla_output(tokens)], tp),
+            max(attn + up, ring),
+            *self._scaled([k.time_ns for k in c.mla_output(tokens, absorb=plan.absorb_tokens)], tp),
             *scatter,
         ]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
@@ -210,53 +215,81 @@ class PrefillCost:
         share = (tp - 1) / tp * tokens * 2 / self.tp_link.bandwidth * 1e9  # per BF16 element
         return [steps + round(share * latent)], [steps + round(share * m.hidden)]
 
-    def _attention_plan(self, group: Sequence[Piece], int8_attention: bool) -> tuple[float, float]:
-        """(attention FLOPs per die, context tokens to up-project) of a group, each piece in
-        the cheaper of MLA's two forms (:meth:`_forms`)."""
-        flops = context = 0.0
+    def _attention_plan(self, group: Sequence[Piece], int8_attention: bool) -> _Form:
+        """A group's attention work, each piece in the cheaper of MLA's two forms
+        (:meth:`_forms`; compared on kernel time: attention compute or K/V reads, whichever
+        binds, plus the up-projection or the absorb kernels the form needs)."""
+        total = _Form(0.0, 0.0, 0.0, 0.0)
         for p in group:
-            mha, absorbed, up = self._forms(p)
-            t_mha = self._attention_ns(mha, int8_attention) + self._context_up_projection(up)
-            if t_mha <= self._attention_ns(absorbed, int8_attention):
-                flops, context = flops + mha, context + up
-            else:
-                flops += absorbed
-        return flops, context
+            forms = self._forms(p, int8_attention)
+            best = min(forms, key=lambda f: self._form_ns(f, int8_attention))
+            total = _Form(*(a + b for a, b in zip(total, best, strict=True)))
+        return total
 
-    def _forms(self, piece: Piece) -> tuple[float, float, float]:
+    def _forms(self, piece: Piece, int8_attention: bool) -> tuple[_Form, _Form]:
         """A piece's causal attention in MLA's two forms, per die (heads split by TP; an SP
         share does 1/sp of its request's work, a load-balanced causal split): each new token
         attends to the cached prefix and, on average, half of the new tokens.
 
-        - *Non-absorbed* (MHA over 192-dim keys and 128-dim values): the keys and values of
-          the context it attends to must first be up-projected from the latent cache (the
-          cached prefix, and for an SP share the other shares' new tokens, which arrive by
-          the ring as latents). Its own new tokens' up-projection takes the FLOPs the
-          prolog's and output's absorb kernels already charge per new token, so only the
-          context's is added (the absorb kernels are BF16 and move more bytes than an INT8
-          ``kv_b_proj`` would: a non-absorbed piece's own tokens are priced a little high).
-        - *Absorbed* (MQA over the 512 + 64-dim latent, 512-dim values): no up-projection,
-          but about 3.4x the FLOPs per attended pair (DeepSeek-V3's dims).
+        - *Non-absorbed* (MHA over 192-dim keys and 128-dim values): ``kv_b_proj`` first
+          up-projects the keys and values of all the context it attends to from the latent
+          cache: the cached prefix, its own new tokens, and for an SP share the other shares'
+          new tokens, which arrive by the ring as latents. The attention kernel then reads
+          those per-head keys and values (16 KB per token per TP4 rank in BF16, against the
+          latent's 656 B) and the shared RoPE key. Queries and outputs need no absorb kernels.
+        - *Absorbed* (MQA over the 512 + 64-dim latent, 512-dim values): no up-projection and
+          only the latent is read, but about 3.4x the FLOPs per attended pair (DeepSeek-V3's
+          dims), and every new token goes through the absorb kernels (W_UK into the latent
+          before, W_UV out of it after).
 
-        Returns (non-absorbed FLOPs, absorbed FLOPs, context tokens the first up-projects)."""
-        m = self.model
+        Returns (non-absorbed, absorbed)."""
+        m, cfg = self.model, self.config
         new, cached, sp = piece[0], piece[1], _sp(piece)
-        heads = m.heads / self.config.attention_tp
+        heads = m.heads / cfg.attention_tp
         pairs = 2.0 * new * (cached + new / 2) * heads / sp
-        mha = pairs * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-        absorbed = pairs * (m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank)
-        return mha, absorbed, cached + new - new / sp
+        context = float(cached + new)  # every share reads the whole context as it passes by
+        element = 1 if int8_attention else 2
+        per_head = heads * (m.qk_nope_head_dim + m.v_head_dim) * element
+        kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
+        mha = _Form(
+            flops=pairs * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
+            kv_bytes=context * (per_head + m.qk_rope_head_dim * 2),
+            up_tokens=context,
+            absorb_tokens=0.0,
+        )
+        absorbed = _Form(
+            flops=pairs * (m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank),
+            kv_bytes=context * kv_token,
+            up_tokens=0.0,
+            absorb_tokens=new / sp,
+        )
+        return mha, absorbed
 
-    def _attention_ns(self, flops: float, int8_attention: bool) -> int:
-        """The attention kernel's compute time for ``flops``. The form choice compares compute
-        only: the non-absorbed form also reads its up-projected keys and values (16 KB per
-        token per rank against the latent's 656 B), which is not charged, so near the forms'
-        crossover (tens to a hundred-odd new tokens on a long prefix) it is priced low."""
+    def _form_ns(self, form: _Form, int8_attention: bool) -> int:
+        """The time a form's attention work takes on its own: the attention kernel (compute
+        or K/V reads), the up-projection and the absorb kernels (per rank)."""
+        return (
+            self._attention_ns(form.flops, form.kv_bytes, int8_attention)
+            + self._context_up_projection(form.up_tokens)
+            + self._absorb_ns(form.absorb_tokens)
+        )
+
+    def _attention_ns(self, flops: float, kv_bytes: float, int8_attention: bool) -> int:
         engine = "cube_int8" if int8_attention else "cube_bf16"
-        return self.cost.kernel("attention_form", flops, 0.0, engine, attention=True).time_ns
+        return self.cost.kernel(
+            "mla_prefill_attention", flops, kv_bytes, engine, attention=True
+        ).time_ns
+
+    def _absorb_ns(self, tokens: float) -> int:
+        """The absorb kernels (q before attention, v after) on ``tokens``, per TP rank."""
+        if tokens <= 0:
+            return 0
+        c, tp = self.cost, self.config.attention_tp
+        return sum(-(-k.time_ns // tp) for k in (*c.mla_absorbs(tokens),))
 
     def _context_up_projection(self, tokens: float) -> int:
-        """Up-projecting ``tokens`` of cached latent to this rank's heads (0 without context)."""
+        """Up-projecting ``tokens`` of latent to this rank's heads' keys and values (0 for
+        none)."""
         if tokens <= 0:
             return 0
         heads = self.model.heads // self.config.attention_tp

@@ -965,11 +965,12 @@ def _check_workload(workload: Workload) -> None:
 def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
-    at the prefill's precision) and the workspace. MLA's latent cache is replicated on the TP
-    ranks; a block holds the MTP layer's KV too when the decode drafts."""
+    at the prefill's precision; the MTP layer's when the decode drafts) and the workspace.
+    MLA's latent cache is replicated on the TP ranks; a block holds the MTP layer's KV too when
+    the decode drafts."""
     m = d.spec
     experts = max(1, m.routed_experts // p.dies_per_te) + m.shared_experts
-    weights = p.precision.weight_bytes(m, experts=experts, tp=p.attention_tp)
+    weights = p.precision.weight_bytes(m, experts=experts, tp=p.attention_tp, mtp=d.drafts)
     return kv_capacity_blocks(
         m,
         die,
