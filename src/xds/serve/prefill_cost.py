@@ -177,7 +177,8 @@ class PrefillCost:
             default=0,
         )
         # projections split over the TP ranks; the attention kernel is already per die (its
-        # FLOPs count this rank's heads; every rank reads the whole latent cache)
+        # FLOPs count this rank's heads; each rank reads the whole context, as latents or as
+        # its heads' keys and values)
         gather, scatter = self._tp_exchange(tokens)
         attn_side = [
             *self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=plan.absorb_tokens)], tp),
@@ -285,7 +286,7 @@ class PrefillCost:
         if tokens <= 0:
             return 0
         c, tp = self.cost, self.config.attention_tp
-        return sum(-(-k.time_ns // tp) for k in (*c.mla_absorbs(tokens),))
+        return sum(-(-k.time_ns // tp) for k in c.mla_absorbs(tokens))
 
     def _context_up_projection(self, tokens: float) -> int:
         """Up-projecting ``tokens`` of latent to this rank's heads' keys and values (0 for
