@@ -424,7 +424,7 @@ class DecodeTE:
             await self._wait_capacity()
         self.kv[dp].admit(record.request_id, tokens)
         self.router.kv_taken(record.request_id)
-        self.router._kv_used([k.used for k in self.kv])
+        self._report_kv(dp)
 
     def enqueue(self, dp: int, record: RequestRecord) -> None:
         """The DP dequeued the transfer's completion: the sequence joins the batch."""
@@ -447,10 +447,15 @@ class DecodeTE:
             return  # a scale-down dropped the DP group, or a memory fault the request
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
-            self.router._kv_used([k.used for k in self.kv])
+            self._report_kv(dp)
         self.router.finished(record.request_id)
         self.done.pop(record.request_id).set()
         self._signal_capacity()
+
+    def _report_kv(self, dp: int) -> None:
+        """DP group ``dp`` admitted or released KV: the TE-shell's figure of it follows (every
+        change to a DP group's KV is reported, so the other groups' figures stand)."""
+        self.router._kv_used_of(dp, self.kv[dp].used)
 
     async def _wait_capacity(self) -> None:
         self._capacity = ev = self._capacity if not self._capacity.is_set() else anyio.Event()
@@ -662,7 +667,7 @@ class DecodeTE:
         rec.finish_ns = t
         self.kv[dp].release(req)
         self.router.finished(req)
-        self.router._kv_used([k.used for k in self.kv])
+        self._report_kv(dp)
         emit("decode-te", "finished", request=req, dp=dp)
         self.done.pop(req).set()
         self._signal_capacity()

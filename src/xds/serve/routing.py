@@ -209,6 +209,11 @@ class DecodeRouter:
         for dp, blocks in zip(self.dps, used_blocks, strict=True):
             dp.kv_used_blocks = blocks
 
+    def _kv_used_of(self, dp_index: int, blocks: int) -> None:
+        """:meth:`_kv_used` when only DP group ``dp_index``'s figure changed since the last
+        one (the TE-shell reports after every admit and release)."""
+        self.dps[dp_index].kv_used_blocks = blocks
+
     def _key(self, request: object) -> object:
         if request not in self._reservations:
             raise ConfigError(f"request {request!r} is not routed", field="request")
