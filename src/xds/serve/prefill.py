@@ -255,6 +255,8 @@ class PrefillTE:
         self._predicted: dict[tuple[int, bool], int] = {}
         """Step predictions per prompt size: the Job Executor's hot path skips building the
         step-cost memo's key (a tuple of every group's pieces)."""
+        self._predicted_shares: dict[int, int] = {}
+        """:meth:`_predicted_spread` per share, for the same reason."""
         self._backlog: Backlog = (0, 0, 0)
         """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
         at every step and added to as jobs join."""
@@ -362,7 +364,14 @@ class PrefillTE:
     def _predicted_spread(self, share: int) -> int:
         """A step with ``share`` new tokens on every DP group (in 32-token steps)."""
         share = -(-share // 32) * 32
-        return self.cost.step_ns([[(share, 0)] for _ in range(self.config.dps_per_te)])
+        hit = self._predicted_shares.get(share)
+        if hit is None:
+            if len(self._predicted_shares) >= 8_192:
+                self._predicted_shares.clear()
+            hit = self._predicted_shares[share] = self.cost.step_ns(
+                [[(share, 0)] for _ in range(self.config.dps_per_te)]
+            )
+        return hit
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
         """Put ``job`` in the pool and wait until its prefill (first token) is done. Cancelled
