@@ -468,19 +468,22 @@ class DecodeModel(KernelTimes):
         k = self.config.mtp_config.k
         bd = Breakdown()
         t = 0
-        proj = self._mtp_projection_ns(float(seqs.max()))  # the MTP eh_proj
+        widest = float(seqs.max())
+        proj = self._mtp_projection_ns(widest)  # the MTP eh_proj
         shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
+        no_jitter = np.zeros_like(jitter_ns) if k else jitter_ns
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
                 context,
                 1.0,
                 m.layers,
-                jitter=np.zeros_like(jitter_ns),
+                jitter=no_jitter,
                 bd=bd,
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
                 shapes=shapes,
+                widest=widest,
             )
             t += mtp.time_ns + eff.graph_launch_ns + proj
             bd.mla_other += proj
@@ -495,6 +498,7 @@ class DecodeModel(KernelTimes):
             dense=m.dense_layers,
             comm=self.comm,
             shapes=shapes,
+            widest=widest,
         )
         t += main.time_ns + eff.graph_launch_ns
         bd.launch += (k + 1) * eff.graph_launch_ns
@@ -544,7 +548,7 @@ class DecodeModel(KernelTimes):
         ``key`` (updated in place from the last one; read it before the next pass)."""
         last = self._tables.get(key)
         if last is not None and len(last[0]) == len(shapes):
-            todo = np.flatnonzero(last[0] != shapes).tolist()
+            todo = (last[0] != shapes).nonzero()[0].tolist()
             table = last[1]
         else:
             todo = range(len(shapes))
@@ -567,9 +571,12 @@ class DecodeModel(KernelTimes):
         comm: CommCosts,
         dense: int = 0,
         shapes: np.ndarray | None = None,
+        widest: float | None = None,
     ) -> IterationOutcome:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
-        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
+        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``).
+        ``shapes`` and ``widest`` (the largest DP batch), if given, are what ``seqs`` and
+        ``context`` make of them."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_between = self._int8_layout(first_layer, dense, n_moe)[2]
@@ -578,7 +585,7 @@ class DecodeModel(KernelTimes):
         table = self._pass_table(shapes, (tokens_per_seq, first_layer, dense, n_moe))
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
         arrive = table[_ARRIVE] + jitter
-        slowest = int(np.argmax(arrive))
+        slowest = int(arrive.argmax())
         barrier = int(arrive[slowest])
         first_dispatch = barrier - arrive + d
         row = table[:, slowest].tolist()
@@ -589,9 +596,10 @@ class DecodeModel(KernelTimes):
         bd.gating += row[_GATE]
         bd.dense_mlp += dense * row[_DENSE_MLP]
         # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
-        t += n_moe * (d + c) + sum(experts)
+        slowest_experts = sum(experts)
+        t += n_moe * (d + c) + slowest_experts
         bd.dispatch += n_moe * d
-        bd.experts += sum(experts)
+        bd.experts += slowest_experts
         bd.combine += n_moe * c
         between = max(0, n_moe - 1)
         for layer, attn, count in (
@@ -600,12 +608,14 @@ class DecodeModel(KernelTimes):
         ):
             if not count:  # the layers after the first MoE one, by attention precision
                 continue
-            i_max = int(np.argmax(table[layer]))
-            t += count * int(table[layer, i_max])
-            bd.attention += count * int(table[attn, i_max])
-            bd.mla_other += count * int(table[_OTHER, i_max])
-            bd.gating += count * int(table[_GATE, i_max])
-        head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
+            worst = table[:, int(table[layer].argmax())].tolist()  # the first slowest die's
+            t += count * worst[layer]
+            bd.attention += count * worst[attn]
+            bd.mla_other += count * worst[_OTHER]
+            bd.gating += count * worst[_GATE]
+        if widest is None:
+            widest = float(seqs.max())
+        head, samp = self.head_ns(widest * tokens_per_seq)
         t += head + samp
         bd.lm_head += head
         bd.sampling += samp
