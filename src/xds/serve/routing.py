@@ -67,11 +67,10 @@ one of the eligible. It sees copies: changing them changes nothing."""
 
 
 def lowest_kv(eligible: Sequence[int], dps: Sequence[DPLoad], reserve_blocks: int) -> int:
-    """SPEC 6.3: the lowest ``kv_used + kv_reserved + reservation``, ties to the lowest index."""
-    return min(
-        eligible,
-        key=lambda i: (dps[i].kv_used_blocks + dps[i].kv_reserved_blocks + reserve_blocks, i),
-    )
+    """SPEC 6.3: the lowest ``kv_used + kv_reserved + reservation``, ties to the lowest index
+    (the reservation is the same for every DP group, so the lowest ``kv_used + kv_reserved``)."""
+    loads = [dps[i].kv_used_blocks + dps[i].kv_reserved_blocks for i in eligible]
+    return min(zip(loads, eligible, strict=True))[1]
 
 
 class DecodeRouter:
