@@ -507,7 +507,7 @@ class DecodeModel(KernelTimes):
     @staticmethod
     def _shapes(seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
         """Each DP group's shape, ``seqs << 32 | context``: kernel times are a function of it."""
-        return seqs.astype(np.int64) << 32 | context.astype(np.int64)
+        return seqs.astype(np.int64, copy=False) << 32 | context.astype(np.int64, copy=False)
 
     def _mtp_projection_ns(self, tokens: float) -> int:
         hit = self._proj_cache.get(tokens)
