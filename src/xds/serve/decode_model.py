@@ -471,14 +471,14 @@ class DecodeModel(KernelTimes):
         widest = float(seqs.max())
         proj = self._mtp_projection_ns(widest)  # the MTP eh_proj
         shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
-        no_jitter = np.zeros_like(jitter_ns) if k else jitter_ns
+        jitter = jitter_ns if jitter_ns.any() else None
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
                 context,
                 1.0,
                 m.layers,
-                jitter=no_jitter,
+                jitter=None,
                 bd=bd,
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
@@ -492,7 +492,7 @@ class DecodeModel(KernelTimes):
             context,
             1.0 + k,
             0,
-            jitter=jitter_ns,
+            jitter=jitter,
             bd=bd,
             experts=main_experts,
             dense=m.dense_layers,
@@ -565,7 +565,7 @@ class DecodeModel(KernelTimes):
         tokens_per_seq: float,
         first_layer: int,
         *,
-        jitter: np.ndarray,
+        jitter: np.ndarray | None,
         bd: Breakdown,
         experts: list[int],
         comm: CommCosts,
@@ -574,9 +574,9 @@ class DecodeModel(KernelTimes):
         widest: float | None = None,
     ) -> IterationOutcome:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
-        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``).
-        ``shapes`` and ``widest`` (the largest DP batch), if given, are what ``seqs`` and
-        ``context`` make of them."""
+        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``),
+        each die delayed ``jitter`` ns before it (None: none). ``shapes`` and ``widest`` (the
+        largest DP batch), if given, are what ``seqs`` and ``context`` make of them."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_between = self._int8_layout(first_layer, dense, n_moe)[2]
@@ -584,13 +584,14 @@ class DecodeModel(KernelTimes):
             shapes = self._shapes(seqs, context)
         table = self._pass_table(shapes, (tokens_per_seq, first_layer, dense, n_moe))
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        arrive = table[_ARRIVE] + jitter
+        arrive = table[_ARRIVE] if jitter is None else table[_ARRIVE] + jitter
         slowest = int(arrive.argmax())
         barrier = int(arrive[slowest])
-        first_dispatch = barrier - arrive + d
+        first_dispatch = (barrier + d) - arrive
         row = table[:, slowest].tolist()
         t = barrier
-        bd.jitter_wait += int(jitter[slowest])
+        if jitter is not None:
+            bd.jitter_wait += int(jitter[slowest])
         bd.attention += row[_ATTENTION]
         bd.mla_other += (dense + 1) * row[_OTHER]
         bd.gating += row[_GATE]
