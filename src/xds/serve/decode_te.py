@@ -208,7 +208,9 @@ class _LiveBatch:
         self.slots: list[int] = self.flat.tolist()
         self.req: list[int] = slot_req.reshape(-1)[self.flat].tolist()
         self.remaining: list[int] = remaining.reshape(-1)[self.flat].tolist()
-        self.context: list[int] = context.reshape(-1)[self.flat].tolist()
+        contexts = context.reshape(-1)[self.flat].tolist()
+        self.length = [c + r for c, r in zip(contexts, self.remaining, strict=True)]
+        """Each sequence's context when it ends (its context is this less what remains)."""
         self.tokens = None if records is None else [records[r].token_ns for r in self.req]
         """Each sequence's token times (None: not recorded)."""
         limit = live.shape[1]
@@ -222,7 +224,7 @@ class _LiveBatch:
         """Each group's live sequences."""
         self.sums: list[int] = []
         """Each group's context, summed over its sequences."""
-        for i, c in zip(self.slots, self.context, strict=True):  # slot order: groups ascend
+        for i, c in zip(self.slots, contexts, strict=True):  # slot order: groups ascend
             dp = i // limit
             if not self.dps or self.dps[-1] != dp:
                 self.dps.append(dp)
@@ -256,13 +258,7 @@ class _LiveBatch:
         sequence of ``kept`` (positions; None: all), at time ``t``. Returns the flat indices
         of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
         pos = range(len(self.slots)) if kept is None else kept
-        rem, ctx, sums, group, tokens = (
-            self.remaining,
-            self.context,
-            self.sums,
-            self.group,
-            self.tokens,
-        )
+        rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
         ended: list[int] = []
         # fewer kept than drawn (a memory fault): the first draws go to them
         for j, n in zip(pos, drawn, strict=False):
@@ -272,7 +268,6 @@ class _LiveBatch:
                 left = 0
                 ended.append(self.slots[j])
             rem[j] = left
-            ctx[j] += n
             sums[group[j]] += n
             if tokens is not None:
                 tokens[j].extend([t] * n)
@@ -288,7 +283,7 @@ class _LiveBatch:
         kept = self.still_in(slot_req)
         flat = self.flat[kept]
         remaining.reshape(-1)[flat] = [self.remaining[j] for j in kept]
-        context.reshape(-1)[flat] = [self.context[j] for j in kept]
+        context.reshape(-1)[flat] = [self.length[j] - self.remaining[j] for j in kept]
 
 
 class DecodeTE:
