@@ -423,14 +423,17 @@ class PrefillTE:
             if sp_step:  # a sequence-parallel job has the whole step
                 keep.append((job, ev))
                 continue
-            hit = self._best_hit(job)
+            # each group's cached prefix of the prompt (tokens), and the longest (at most
+            # input - 1)
+            hits = [c.hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens for c in self.cache]
+            hit = min(max(hits), job.input_tokens - 1)
             sp = self._is_sp(job.input_tokens - hit, job.input_tokens)
             views = []
             over = False  # a group could take it batched, but over sp_threshold uncached
             for dp, kv in enumerate(() if sp else self.kv):
                 if not kv.can_admit(job.input_tokens):
                     continue
-                hit_dp = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
+                hit_dp = hits[dp]
                 cached = min(hit_dp, job.input_tokens - 1)
                 new = max(1, job.input_tokens - cached)
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
@@ -561,11 +564,6 @@ class PrefillTE:
             self.kv[job.dp].admit(job.request_id, job.input_tokens)
             job.sp = 1
         groups[:] = unsplit
-
-    def _best_hit(self, job: PrefillJob) -> int:
-        """Tokens of the job's longest cached prefix on any DP group (at most input - 1)."""
-        hit = max(c.hit_blocks(job.prefix_hashes) for c in self.cache)
-        return min(hit * self.config.prefix_block_tokens, job.input_tokens - 1)
 
     def _place_sp(self, job: PrefillJob, hit: int, groups: list[list[PrefillJob]]) -> bool:
         """Place ``job`` sequence-parallel on every DP group of an empty step if each can hold
