@@ -471,7 +471,7 @@ class DecodeModel(KernelTimes):
         widest = float(seqs.max())
         proj = self._mtp_projection_ns(widest)  # the MTP eh_proj
         shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
-        jitter = jitter_ns if jitter_ns.any() else None
+        jitter = jitter_ns if np.count_nonzero(jitter_ns) else None
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
