@@ -57,6 +57,8 @@ def test_router_never_picks_a_full_dp_and_returns_to_baseline(n_dp, limit, ops):
             router.snapshot_kv([value % 50] * n_dp)
         for d in router.dps:
             assert d.active + d.pending <= limit
+        assert router.sequences == sum(d.active + d.pending for d in router.dps)
+        assert router.kv_used_blocks == sum(d.kv_used_blocks for d in router.dps)
     for r in active:
         router.finished(r)
     for r in pending:

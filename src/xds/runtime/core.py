@@ -175,8 +175,9 @@ class Runtime:
             handle = loop.call_at_ns(t_ns, _resolve, fut)
             try:
                 await fut
-            finally:
+            except BaseException:  # cancelled before the timer fired: disarm it
                 handle.cancel()
+                raise
         else:
             import trio
 

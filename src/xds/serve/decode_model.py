@@ -468,19 +468,22 @@ class DecodeModel(KernelTimes):
         k = self.config.mtp_config.k
         bd = Breakdown()
         t = 0
-        proj = self._mtp_projection_ns(float(seqs.max()))  # the MTP eh_proj
+        widest = float(seqs.max())
+        proj = self._mtp_projection_ns(widest)  # the MTP eh_proj
         shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
+        jitter = jitter_ns if np.count_nonzero(jitter_ns) else None
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
                 seqs,
                 context,
                 1.0,
                 m.layers,
-                jitter=np.zeros_like(jitter_ns),
+                jitter=None,
                 bd=bd,
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
                 shapes=shapes,
+                widest=widest,
             )
             t += mtp.time_ns + eff.graph_launch_ns + proj
             bd.mla_other += proj
@@ -489,12 +492,13 @@ class DecodeModel(KernelTimes):
             context,
             1.0 + k,
             0,
-            jitter=jitter_ns,
+            jitter=jitter,
             bd=bd,
             experts=main_experts,
             dense=m.dense_layers,
             comm=self.comm,
             shapes=shapes,
+            widest=widest,
         )
         t += main.time_ns + eff.graph_launch_ns
         bd.launch += (k + 1) * eff.graph_launch_ns
@@ -503,7 +507,7 @@ class DecodeModel(KernelTimes):
     @staticmethod
     def _shapes(seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
         """Each DP group's shape, ``seqs << 32 | context``: kernel times are a function of it."""
-        return seqs.astype(np.int64) << 32 | context.astype(np.int64)
+        return seqs.astype(np.int64, copy=False) << 32 | context.astype(np.int64, copy=False)
 
     def _mtp_projection_ns(self, tokens: float) -> int:
         hit = self._proj_cache.get(tokens)
@@ -544,7 +548,7 @@ class DecodeModel(KernelTimes):
         ``key`` (updated in place from the last one; read it before the next pass)."""
         last = self._tables.get(key)
         if last is not None and len(last[0]) == len(shapes):
-            todo = np.flatnonzero(last[0] != shapes).tolist()
+            todo = (last[0] != shapes).nonzero()[0].tolist()
             table = last[1]
         else:
             todo = range(len(shapes))
@@ -561,15 +565,18 @@ class DecodeModel(KernelTimes):
         tokens_per_seq: float,
         first_layer: int,
         *,
-        jitter: np.ndarray,
+        jitter: np.ndarray | None,
         bd: Breakdown,
         experts: list[int],
         comm: CommCosts,
         dense: int = 0,
         shapes: np.ndarray | None = None,
+        widest: float | None = None,
     ) -> IterationOutcome:
         """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
-        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``)."""
+        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``),
+        each die delayed ``jitter`` ns before it (None: none). ``shapes`` and ``widest`` (the
+        largest DP batch), if given, are what ``seqs`` and ``context`` make of them."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_between = self._int8_layout(first_layer, dense, n_moe)[2]
@@ -577,21 +584,23 @@ class DecodeModel(KernelTimes):
             shapes = self._shapes(seqs, context)
         table = self._pass_table(shapes, (tokens_per_seq, first_layer, dense, n_moe))
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        arrive = table[_ARRIVE] + jitter
-        slowest = int(np.argmax(arrive))
+        arrive = table[_ARRIVE] if jitter is None else table[_ARRIVE] + jitter
+        slowest = int(arrive.argmax())
         barrier = int(arrive[slowest])
-        first_dispatch = barrier - arrive + d
+        first_dispatch = (barrier + d) - arrive
         row = table[:, slowest].tolist()
         t = barrier
-        bd.jitter_wait += int(jitter[slowest])
+        if jitter is not None:
+            bd.jitter_wait += int(jitter[slowest])
         bd.attention += row[_ATTENTION]
         bd.mla_other += (dense + 1) * row[_OTHER]
         bd.gating += row[_GATE]
         bd.dense_mlp += dense * row[_DENSE_MLP]
         # per MoE layer: dispatch, the slowest expert, combine, then the next layer's attention
-        t += n_moe * (d + c) + sum(experts)
+        slowest_experts = sum(experts)
+        t += n_moe * (d + c) + slowest_experts
         bd.dispatch += n_moe * d
-        bd.experts += sum(experts)
+        bd.experts += slowest_experts
         bd.combine += n_moe * c
         between = max(0, n_moe - 1)
         for layer, attn, count in (
@@ -600,12 +609,14 @@ class DecodeModel(KernelTimes):
         ):
             if not count:  # the layers after the first MoE one, by attention precision
                 continue
-            i_max = int(np.argmax(table[layer]))
-            t += count * int(table[layer, i_max])
-            bd.attention += count * int(table[attn, i_max])
-            bd.mla_other += count * int(table[_OTHER, i_max])
-            bd.gating += count * int(table[_GATE, i_max])
-        head, samp = self.head_ns(float(seqs.max()) * tokens_per_seq)
+            worst = table[:, int(table[layer].argmax())].tolist()  # the first slowest die's
+            t += count * worst[layer]
+            bd.attention += count * worst[attn]
+            bd.mla_other += count * worst[_OTHER]
+            bd.gating += count * worst[_GATE]
+        if widest is None:
+            widest = float(seqs.max())
+        head, samp = self.head_ns(widest * tokens_per_seq)
         t += head + samp
         bd.lm_head += head
         bd.sampling += samp

@@ -15,6 +15,7 @@ time.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import overload
@@ -187,9 +188,11 @@ class _LiveBatch:
     iteration loop runs a few dozen sequences, where a numpy call costs more than the Python
     arithmetic it replaces.
 
-    A snapshot of the TE's slot arrays (``slot_req``, ``remaining``, ``context``, all
-    [DP groups, batch limit]); :meth:`commit` moves both it and the arrays, so it stays equal to
-    them until something else changes which slots are live (``DecodeTE._live_dirty``)."""
+    Taken from the TE's slot arrays (``slot_req``, ``remaining``, ``context``, all
+    [DP groups, batch limit]), it then holds its sequences' progress: :meth:`commit` moves only
+    the batch (and clears ``remaining`` of the sequences that end), and :meth:`flush` writes
+    the rest back to the arrays before the next batch is taken from them, when something else
+    changes which slots are live (``DecodeTE._live_dirty``)."""
 
     def __init__(
         self,
@@ -205,21 +208,31 @@ class _LiveBatch:
         self.slots: list[int] = self.flat.tolist()
         self.req: list[int] = slot_req.reshape(-1)[self.flat].tolist()
         self.remaining: list[int] = remaining.reshape(-1)[self.flat].tolist()
-        self.context: list[int] = context.reshape(-1)[self.flat].tolist()
+        contexts = context.reshape(-1)[self.flat].tolist()
+        self.length = [c + r for c, r in zip(contexts, self.remaining, strict=True)]
+        """Each sequence's context when it ends (its context is this less what remains)."""
         self.tokens = None if records is None else [records[r].token_ns for r in self.req]
         """Each sequence's token times (None: not recorded)."""
-        self.seqs_all = live.sum(axis=1)
+        limit = live.shape[1]
+        self.seqs_all = np.bincount(self.flat // limit, minlength=len(live))
         """Live sequences of every DP group (in service or not)."""
-        self.dps = np.flatnonzero(self.seqs_all)
+        self.dps: list[int] = []
         """The DP groups holding live sequences, ascending: the batch's groups."""
-        group = {dp: g for g, dp in enumerate(self.dps.tolist())}
-        self.group = [group[i // live.shape[1]] for i in self.slots]
+        self.group: list[int] = []
         """Each sequence's group (index into :attr:`dps`)."""
-        self.seqs: list[int] = self.seqs_all[self.dps].tolist()
-        self.sums = [0] * len(self.seqs)
+        self.seqs: list[int] = []
+        """Each group's live sequences."""
+        self.sums: list[int] = []
         """Each group's context, summed over its sequences."""
-        for g, c in zip(self.group, self.context, strict=True):
-            self.sums[g] += c
+        for i, c in zip(self.slots, contexts, strict=True):  # slot order: groups ascend
+            dp = i // limit
+            if not self.dps or self.dps[-1] != dp:
+                self.dps.append(dp)
+                self.seqs.append(0)
+                self.sums.append(0)
+            self.group.append(len(self.dps) - 1)
+            self.seqs[-1] += 1
+            self.sums[-1] += c
         self.steps: list[int] = []
         """Each group's mean context in 256-token steps, rounded up (the kernel cost cache's
         step: the iteration is priced at it)."""
@@ -239,43 +252,38 @@ class _LiveBatch:
         return [i for i, (a, b) in enumerate(zip(now, self.req, strict=True)) if a == b]
 
     def commit(
-        self,
-        drawn: list[int],
-        kept: list[int] | None,
-        t: int,
-        remaining: np.ndarray,
-        context: np.ndarray,
+        self, drawn: list[int], kept: list[int] | None, t: int, remaining: np.ndarray
     ) -> list[int]:
         """Commit one step's tokens: ``drawn[j]`` (at most what is left) to the ``j``-th
-        sequence of ``kept`` (positions; None: all), at time ``t``, in the batch and in the
-        TE's ``remaining`` and ``context``. Returns the flat indices of the sequences that
-        ended, in slot order."""
+        sequence of ``kept`` (positions; None: all), at time ``t``. Returns the flat indices
+        of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
         pos = range(len(self.slots)) if kept is None else kept
-        rem, ctx, sums, group, tokens = (
-            self.remaining,
-            self.context,
-            self.sums,
-            self.group,
-            self.tokens,
-        )
+        rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
         ended: list[int] = []
         # fewer kept than drawn (a memory fault): the first draws go to them
         for j, n in zip(pos, drawn, strict=False):
-            n = min(n, rem[j])
-            rem[j] -= n
-            ctx[j] += n
+            left = rem[j] - n
+            if left <= 0:  # its last tokens: only what was left
+                n += left
+                left = 0
+                ended.append(self.slots[j])
+            rem[j] = left
             sums[group[j]] += n
             if tokens is not None:
                 tokens[j].extend([t] * n)
-            if not rem[j]:
-                ended.append(self.slots[j])
-        flat = self.flat if kept is None else self.flat[kept]
-        remaining.reshape(-1)[flat] = rem if kept is None else [rem[j] for j in kept]
-        context.reshape(-1)[flat] = ctx if kept is None else [ctx[j] for j in kept]
-        if any(s >= x for s, x in zip(sums, self._next, strict=True)):
+        if ended:
+            remaining.reshape(-1)[ended] = 0
+        if any(map(operator.ge, sums, self._next)):
             self._set_steps()
             self.moved = True
         return ended
+
+    def flush(self, slot_req: np.ndarray, remaining: np.ndarray, context: np.ndarray) -> None:
+        """Write the progress of the sequences still in their slots back to the TE's arrays."""
+        kept = self.still_in(slot_req)
+        flat = self.flat[kept]
+        remaining.reshape(-1)[flat] = [self.remaining[j] for j in kept]
+        context.reshape(-1)[flat] = [self.length[j] - self.remaining[j] for j in kept]
 
 
 class DecodeTE:
@@ -424,7 +432,7 @@ class DecodeTE:
             await self._wait_capacity()
         self.kv[dp].admit(record.request_id, tokens)
         self.router.kv_taken(record.request_id)
-        self.router._kv_used([k.used for k in self.kv])
+        self._report_kv(dp)
 
     def enqueue(self, dp: int, record: RequestRecord) -> None:
         """The DP dequeued the transfer's completion: the sequence joins the batch."""
@@ -447,10 +455,15 @@ class DecodeTE:
             return  # a scale-down dropped the DP group, or a memory fault the request
         if self.kv[dp].held(record.request_id):
             self.kv[dp].release(record.request_id)
-            self.router._kv_used([k.used for k in self.kv])
+            self._report_kv(dp)
         self.router.finished(record.request_id)
         self.done.pop(record.request_id).set()
         self._signal_capacity()
+
+    def _report_kv(self, dp: int) -> None:
+        """DP group ``dp`` admitted or released KV: the TE-shell's figure of it follows (every
+        change to a DP group's KV is reported, so the other groups' figures stand)."""
+        self.router._kv_used_of(dp, self.kv[dp].used)
 
     async def _wait_capacity(self) -> None:
         self._capacity = ev = self._capacity if not self._capacity.is_set() else anyio.Event()
@@ -587,6 +600,7 @@ class DecodeTE:
                 continue
             cfg = self.config  # a scale-down changes it
             if self._live_dirty:
+                self._live.flush(self.slot_req, self.remaining, self.context)
                 tokens = self.records if self.record_token_times else None
                 self._live = _LiveBatch(self.slot_req, self.remaining, self.context, tokens)
                 self._live_dirty = False
@@ -611,7 +625,7 @@ class DecodeTE:
             if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
                 kept = live.still_in(self.slot_req)
             t = now_ns()
-            ended = live.commit(drawn, kept, t, self.remaining, self.context)
+            ended = live.commit(drawn, kept, t, self.remaining)
             limit = self.remaining.shape[1]
             for i in ended:
                 self._finish(i // limit, i % limit, t)
@@ -625,7 +639,7 @@ class DecodeTE:
         idx = self._alive_idx
         if len(idx) != len(seqs):
             seqs, ctx = seqs[idx], ctx[idx]
-        self.model.comm, self.model.comm_mtp = self._comm(int(seqs.max()), k)
+        self.model.comm, self.model.comm_mtp = self._comm(max(live.seqs), k)
         live.moved = False
         return self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
 
@@ -662,7 +676,7 @@ class DecodeTE:
         rec.finish_ns = t
         self.kv[dp].release(req)
         self.router.finished(req)
-        self.router._kv_used([k.used for k in self.kv])
+        self._report_kv(dp)
         emit("decode-te", "finished", request=req, dp=dp)
         self.done.pop(req).set()
         self._signal_capacity()

@@ -162,7 +162,10 @@ class KVBlockManager:
         del self._tokens[request]
         for start, end in self._runs.pop(request, []):
             self._give(start, end)
-        self.free = sum(end - start for start, end in self._free_runs)
+        if self.masked:  # masked blocks among them stay out of the free runs
+            self.free = sum(end - start for start, end in self._free_runs)
+        else:
+            self.free += blocks
         return blocks
 
     def blocks_of(self, request: object) -> list[tuple[int, int]]:

@@ -255,6 +255,8 @@ class PrefillTE:
         self._predicted: dict[tuple[int, bool], int] = {}
         """Step predictions per prompt size: the Job Executor's hot path skips building the
         step-cost memo's key (a tuple of every group's pieces)."""
+        self._predicted_shares: dict[int, int] = {}
+        """:meth:`_predicted_spread` per share, for the same reason."""
         self._backlog: Backlog = (0, 0, 0)
         """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
         at every step and added to as jobs join."""
@@ -362,7 +364,14 @@ class PrefillTE:
     def _predicted_spread(self, share: int) -> int:
         """A step with ``share`` new tokens on every DP group (in 32-token steps)."""
         share = -(-share // 32) * 32
-        return self.cost.step_ns([[(share, 0)] for _ in range(self.config.dps_per_te)])
+        hit = self._predicted_shares.get(share)
+        if hit is None:
+            if len(self._predicted_shares) >= 8_192:
+                self._predicted_shares.clear()
+            hit = self._predicted_shares[share] = self.cost.step_ns(
+                [[(share, 0)] for _ in range(self.config.dps_per_te)]
+            )
+        return hit
 
     async def prefill(self, job: PrefillJob) -> PrefillJob:
         """Put ``job`` in the pool and wait until its prefill (first token) is done. Cancelled
@@ -414,14 +423,17 @@ class PrefillTE:
             if sp_step:  # a sequence-parallel job has the whole step
                 keep.append((job, ev))
                 continue
-            hit = self._best_hit(job)
+            # each group's cached prefix of the prompt (tokens), and the longest (at most
+            # input - 1)
+            hits = [c.hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens for c in self.cache]
+            hit = min(max(hits), job.input_tokens - 1)
             sp = self._is_sp(job.input_tokens - hit, job.input_tokens)
             views = []
             over = False  # a group could take it batched, but over sp_threshold uncached
             for dp, kv in enumerate(() if sp else self.kv):
                 if not kv.can_admit(job.input_tokens):
                     continue
-                hit_dp = self.cache[dp].hit_blocks(job.prefix_hashes) * cfg.prefix_block_tokens
+                hit_dp = hits[dp]
                 cached = min(hit_dp, job.input_tokens - 1)
                 new = max(1, job.input_tokens - cached)
                 if load[dp] and load[dp] + new > cfg.max_tokens_per_dp:
@@ -552,11 +564,6 @@ class PrefillTE:
             self.kv[job.dp].admit(job.request_id, job.input_tokens)
             job.sp = 1
         groups[:] = unsplit
-
-    def _best_hit(self, job: PrefillJob) -> int:
-        """Tokens of the job's longest cached prefix on any DP group (at most input - 1)."""
-        hit = max(c.hit_blocks(job.prefix_hashes) for c in self.cache)
-        return min(hit * self.config.prefix_block_tokens, job.input_tokens - 1)
 
     def _place_sp(self, job: PrefillJob, hit: int, groups: list[list[PrefillJob]]) -> bool:
         """Place ``job`` sequence-parallel on every DP group of an empty step if each can hold

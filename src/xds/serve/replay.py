@@ -483,11 +483,7 @@ class Replay(Failover):
         :func:`~xds.serve.job_executor.fewest_sequences`) over the Decode TEs whose DistFlow
         pair with ``prefill_te`` has not failed (None if every one has)."""
         offer = [
-            DecodeTEView(
-                d.index,
-                sum(x.active + x.pending for x in d.router.dps),
-                sum(x.kv_used_blocks for x in d.router.dps),
-            )
+            DecodeTEView(d.index, d.router.sequences, d.router.kv_used_blocks)
             for d in self._decode_tes_from(prefill_te)
         ]
         if not offer:

@@ -67,11 +67,10 @@ one of the eligible. It sees copies: changing them changes nothing."""
 
 
 def lowest_kv(eligible: Sequence[int], dps: Sequence[DPLoad], reserve_blocks: int) -> int:
-    """SPEC 6.3: the lowest ``kv_used + kv_reserved + reservation``, ties to the lowest index."""
-    return min(
-        eligible,
-        key=lambda i: (dps[i].kv_used_blocks + dps[i].kv_reserved_blocks + reserve_blocks, i),
-    )
+    """SPEC 6.3: the lowest ``kv_used + kv_reserved + reservation``, ties to the lowest index
+    (the reservation is the same for every DP group, so the lowest ``kv_used + kv_reserved``)."""
+    loads = [dps[i].kv_used_blocks + dps[i].kv_reserved_blocks for i in eligible]
+    return min(zip(loads, eligible, strict=True))[1]
 
 
 class DecodeRouter:
@@ -95,6 +94,18 @@ class DecodeRouter:
         self.dps = [DPLoad(batch_limit) for _ in range(n_dp)]
         self._reservations: dict[object, tuple[int, int]] = {}  # request -> (dp, blocks)
         self._admitted: set[object] = set()
+        self._kv_used_total = 0
+        """The DP groups' ``kv_used_blocks`` summed (kept as the figures change)."""
+
+    @property
+    def sequences(self) -> int:
+        """Requests routed and not finished: every DP group's ``active + pending``."""
+        return len(self._reservations)
+
+    @property
+    def kv_used_blocks(self) -> int:
+        """KV blocks held over every DP group, as last reported."""
+        return self._kv_used_total
 
     def reservation_blocks(self, max_output_tokens: int) -> int:
         """ESTIMATE_OUTPUT_KV: blocks for the request's longest output (A25)."""
@@ -184,6 +195,7 @@ class DecodeRouter:
         for r in gone:
             del self._reservations[r]
             self._admitted.discard(r)
+        self._kv_used_total -= self.dps[dp_index].kv_used_blocks
         self.dps[dp_index] = DPLoad(batch_limit=0)
         return gone
 
@@ -193,6 +205,7 @@ class DecodeRouter:
         batch_limit = require_int(batch_limit, "batch_limit", low=1)
         if self.dps[dp_index].batch_limit:
             raise ConfigError(f"DP group {dp_index} was not removed", field="dp_index")
+        self._kv_used_total -= self.dps[dp_index].kv_used_blocks
         self.dps[dp_index] = DPLoad(batch_limit)
 
     def snapshot_kv(self, used_blocks: list[int]) -> None:
@@ -208,6 +221,14 @@ class DecodeRouter:
         """:meth:`snapshot_kv` from the TE-shell's own block managers (figures known good)."""
         for dp, blocks in zip(self.dps, used_blocks, strict=True):
             dp.kv_used_blocks = blocks
+        self._kv_used_total = sum(used_blocks)
+
+    def _kv_used_of(self, dp_index: int, blocks: int) -> None:
+        """:meth:`_kv_used` when only DP group ``dp_index``'s figure changed since the last
+        one (the TE-shell reports after every admit and release)."""
+        dp = self.dps[dp_index]
+        self._kv_used_total += blocks - dp.kv_used_blocks
+        dp.kv_used_blocks = blocks
 
     def _key(self, request: object) -> object:
         if request not in self._reservations:
