@@ -277,7 +277,7 @@ def test_fourth_review_deployment_files_and_api_misuse_are_one_clear_error(tmp_p
     from xds.serve.decode import CommCosts
 
     async def zero():
-        cfg = DecodeConfig(dies=16, batch_per_die=1, shared_expert_dies=0)
+        cfg = DecodeConfig(dies=32, batch_per_die=1, shared_expert_dies=0)
         comm = CommCosts(1, 10_000, 10_000)
         await DecodeInstance(cfg, comm, comm).serve(16, max_iterations=0)
 

@@ -28,8 +28,8 @@ def test_toml_and_json_configs(tmp_path):
     cfg = decode_config(str(t))
     assert cfg.dies == 32 and cfg.mtp_config.k == 2
     j = tmp_path / "d.json"
-    j.write_text(json.dumps({"dies": 16, "shared_expert_dies": 0}))
-    assert load_config(j, DecodeConfig).dies == 16
+    j.write_text(json.dumps({"dies": 32, "shared_expert_dies": 0}))
+    assert load_config(j, DecodeConfig).dies == 32
     assert decode_config("peak-decode") is PRESETS["peak-decode"]
 
 
@@ -53,7 +53,7 @@ def test_bad_configs_name_the_file_and_field(tmp_path, text, message):
 
 def test_decode_command(tmp_path, capsys):
     p = tmp_path / "small.toml"
-    p.write_text("dies = 16\nbatch_per_die = 4\noutput_tokens = 32\nshared_expert_dies = 0\n")
+    p.write_text("dies = 32\nbatch_per_die = 4\noutput_tokens = 32\nshared_expert_dies = 0\n")
     assert main(["decode", "--deployment", str(p)]) == 0
     out = capsys.readouterr().out
     assert "tokens/s per chip" in out and "per-kernel" in out
@@ -249,9 +249,9 @@ def test_weights_are_sized_at_the_deployments_precision():
     int8 = DecodeConfig(dies=64, shared_expert_dies=0)
     wide = DecodeConfig(dies=64, shared_expert_dies=0, precision=bf16)
     assert decode_weight_bytes(wide) > 1.8 * decode_weight_bytes(int8)  # 2 bytes a parameter
-    assert DecodeConfig(dies=16, shared_expert_dies=0, batch_per_die=1, kv_blocks_per_die=0)
+    assert DecodeConfig(dies=32, shared_expert_dies=0, batch_per_die=1, kv_blocks_per_die=0)
     with pytest.raises(ConfigError, match="no room for KV") as err:
-        DecodeConfig(dies=16, shared_expert_dies=0, precision=Precision(moe_int8=False))
+        DecodeConfig(dies=32, shared_expert_dies=0, precision=Precision(moe_int8=False))
     assert err.value.field == "dies"
     small = dict(
         domains=1,

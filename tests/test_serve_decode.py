@@ -98,7 +98,7 @@ def test_attention_grows_as_sequences_get_longer():
 
 
 def test_comm_costs_come_from_the_collective_tier():
-    cfg = DecodeConfig(dies=16, batch_per_die=4, shared_expert_dies=0)
+    cfg = DecodeConfig(dies=32, batch_per_die=4, shared_expert_dies=0)
     small = measure_comm(cfg, 4)
     large = measure_comm(cfg, 32)
     assert 0 < small.dispatch_ns < large.dispatch_ns
@@ -295,9 +295,40 @@ def test_a_drafting_die_holds_the_mtp_layer_and_every_die_holds_kv_b_proj():
     plain = msgspec.structs.replace(base, mtp=MTPConfig(k=0))
     m = base.spec
     slots = expert_slots_per_die(base)
-    mtp_layer = m.attention_layer_params + slots * m.expert_params + 2 * 2 * m.hidden**2
-    assert decode_weight_bytes(base) - decode_weight_bytes(plain) == mtp_layer  # INT8 but eh_proj
-    kv_b = m.kv_lora_rank * m.heads * (m.qk_nope_head_dim + m.v_head_dim)
-    assert kv_b == 16_777_216
+    # INT8 but kv_b_proj and eh_proj (SPEC 9.2 quantises only Wq_a, Wkv_a, Wq_b, Wo)
+    mtp_layer = (
+        m.attention_layer_params + m.kv_b_params + slots * m.expert_params + 2 * 2 * m.hidden**2
+    )
+    assert decode_weight_bytes(base) - decode_weight_bytes(plain) == mtp_layer
+    assert m.kv_b_params == m.kv_lora_rank * m.heads * (m.qk_nope_head_dim + m.v_head_dim)
+    assert m.kv_b_params == 16_777_216
     assert m.attention_layer_params == 187_105_280  # Wq_a, Wq_b, Wkv_a, kv_b_proj, Wo
     assert m.attention_params == m.layers * m.attention_layer_params
+
+
+def test_tp_ranks_hold_the_down_projections_whole_and_split_the_heads():
+    """A prefill TP rank projects its own tokens down (Wq_a, Wkv_a whole), then works on its
+    heads (Wq_b, kv_b_proj, Wo split), as PrefillCost prices it."""
+    from xds.model import MODELS
+    from xds.model.costs import Precision
+
+    m, p = MODELS["deepseek-r1"], Precision()
+    one, four = p.weight_bytes(m), p.weight_bytes(m, tp=4)
+    down = m.layers * m.mla_down_params  # INT8, on every rank
+    assert four - down == pytest.approx((one - down) / 4, abs=1)  # the rest split four ways
+
+
+def test_prefill_and_ma_blocks_shrink_by_the_mtp_layer_weights_when_drafting():
+    from xds.hw import PodConfig
+    from xds.serve.ma_config import MADecodeConfig
+    from xds.serve.prefill import PrefillConfig
+    from xds.serve.replay import _prefill_kv_blocks
+
+    base, plain = DecodeConfig(), DecodeConfig(mtp=MTPConfig(k=0))
+    die = PodConfig().die
+    assert _prefill_kv_blocks(PrefillConfig(), base, die) < _prefill_kv_blocks(
+        PrefillConfig(), plain, die
+    )
+    drafting, not_drafting = MADecodeConfig(), MADecodeConfig(mtp=MTPConfig(k=0))
+    assert drafting.drafts and not not_drafting.drafts
+    assert drafting.kv_blocks_per_die < not_drafting.kv_blocks_per_die

@@ -98,24 +98,25 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def weight_bytes(
         self, model: ModelSpec, *, experts: int = 0, tp: int = 1, mtp: bool = False
     ) -> int:
-        """Bytes of weights one die holds: attention (split over ``tp`` ranks), dense MLP and
-        ``experts`` expert instances (per MoE layer, e.g. routed + redundant + shared slots)
-        at 1 byte per parameter in INT8 (``mla_int8`` for attention, ``moe_int8`` for experts
-        and dense MLP, P087-P088) and 2 in BF16; embeddings and LM head in BF16. With ``mtp``
-        (a deployment that drafts) the MTP layers too: attention, experts like any MoE
-        layer's, and the BF16 eh_proj (the embedding and head are shared)."""
-        n_mtp = model.mtp_layers if mtp else 0
-        attention = (model.attention_params + n_mtp * model.attention_layer_params) * (
-            1 if self.mla_int8 else 2
-        )
+        """Bytes of weights one die holds: attention, dense MLP and ``experts`` expert
+        instances (per MoE layer, e.g. routed + redundant + shared slots) at 1 byte per
+        parameter in INT8 (``mla_int8`` for Wq_a, Wkv_a, Wq_b and Wo; ``moe_int8`` for experts
+        and dense MLP, P087-P088) and 2 in BF16; ``kv_b_proj``, embeddings and LM head in
+        BF16. Over ``tp`` ranks each holds the down-projections whole and 1/tp of the rest of
+        attention, the dense MLP and the embeddings. With ``mtp`` (a deployment that drafts)
+        the MTP layers too: attention, experts like any MoE layer's, and the BF16 eh_proj
+        (the embedding and head are shared)."""
+        layers = model.layers + (model.mtp_layers if mtp else 0)
+        mla = 1 if self.mla_int8 else 2
         mlp = 1 if self.moe_int8 else 2
-        replicated = (
-            attention
+        whole = layers * model.mla_down_params * mla
+        split = (
+            layers * (model.mla_head_params * mla + model.kv_b_params * 2)
             + model.dense_mlp_params * mlp
             + 2 * model.embedding_params
-            + 2 * n_mtp * model.mtp_projection_params
+            + 2 * (layers - model.layers) * model.mtp_projection_params
         )
-        return replicated // tp + self.expert_bytes(model, experts, mtp=mtp)
+        return whole + split // tp + self.expert_bytes(model, experts, mtp=mtp)
 
     def expert_bytes(self, model: ModelSpec, experts: int, *, mtp: bool = False) -> int:
         """Bytes of ``experts`` expert instances per MoE layer, over every MoE layer and, with
@@ -223,10 +224,10 @@ class CostModel:
     def kv_up_projection(self, tokens: float, heads: int | None = None) -> Kernel:
         """MLA's ``kv_b_proj`` on ``tokens`` of cached latent: up to ``heads`` heads' no-RoPE
         keys and values (all heads by default; a TP rank computes its own), as the
-        non-absorbed form needs for context it attends to."""
+        non-absorbed form needs for context it attends to; BF16, as SPEC 9.2 leaves it."""
         m = self.model
         out = (m.heads if heads is None else heads) * (m.qk_nope_head_dim + m.v_head_dim)
-        return self._gemm("kv_b_proj", tokens, m.kv_lora_rank, out, self.precision.mla_int8)
+        return self._gemm("kv_b_proj", tokens, m.kv_lora_rank, out, False)
 
     def mtp_projection(self, tokens: float) -> Kernel:
         """The MTP module's eh_proj: [embedding; hidden] (2H) -> H, BF16 (DeepSeek-V3's MTP

@@ -82,18 +82,31 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         return 3 * self.hidden * self.moe_intermediate
 
     @property
-    def attention_layer_params(self) -> int:
-        """MLA projection parameters of one layer: Wq_a, Wq_b, Wkv_a, Wo and ``kv_b_proj``
-        (W_UK and W_UV: the absorbed form folds them into its per-head kernels, prefill's
-        non-absorbed form up-projects the latent with them; 16.8M of DeepSeek-V3's 187M)."""
+    def mla_down_params(self) -> int:
+        """MLA's down-projections of one layer, Wq_a and Wkv_a (hidden -> q LoRA rank, and ->
+        KV LoRA rank + RoPE key): every TP rank holds them whole (it projects its own tokens
+        down, then the ranks all-gather the latents)."""
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
+    def mla_head_params(self) -> int:
+        """MLA's per-head projections of one layer, Wq_b and Wo, split over TP ranks by head
+        (INT8-quantised with Wq_a and Wkv_a, SPEC 9.2)."""
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        return (
-            self.hidden * self.q_lora_rank
-            + self.q_lora_rank * self.heads * qk
-            + self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
-            + self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
-            + self.heads * self.v_head_dim * self.hidden
-        )
+        return self.q_lora_rank * self.heads * qk + self.heads * self.v_head_dim * self.hidden
+
+    @property
+    def kv_b_params(self) -> int:
+        """MLA's ``kv_b_proj`` of one layer (W_UK and W_UV: latent -> each head's no-RoPE key
+        and value), split by head. The absorbed form folds it into its per-head kernels,
+        prefill's non-absorbed form up-projects the latent with it; SPEC 9.2 does not
+        quantise it, so it stays BF16 (16.8M of DeepSeek-V3's 187M per layer)."""
+        return self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def attention_layer_params(self) -> int:
+        """MLA projection parameters of one layer: Wq_a, Wkv_a, Wq_b, Wo and ``kv_b_proj``."""
+        return self.mla_down_params + self.mla_head_params + self.kv_b_params
 
     @property
     def attention_params(self) -> int:

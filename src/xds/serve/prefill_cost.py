@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
 from ..model import CostModel, ModelSpec
 
@@ -64,6 +65,12 @@ class PrefillCost:
         *,
         mtp: bool | None = None,
     ):
+        if model.heads % config.attention_tp:
+            raise ConfigError(
+                f"{model.name}'s {model.heads} attention heads do not split evenly over "
+                f"attention_tp = {config.attention_tp} ranks",
+                field="prefill.attention_tp",
+            )
         self.model = model
         self.mtp = bool(model.mtp_layers) and (mtp is None or mtp)
         """Whether a step runs the MTP layer after the main model (the deployment drafts;
@@ -164,9 +171,12 @@ class PrefillCost:
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
         kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
-        plan = self._attention_plan(group, int8_attention)
-        attn = self._attention_ns(plan.flops, plan.kv_bytes, int8_attention)
-        up = self._context_up_projection(plan.up_tokens)
+        mha, absorbed = self._attention_plan(group, int8_attention)
+        attn = self._attention_ns(mha.flops, mha.kv_bytes, int8_attention) + self._attention_ns(
+            absorbed.flops, absorbed.kv_bytes, int8_attention
+        )
+        up = self._context_up_projection(mha.up_tokens)
+        absorb = absorbed.absorb_tokens
         # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
         # the attention compute, at the rate of one link
         ring = max(
@@ -181,10 +191,10 @@ class PrefillCost:
         # its heads' keys and values)
         gather, scatter = self._tp_exchange(tokens)
         attn_side = [
-            *self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=plan.absorb_tokens)], tp),
+            *self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=absorb)], tp),
             *gather,
             max(attn + up, ring),
-            *self._scaled([k.time_ns for k in c.mla_output(tokens, absorb=plan.absorb_tokens)], tp),
+            *self._scaled([k.time_ns for k in c.mla_output(tokens, absorb=absorb)], tp),
             *scatter,
         ]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
@@ -216,16 +226,18 @@ class PrefillCost:
         share = (tp - 1) / tp * tokens * 2 / self.tp_link.bandwidth * 1e9  # per BF16 element
         return [steps + round(share * latent)], [steps + round(share * m.hidden)]
 
-    def _attention_plan(self, group: Sequence[Piece], int8_attention: bool) -> _Form:
+    def _attention_plan(self, group: Sequence[Piece], int8_attention: bool) -> tuple[_Form, _Form]:
         """A group's attention work, each piece in the cheaper of MLA's two forms
         (:meth:`_forms`; compared on kernel time: attention compute or K/V reads, whichever
-        binds, plus the up-projection or the absorb kernels the form needs)."""
-        total = _Form(0.0, 0.0, 0.0, 0.0)
+        binds, plus the up-projection or the absorb kernels the form needs), summed per form:
+        (non-absorbed, absorbed). The two forms are different kernels, run one after the
+        other; the pieces of one form share its kernel."""
+        totals = [_Form(0.0, 0.0, 0.0, 0.0), _Form(0.0, 0.0, 0.0, 0.0)]
         for p in group:
             forms = self._forms(p, int8_attention)
-            best = min(forms, key=lambda f: self._form_ns(f, int8_attention))
-            total = _Form(*(a + b for a, b in zip(total, best, strict=True)))
-        return total
+            i = min((0, 1), key=lambda k: self._form_ns(forms[k], int8_attention))
+            totals[i] = _Form(*(a + b for a, b in zip(totals[i], forms[i], strict=True)))
+        return totals[0], totals[1]
 
     def _forms(self, piece: Piece, int8_attention: bool) -> tuple[_Form, _Form]:
         """A piece's causal attention in MLA's two forms, per die (heads split by TP; an SP
@@ -276,6 +288,8 @@ class PrefillCost:
         )
 
     def _attention_ns(self, flops: float, kv_bytes: float, int8_attention: bool) -> int:
+        if not flops and not kv_bytes:
+            return 0
         engine = "cube_int8" if int8_attention else "cube_bf16"
         return self.cost.kernel(
             "mla_prefill_attention", flops, kv_bytes, engine, attention=True
