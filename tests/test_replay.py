@@ -285,7 +285,7 @@ def test_cached_context_is_priced_in_the_cheaper_mla_form():
     )
     up = cost._context_up_projection(ctx + 1_024)
     _, moe, _, _ = cost.layer_times([mixed])
-    assert both + up in moe
+    assert moe[len(cost.cost.mla_prolog(1.0)) + 1] == both + up  # the attention slot
     plain = cost.layer_times([[(1_024, ctx)]])[1]
     q_absorb = -(-cost.cost.mla_absorbs(32)[0].time_ns // cfg.attention_tp)
     assert moe[4] == q_absorb and plain[4] == 0  # the prolog's absorb slot
@@ -727,7 +727,9 @@ def test_tp_attention_is_the_per_die_share_of_the_heads_counted_once():
         expected = cost.cost.kernel("a", flops, kv, "cube_bf16", attention=True).time_ns
         expected += cost._context_up_projection(n)  # its keys and values, for its heads
         _, moe, _, _ = cost.layer_times([[(n, 0)]])
-        assert expected in moe  # the attention slot: 1/tp of the heads, not 1/tp^2
+        # the attention slot (after the prolog's five kernels and the latents' all-gather):
+        # 1/tp of the heads, not 1/tp^2
+        assert moe[len(cost.cost.mla_prolog(1.0)) + 1] == expected
     # twice the TP ranks, half the attention time per die
     a4 = _prefill_cost(PrefillConfig(attention_tp=4)).layer_times([[(n, 0)]])[1]
     a8 = _prefill_cost(PrefillConfig(attention_tp=8)).layer_times([[(n, 0)]])[1]
