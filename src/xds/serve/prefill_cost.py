@@ -87,6 +87,7 @@ class PrefillCost:
         self._kinds: list[tuple[bool, int]] | None = None
         self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
         self._groups: dict[tuple[tuple[Piece, ...], bool], tuple[list[int], ...]] = {}
+        self._cheaper: dict[tuple[Piece, bool], tuple[int, _Form]] = {}
 
     def piece_work(self, new: int, cached: int) -> float:
         """A job's weight when the leader balances a step:
@@ -234,10 +235,25 @@ class PrefillCost:
         other; the pieces of one form share its kernel."""
         totals = [_Form(0.0, 0.0, 0.0, 0.0), _Form(0.0, 0.0, 0.0, 0.0)]
         for p in group:
-            forms = self._forms(p, int8_attention)
-            i = min((0, 1), key=lambda k: self._form_ns(forms[k], int8_attention))
-            totals[i] = _Form(*(a + b for a, b in zip(totals[i], forms[i], strict=True)))
+            i, form = self._cheaper_form(p, int8_attention)
+            totals[i] = _Form(*(a + b for a, b in zip(totals[i], form, strict=True)))
         return totals[0], totals[1]
+
+    def _cheaper_form(self, piece: Piece, int8_attention: bool) -> tuple[int, _Form]:
+        """(0 non-absorbed or 1 absorbed, its work) for one piece (remembered: the leader's
+        plans price the same pieces in many groups)."""
+        key = (piece, int8_attention)
+        hit = self._cheaper.get(key)
+        if hit is None:
+            if len(self._cheaper) >= 16_384:
+                self._cheaper.clear()
+            mha, absorbed = self._forms(piece, int8_attention)
+            if self._form_ns(mha, int8_attention) <= self._form_ns(absorbed, int8_attention):
+                hit = (0, mha)
+            else:
+                hit = (1, absorbed)
+            self._cheaper[key] = hit
+        return hit
 
     def _forms(self, piece: Piece, int8_attention: bool) -> tuple[_Form, _Form]:
         """A piece's causal attention in MLA's two forms, per die (heads split by TP; an SP
