@@ -82,6 +82,8 @@ class PrefillCost:
         self.tp_link = tp_link or link
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
+        self._kv_token = model.kv_bytes_per_token_layer(int8_nope=config.precision.kv_int8_nope)
+        """Latent-cache bytes of one token in one layer."""
         self._blom = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25)) if ep > 1 else 0.0
         self._work: tuple[float, float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
@@ -171,7 +173,7 @@ class PrefillCost:
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
-        kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
+        kv_token = self._kv_token
         mha, absorbed = self._attention_plan(group, int8_attention)
         attn = self._attention_ns(mha.flops, mha.kv_bytes, int8_attention) + self._attention_ns(
             absorbed.flops, absorbed.kv_bytes, int8_attention
@@ -279,7 +281,6 @@ class PrefillCost:
         context = float(cached + new)  # every share reads the whole context as it passes by
         element = 1 if int8_attention else 2
         per_head = heads * (m.qk_nope_head_dim + m.v_head_dim) * element
-        kv_token = m.kv_bytes_per_token_layer(int8_nope=cfg.precision.kv_int8_nope)
         mha = _Form(
             flops=pairs * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
             kv_bytes=context * (per_head + m.qk_rope_head_dim * 2),
@@ -288,7 +289,7 @@ class PrefillCost:
         )
         absorbed = _Form(
             flops=pairs * (m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank),
-            kv_bytes=context * kv_token,
+            kv_bytes=context * self._kv_token,
             up_tokens=0.0,
             absorb_tokens=new / sp,
         )
@@ -315,8 +316,8 @@ class PrefillCost:
         """The absorb kernels (q before attention, v after) on ``tokens``, per TP rank."""
         if tokens <= 0:
             return 0
-        c, tp = self.cost, self.config.attention_tp
-        return sum(-(-k.time_ns // tp) for k in c.mla_absorbs(tokens))
+        kernels = self.cost.mla_absorbs(tokens)
+        return sum(self._scaled([k.time_ns for k in kernels], self.config.attention_tp))
 
     def _context_up_projection(self, tokens: float) -> int:
         """Up-projecting ``tokens`` of latent to this rank's heads' keys and values (0 for
