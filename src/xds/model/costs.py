@@ -224,7 +224,11 @@ class CostModel:
     def kv_up_projection(self, tokens: float, heads: int | None = None) -> Kernel:
         """MLA's ``kv_b_proj`` on ``tokens`` of cached latent: up to ``heads`` heads' no-RoPE
         keys and values (all heads by default; a TP rank computes its own), as the
-        non-absorbed form needs for context it attends to; BF16, as SPEC 9.2 leaves it."""
+        non-absorbed form needs for context it attends to; BF16, as SPEC 9.2 leaves it.
+        [emulator choice] The GEMM runs in BF16 end to end: its latent input is counted at 2
+        bytes even from an INT8 no-RoPE cache, and the K/V it writes stay BF16 for the
+        attention kernel even when attention runs INT8. At ~430 FLOPs per byte (4K tokens,
+        TP4) it is compute-bound on a die; on few tokens its BF16 weights dominate the bytes."""
         m = self.model
         out = (m.heads if heads is None else heads) * (m.qk_nope_head_dim + m.v_head_dim)
         return self._gemm("kv_b_proj", tokens, m.kv_lora_rank, out, False)
