@@ -518,6 +518,31 @@ def test_a_failed_distflow_instance_fails_only_its_own_pair():
         r.inject_distflow_failure(0, prefill_te=5)
 
 
+def test_decode_stats_say_how_full_and_how_even_the_decode_dies_were():
+    # one sequence: one die of 32 holds it, so it is also the mean die with sequences
+    one = replay(_workload((0, 3000, 40)), SMALL)
+    d = one.summary.decode
+    assert d is not None and d.iterations == one.decode_iterations > 0
+    assert d.sequences_per_die == pytest.approx(1 / 32)
+    assert d.context_max_over_mean == pytest.approx(1.0)
+    assert 0.99 < d.busy <= 1.0  # it decoded from its first token to its finish
+    rec = one.records[0]
+    decoding = rec.finish_ns - rec.first_token_ns - rec.decode_wait_ns - rec.kv_transfer_ns
+    assert d.mean_iteration_ms * d.iterations == pytest.approx(decoding / 1e6, abs=1e-3)
+    # two sequences on two dies (lowest KV first), 8,000 and 2,000 tokens of context: while
+    # both decode the busier holds 8,000+ of a 5,000+ mean; the short one finishes first
+    two = replay(_workload((0, 8000, 40), (0, 2000, 10)), SMALL)
+    d = two.summary.decode
+    assert d is not None
+    assert {r.decode_placement for r in two.records} == {"D0/DP0", "D0/DP1"}
+    assert 1 / 32 < d.sequences_per_die < 2 / 32
+    assert 1.0 < d.context_max_over_mean < 8_100 / 5_050
+    assert (
+        msgspec.json.decode(msgspec.json.encode(two.summary))["decode"]["iterations"]
+        == d.iterations
+    )
+
+
 def test_a_one_token_request_never_needs_decode_kv():
     tiny_kv = msgspec.structs.replace(
         SMALL, decode=msgspec.structs.replace(SMALL.decode, kv_blocks_per_die=1)

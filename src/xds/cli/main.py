@@ -1062,6 +1062,17 @@ def replay(
     totals.add_row("prefix-cache hits (share of prompt tokens)", f"{s.prefix_hit_ratio:.1%}")
     busy = ", ".join(f"{b:.0%}" for b in result.prefill_busy)
     totals.add_row("prefill TEs busy (first arrival to last first token)", busy)
+    if s.decode is not None:
+        d = s.decode
+        totals.add_row(
+            "decode iterations",
+            f"{d.iterations:,}, {d.mean_iteration_ms:.1f} ms each, {d.sequences_per_die:.1f} "
+            f"sequences per die, busy {d.busy:.0%}",
+        )
+        totals.add_row(
+            "decode context: busiest die / mean die with sequences",
+            f"{d.context_max_over_mean:.2f}x",
+        )
     totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
     for r in result.restarts:
         never = "not before the replay ended"

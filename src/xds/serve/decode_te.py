@@ -46,6 +46,29 @@ _GRIDS: dict[tuple[bytes, int], CommGrid] = {}
 _NO_JITTER = JitterConfig(enabled=False)
 
 
+class DecodeLoad(msgspec.Struct):
+    """Running totals of a Decode TE's iteration loop, each weighted by iteration time: what
+    the replay summary's :class:`~xds.trace.metrics.DecodeStats` is made of."""
+
+    iterations: int = 0
+    busy_ns: int = 0
+    sequence_ns: int = 0
+    """Sum of iteration time x sequences decoding in it."""
+    die_ns: int = 0
+    """Sum of iteration time x dies in service."""
+    skew_ns: float = 0.0
+    """Sum of iteration time x (context on the die holding the most / the mean over the dies
+    holding sequences), as the iteration was priced."""
+
+    def add(self, other: DecodeLoad) -> None:
+        """Fold ``other`` (a retired TE's totals) into these."""
+        self.iterations += other.iterations
+        self.busy_ns += other.busy_ns
+        self.sequence_ns += other.sequence_ns
+        self.die_ns += other.die_ns
+        self.skew_ns += other.skew_ns
+
+
 class CommGrid(Sequence[CommCosts]):
     """Dispatch/combine costs at the tokens-per-die points (:attr:`tokens`) a decode batch
     can reach, each point measured the first time it is read: a collective-tier run of its
@@ -345,8 +368,10 @@ class DecodeTE:
         """DP groups a memory fault masked KV blocks of."""
         self._held: deque[anyio.Event] = deque()
         """Requests held under backpressure, in arrival order (each waits on its event)."""
-        self.iterations = 0
-        self.busy_ns = 0
+        self.load = DecodeLoad()
+        self._skew = 1.0
+        """Context on the die holding the most / the mean over the dies holding sequences,
+        when the batch was last priced."""
         self._live_dirty = True
         """Set by whatever may change which slots are live (``remaining > 0``) other than the
         iteration loop's own commits: a sequence joins, finishes or is dropped, or the DP
@@ -618,8 +643,12 @@ class DecodeTE:
             await sleep_ns(step)
             if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
                 continue
-            self.busy_ns += step
-            self.iterations += 1
+            load = self.load
+            load.iterations += 1
+            load.busy_ns += step
+            load.sequence_ns += step * len(live.slots)
+            load.die_ns += step * dps
+            load.skew_ns += step * self._skew
             drawn = committed_tokens(cfg.mtp_config, mtp_gen, len(live.slots))
             kept = None
             if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
@@ -641,6 +670,7 @@ class DecodeTE:
             seqs, ctx = seqs[idx], ctx[idx]
         self.model.comm, self.model.comm_mtp = self._comm(max(live.seqs), k)
         live.moved = False
+        self._skew = max(live.sums) * len(live.sums) / max(1, sum(live.sums))
         return self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
 
     def _comm(self, widest: int, k: int) -> tuple[CommCosts, CommCosts]:
@@ -662,7 +692,7 @@ class DecodeTE:
         measure each DP's slack: the barrier wait it had to spare."""
         if not self.config.jitter.enabled:  # draws nothing
             return 0
-        before, between = sample_dps(self.config.jitter, gen, self.iterations, dps)
+        before, between = sample_dps(self.config.jitter, gen, self.load.iterations, dps)
         if not before.any():
             return between
         slack = out.first_dispatch_ns - self.model.comm.dispatch_ns

@@ -42,6 +42,7 @@ import anyio
 import anyio.abc
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
+from .decode_te import DecodeLoad
 from .elastic import Elastic
 from .recovery import KVMask, NodeFault, Placement, Restart, TEFailover, restart_placement
 
@@ -134,7 +135,8 @@ class Failover(Elastic):
         )
         self._spares = list(range(first_d + cfg.decode_tes * per_d, cfg.servers))
         self._retired_steps = 0
-        self._retired_iterations = 0
+        self._retired_decode = DecodeLoad()
+        """The iteration-loop totals of Decode TEs replaced since (a restart or failover)."""
         self._retired_busy: dict[int, int] = {}
         self.kv_masks: list[KVMask] = []
         self._bad_memory: dict[tuple[int, int], list[KVMask]] = {}
@@ -291,7 +293,8 @@ class Failover(Elastic):
             self.monitor.flows = []  # type: ignore[attr-defined]
         for k in range(len(self.prefill)):
             self._retire_prefill(k)
-        self._retired_iterations += sum(d.iterations for d in self.decode)
+        for te in self.decode:
+            self._retired_decode.add(te.load)
         restart = Restart(reason=reason, started_ns=started, failed=failed)
         self.restarts.append(restart)
         while True:
@@ -413,7 +416,7 @@ class Failover(Elastic):
         rec = self._take_down("D", d, reason)
         self._decode_down.add(d)
         rec.failed = self._fail_held(lambda r, w: w.decode == d, reason)
-        self._retired_iterations += self.decode[d].iterations
+        self._retired_decode.add(self.decode[d].load)
         need = cfg.decode_servers // cfg.decode_tes
         while True:
             servers = self._decode_servers(d, need)

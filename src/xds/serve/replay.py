@@ -37,12 +37,19 @@ from ..runtime import Runtime, current_runtime, emit, now_ns, sleep_ns, sleep_un
 from ..runtime.events import EventLog
 from ..runtime.loop import HORIZON_NS
 from ..runtime.sync import task_group_raising_single
-from ..trace.metrics import SLA, RequestRecord, Summary, check_complete, summarize
+from ..trace.metrics import (
+    SLA,
+    DecodeStats,
+    RequestRecord,
+    Summary,
+    check_complete,
+    summarize,
+)
 from ..trace.workload import Request, Workload
 from ..units import S
 from .decode import CommCosts, DecodeConfig
 from .decode_model import decode_kv_capacity
-from .decode_te import DecodeTE, KVNoFit, comm_grid
+from .decode_te import DecodeLoad, DecodeTE, KVNoFit, comm_grid
 from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover
 from .jitter import JitterConfig
@@ -983,6 +990,21 @@ def _prefill_phase_ns(records: list[RequestRecord]) -> int:
     return max(1, last - first)
 
 
+def _decode_stats(load: DecodeLoad, records: list[RequestRecord], tes: int) -> DecodeStats:
+    """The summary's decode figures from the TEs' iteration-loop totals ``load``."""
+    started = [x.first_token_ns for x in records if x.first_token_ns >= 0]
+    first = min(started, default=0)
+    phase = max(1, max((x.finish_ns for x in records), default=first) - first)
+    busy = max(1, load.busy_ns)
+    return DecodeStats(
+        iterations=load.iterations,
+        mean_iteration_ms=load.busy_ns / max(1, load.iterations) / 1e6,
+        busy=min(1.0, load.busy_ns / (phase * tes)),
+        sequences_per_die=load.sequence_ns / max(1, load.die_ns),
+        context_max_over_mean=load.skew_ns / busy if load.busy_ns else 1.0,
+    )
+
+
 def replay(
     workload: Workload,
     config: PDConfig | None = None,
@@ -1079,15 +1101,20 @@ def replay(
     for te in r.prefill:
         busy_ns[te.index] = busy_ns.get(te.index, 0) + te.busy_ns
     busy = [busy_ns.get(i, 0) / phase for i in range(cfg.prefill.tes)]
+    load = DecodeLoad()
+    for part in (r._retired_decode, *(d.load for d in r.decode)):
+        load.add(part)
     summary = msgspec.structs.replace(
-        summarize(records, chips=cfg.chips, sla=cfg.sla), prefill_busy=busy
+        summarize(records, chips=cfg.chips, sla=cfg.sla),
+        prefill_busy=busy,
+        decode=_decode_stats(load, records, cfg.decode_tes),
     )
     return ReplayResult(
         records=records,
         summary=summary,
         chips=cfg.chips,
         prefill_steps=r._retired_steps + sum(te.steps for te in r.prefill),
-        decode_iterations=r._retired_iterations + sum(d.iterations for d in r.decode),
+        decode_iterations=load.iterations,
         end_ns=max((x.finish_ns for x in records), default=0),
         events=runtime.events if event_log else None,
         probes=r.monitor.results if r.monitor is not None else [],

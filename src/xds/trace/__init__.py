@@ -15,6 +15,7 @@ from .loaders import (
 )
 from .metrics import (
     SLA,
+    DecodeStats,
     RequestRecord,
     Stat,
     Summary,
@@ -27,6 +28,7 @@ from .workload import Request, Workload, fixed, gamma_arrivals, poisson_arrivals
 
 __all__ = [
     "SLA",
+    "DecodeStats",
     "Request",
     "RequestRecord",
     "Stat",

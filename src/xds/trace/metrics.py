@@ -105,6 +105,27 @@ class SLA(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return record.ttft_ns / 1e6 < self.ttft_ms and record.tpot_ns / 1e6 < self.tpot_ms
 
 
+class DecodeStats(msgspec.Struct):
+    """What the Decode TEs' iteration loops did over a PD replay (all TEs together; the means
+    are weighted by iteration time). It explains a TPOT: how long an iteration took, how full
+    the dies were, and how unevenly their context was spread, which lockstep charges every
+    die for (each MoE layer's dispatch waits for the die with the most attention work)."""
+
+    iterations: int
+    mean_iteration_ms: float
+    """Iteration time, scheduler gap and host jitter included."""
+    busy: float
+    """Share of the decode phase (the first request's first token to the last finish) the
+    TEs spent iterating, mean over TEs: near 1 means some sequence was always decoding."""
+    sequences_per_die: float
+    """Sequences decoding per die in service."""
+    context_max_over_mean: float
+    """Context tokens on the die holding the most / the mean over the dies holding sequences,
+    as each iteration was priced: 1 is perfectly even. The decode router balances KV at
+    admission; sequences then grow and finish unevenly, and one long prompt can outweigh a
+    die's other sequences."""
+
+
 class Summary(msgspec.Struct):
     requests: int
     completed: int
@@ -149,6 +170,8 @@ class Summary(msgspec.Struct):
     """The workload as :attr:`Workload.source` describes it (limit and rate scale included)."""
     dropped_rows: int = 0
     """Rows of a lengths-only CSV left out on request (``--drop-invalid``) among those read."""
+    decode: DecodeStats | None = None
+    """The Decode TEs' iteration loops (a PD replay fills it)."""
 
 
 def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
@@ -258,4 +281,4 @@ def write(
             writer.writerow([getattr(r, c) for c in CSV_COLUMNS])
 
 
-document_fields(RequestRecord, SLA, Summary)
+document_fields(RequestRecord, SLA, DecodeStats, Summary)
