@@ -543,6 +543,31 @@ def test_decode_stats_say_how_full_and_how_even_the_decode_dies_were():
     )
 
 
+def test_an_overloaded_replay_stops_at_its_serving_limit_and_keeps_every_record(tmp_path):
+    from xds.serve.replay import SERVING_LIMIT_FAILURE
+
+    wl = _workload(*[(0, 30_000, 200)] * 60)  # far more prefill than 20 s can do
+    res = replay(wl, SMALL, serve_grace_ns=20 * S)
+    assert [r.request_id for r in res.records] == list(range(60))
+    late = [r for r in res.records if r.outcome == "failed"]
+    assert late and res.summary.completed == 60 - len(late) > 0
+    assert {r.reason for r in late} == {f"{SERVING_LIMIT_FAILURE} at 20.000 s"}
+    assert all(r.finish_ns == 20 * S for r in late)
+    assert all(r.finish_ns < 20 * S for r in res.records if r.outcome == "completed")
+    on_trio = replay(wl, SMALL, serve_grace_ns=20 * S, backend="trio")
+    assert msgspec.json.encode(on_trio.records) == msgspec.json.encode(res.records)
+    # the CLI takes the limit in seconds and writes every request
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text(
+        "".join(
+            '{"timestamp": 0, "input_length": 30000, "output_length": 200}\n' for _ in range(40)
+        )
+    )
+    assert main(["replay", str(trace), "--serve-limit", "5", "--out", str(tmp_path / "o")]) == 0
+    lines = (tmp_path / "o" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 40 and any(SERVING_LIMIT_FAILURE in line for line in lines)
+
+
 def test_a_one_token_request_never_needs_decode_kv():
     tiny_kv = msgspec.structs.replace(
         SMALL, decode=msgspec.structs.replace(SMALL.decode, kv_blocks_per_die=1)

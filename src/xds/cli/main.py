@@ -22,7 +22,7 @@ from rich.table import Table
 
 from xds import __version__
 from xds.errors import ConfigError, TraceError, XdsError
-from xds.units import GB, fmt_bytes, fmt_ns
+from xds.units import GB, S, fmt_bytes, fmt_ns
 
 
 class _LazyConsole:
@@ -904,6 +904,15 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     help="How node faults are recovered (default: the deployment's, restart_world); "
     "scale_down: independent failover where a Decode TE drops the failed server's dies.",
 )
+@click.option(
+    "--serve-limit",
+    "serve_limit_s",
+    type=_Finite(min=0, max=365 * 86_400),
+    default=86_400.0,
+    show_default=True,
+    help="Seconds of virtual time the replay keeps serving after the last arrival (or "
+    "scheduled fault end); requests still in flight then fail with a reason.",
+)
 @_policy_option
 def replay(
     trace: str | None,
@@ -927,6 +936,7 @@ def replay(
     fault_specs: tuple[str, ...] = (),
     probe: bool = False,
     recovery: str | None = None,
+    serve_limit_s: float = 86_400.0,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
@@ -988,7 +998,13 @@ def replay(
 
         with _names_deployment_file(deployment), _names_fault_spec(fault_specs):
             result = run_replay(
-                workload, cfg, seed=seed, progress=progress, faults=faults, **policies
+                workload,
+                cfg,
+                seed=seed,
+                progress=progress,
+                faults=faults,
+                serve_grace_ns=round(serve_limit_s * S),
+                **policies,
             )
     s = msgspec.structs.replace(
         result.summary,

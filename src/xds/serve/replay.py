@@ -27,9 +27,9 @@ import anyio.abc
 import msgspec
 from msgspec import Meta
 
-from ..config import check_fields
+from ..config import check_fields, require_int
 from ..docfields import document_fields
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelTimeLimit
 from ..fabric import UBFabric
 from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
@@ -46,7 +46,7 @@ from ..trace.metrics import (
     summarize,
 )
 from ..trace.workload import Request, Workload
-from ..units import S
+from ..units import S, fmt_ns
 from .decode import CommCosts, DecodeConfig
 from .decode_model import decode_kv_capacity
 from .decode_te import DecodeLoad, DecodeTE, KVNoFit, comm_grid
@@ -98,8 +98,14 @@ and attached 910B prefill servers make up the rest."""
 
 
 REPLAY_GRACE_NS = 86_400 * S
-"""A replay's default virtual-time bound after its last arrival or scheduled fault end (one
-day): far beyond any drain, it only stops a model that hangs behind periodic tasks."""
+"""How long a replay keeps serving after its last arrival or scheduled fault end, by default
+(one day): far beyond any drain. Requests still in flight then fail with
+:data:`SERVING_LIMIT_FAILURE` (an overloaded deployment's results are kept, not lost)."""
+
+SERVING_LIMIT_FAILURE = "not served by the replay's serving limit"
+"""The failure reason (followed by the limit) of a request still in flight when the replay
+stops serving (``replay(..., serve_grace_ns=...)``, ``xds replay --serve-limit``)."""
+
 
 CONTEXT_FAILURE = "exceeds max_context_tokens"
 """The failure reason of a request longer than the model's context (every deployment of the
@@ -779,6 +785,18 @@ class Replay(Failover):
         records = [self.records[r.request_id] for r in self.workload.requests]
         return records
 
+    def stop_serving(self, at_ns: int) -> list[RequestRecord]:
+        """The records once the run has stopped at its serving limit ``at_ns``: every request
+        that had not ended fails there with :data:`SERVING_LIMIT_FAILURE` (what it got so
+        far, a first token say, stays on its record)."""
+        reason = f"{SERVING_LIMIT_FAILURE} at {fmt_ns(at_ns)}"
+        for req in self.workload.requests:
+            rec = self.records.get(req.request_id) or self._record(req)
+            if req.request_id not in self._ended_ids:
+                rec.outcome, rec.reason, rec.finish_ns = "failed", reason, at_ns
+                self._ended_ids.add(req.request_id)
+        return [self.records[r.request_id] for r in self.workload.requests]
+
     def _start_engine(self, *, first: bool = False) -> None:
         """Start the engine's tasks: TEs, DistFlow completion-queue pollers, and (once) the
         DistFlow fault injectors and the link monitor (:meth:`_run` starts the node and memory
@@ -1021,6 +1039,7 @@ def replay(
     event_log: bool = False,
     kv_mover: KVMover | None = None,
     time_limit_ns: int | None = None,
+    serve_grace_ns: int | None = None,
 ) -> ReplayResult:
     """Replay ``workload`` on the deployment in virtual time; every request ends once.
 
@@ -1032,11 +1051,14 @@ def replay(
     injected before the run starts; with
     ``event_log`` the result keeps the run's event log (``ReplayResult.events``).
 
-    A replay never hangs: a model with nothing left to do raises
-    :class:`~xds.errors.ModelDeadlock`, and one kept alive by periodic tasks (link probing)
-    stops with :class:`~xds.errors.ModelTimeLimit` at ``time_limit_ns`` (default: one virtual
-    day after the last arrival or the end of the last scheduled fault, a link outage or a
-    repair), both naming what each task waits for (e.g. a ``kv_mover`` that never returns)."""
+    A replay never hangs and never loses a request. It serves until ``serve_grace_ns`` after
+    the last arrival or the end of the last scheduled fault, a link outage or a repair
+    (default: one virtual day, :data:`REPLAY_GRACE_NS`); requests still in flight then fail
+    with :data:`SERVING_LIMIT_FAILURE` (an overloaded deployment's queue, say) and the result
+    keeps every record. A model with nothing left to do raises
+    :class:`~xds.errors.ModelDeadlock`. A ``time_limit_ns`` given replaces the serving limit
+    with a hard bound: the run stops there with :class:`~xds.errors.ModelTimeLimit`. Both
+    errors name what each task waits for (e.g. a ``kv_mover`` that never returns)."""
     cfg = check_pd_config(config)
     _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
@@ -1077,23 +1099,28 @@ def replay(
                 raise ConfigError(exc.message, field=f"faults[{i}].{exc.field}") from None
         return await r.run()
 
-    if time_limit_ns is None:  # a day after the last arrival or scheduled fault end
-        last = max((r.arrival_ns for r in workload.requests), default=0)
-        for fault in faults:
-            if isinstance(fault, NodeFault):
-                last = max(last, fault.at_ns + fault.repair_ns)
-            elif isinstance(fault, DistFlowFault):
-                last = max(last, fault.at_ns + fault.duration_ns)
-            else:
-                last = max(last, fault.at_ns)
-        time_limit_ns = last + REPLAY_GRACE_NS
+    last = max((r.arrival_ns for r in workload.requests), default=0)
+    for fault in faults:
+        if isinstance(fault, NodeFault):
+            last = max(last, fault.at_ns + fault.repair_ns)
+        elif isinstance(fault, DistFlowFault):
+            last = max(last, fault.at_ns + fault.duration_ns)
+        else:
+            last = max(last, fault.at_ns)
+    grace = REPLAY_GRACE_NS if serve_grace_ns is None else serve_grace_ns
+    serve_until_ns = last + require_int(grace, "serve_grace_ns", low=0)
     runtime = Runtime(
         seed=seed,
         backend=backend,  # type: ignore[arg-type]
         event_log=event_log,
-        time_limit_ns=time_limit_ns,
+        time_limit_ns=serve_until_ns if time_limit_ns is None else time_limit_ns,
     )
-    records = runtime.run(main)
+    try:
+        records = runtime.run(main)
+    except ModelTimeLimit:
+        if time_limit_ns is not None or "r" not in holder:
+            raise  # the caller's own bound: the report names what each task waits for
+        records = holder["r"].stop_serving(serve_until_ns)
     check_complete(records, len(workload))
     r = holder["r"]
     phase = _prefill_phase_ns(records)
