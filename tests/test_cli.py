@@ -94,6 +94,7 @@ def test_deployment_errors_name_the_file_and_the_field_written(tmp_path, capsys)
         ("[decode]\ndies = 4\nshared_expert_dies = 0\n", "decode.dies: with 4 dies"),
         ("[decode]\ndies = 2000\nshared_expert_dies = 0\n", "decode.dies: 2000 dies"),
         ("[decode.mtp]\nk = -1\n", "decode.mtp.k:"),
+        ("[decode.mtp]\nk = 1000\n", "decode.mtp.k: k must be in 0..8, got 1000"),
         ("[sla]\nttft_ms = -1\n", "sla.ttft_ms:"),
     ):
         dep = tmp_path / "dep.toml"

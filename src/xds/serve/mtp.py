@@ -23,16 +23,22 @@ from ..docfields import document_fields
 from ..errors import ConfigError
 
 
+MAX_DRAFTS = 8
+"""The most draft tokens per step xds models: each draft is a sequential MTP forward, while
+the chance that all of them are accepted compounds away (0.9^8 = 0.43), and the decode batch's
+dispatch/combine grid grows with 1 + k."""
+
+
 class MTPConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     k: int = 1
-    """Draft tokens per step (MTP layers)."""
+    """Draft tokens per step (MTP layers), 0..8."""
     acceptance: tuple[float, ...] = (0.9,)
     """Per-depth conditional acceptance; the last value repeats for deeper drafts."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.k < 0:
-            raise ConfigError("k must be >= 0", field="mtp.k")
+        if not 0 <= self.k <= MAX_DRAFTS:
+            raise ConfigError(f"k must be in 0..{MAX_DRAFTS}, got {self.k}", field="mtp.k")
         if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):
             raise ConfigError("acceptance probabilities must be in [0, 1]", field="mtp.acceptance")
 
