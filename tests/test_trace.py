@@ -246,6 +246,15 @@ def test_generic_hashes_carry_their_block_size_and_csv_hashes_are_digits(tmp_pat
 
     with pytest.raises(ConfigError, match="hash_block_tokens"):
         t.load_generic(c, mapping=mapping, hash_block_tokens=0)
+    # a mapped hashes column the file lacks, or a misspelt key, is an error, not "no hashes"
+    lacking = write(tmp_path, "l.csv", "t,i,o\n0,600,2\n")
+    with pytest.raises(TraceError, match=r"l\.csv:line 1 field 'h': missing column"):
+        t.load_generic(lacking, mapping=mapping)
+    j = write(tmp_path, "l.jsonl", '{"t": 0, "i": 600, "o": 2}\n')
+    with pytest.raises(TraceError, match="no row has the hashes field 'h'"):
+        t.load_generic(j, mapping=mapping)
+    with pytest.raises(TraceError, match="unknown mapping key 'hashs'"):
+        t.load_generic(c, mapping={**mapping, "hashs": "h"})
 
 
 def test_a_line_of_spaces_inside_a_csv_is_blank(tmp_path):

@@ -498,6 +498,10 @@ def load_lengths(
     )
 
 
+GENERIC_KEYS = ("arrival", "input", "output", "hashes")
+"""What :func:`load_generic`'s ``mapping`` may map to the file's columns."""
+
+
 def load_generic(
     path: str | Path,
     *,
@@ -521,13 +525,21 @@ def load_generic(
     for key in ("arrival", "input", "output"):
         if key not in mapping:
             raise TraceError(f"mapping needs {key!r}", path=str(p), field=key)
+    for key in mapping:
+        if key not in GENERIC_KEYS:
+            raise TraceError(
+                f"unknown mapping key {key!r} (known: {', '.join(GENERIC_KEYS)})",
+                path=str(p),
+                field=key,
+            )
     records: Iterator[tuple[int, dict[str, Any]]]
-    read = {mapping[k] for k in ("arrival", "input", "output", "hashes") if k in mapping}
+    mapped = [mapping[k] for k in GENERIC_KEYS if k in mapping]
     from_json = p.suffix.lower() in (".jsonl", ".json", ".ndjson")
     if from_json:
-        records = _json_objects(p, read)
-    else:
-        records = _csv_rows(p, [mapping[k] for k in ("arrival", "input", "output")], read)
+        records = _json_objects(p, set(mapped))
+    else:  # a mapped hashes column must be in the header too (a row may leave it empty)
+        records = _csv_rows(p, mapped, set(mapped))
+    hashes_seen = False
     get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
     rows = []
     for line_no, row in records:
@@ -556,6 +568,7 @@ def load_generic(
         )
         hashes: tuple[int, ...] = ()
         if "hashes" in mapping and mapping["hashes"] in row:
+            hashes_seen = True
             raw = row[mapping["hashes"]]
             if isinstance(raw, str):  # CSV: space- or semicolon-separated integers
                 words = raw.replace(";", " ").split()
@@ -573,6 +586,12 @@ def load_generic(
         rows.append((arrival, x, y, hashes, line_no))
         if _reached(rows, limit, sort):
             break
+    if "hashes" in mapping and rows and not hashes_seen:
+        raise TraceError(
+            f"no row has the hashes field {mapping['hashes']!r} the mapping names",
+            path=str(p),
+            field=mapping["hashes"],
+        )
     workload = _finish(rows, str(p), sort, mapping["arrival"], limit)
     if any(r.prefix_hashes for r in workload.requests):
         workload = msgspec.structs.replace(workload, hash_block_tokens=hash_block_tokens)
