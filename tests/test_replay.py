@@ -755,6 +755,31 @@ def test_replay_rejects_malformed_workloads_with_the_request_named():
         ConfigError, match=r"arrives at 1 ns, before the request ahead of it \(5 ns\)"
     ):
         replay(_workload((5, 10, 2), (1, 10, 2)), SMALL)
+    for req, field, says in (
+        (Request(0, 1.5e8, 10, 5), "arrival_ns", "must be an integer, got 150000000.0"),  # type: ignore[arg-type]
+        (Request(0, 0, "100", 5), "input_tokens", "must be an integer, got '100'"),  # type: ignore[arg-type]
+        (Request(0, 0, 10, 5, (1.0,)), "prefix_hashes", "a sequence of integers"),  # type: ignore[arg-type]
+        (Request(0, 0, 1024, 5, (1, 2)), "hash_block_tokens", "hash_block_tokens is 0"),
+    ):
+        with pytest.raises(ConfigError, match=says) as err:
+            replay(Workload((req,)), SMALL)
+        assert err.value.field == field
+    hashed = Workload((Request(0, 0, 1024, 5, tuple(range(8))),), hash_block_tokens=512)
+    with pytest.raises(ConfigError, match="8 prefix hashes for 1024 input tokens") as err:
+        replay(hashed, SMALL)
+    with pytest.raises(ConfigError, match="progress must be a function"):
+        replay(_workload((0, 10, 2)), SMALL, progress=3)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_in_a_workload_replay_and_their_results_write(tmp_path):
+    from xds.trace import write
+
+    at = np.cumsum(np.full(3, 10**8, dtype=np.int64))  # the natural way to build arrivals
+    wl = Workload(tuple(Request(np.int64(i), at[i], np.int64(100), np.int64(4)) for i in range(3)))
+    res = replay(wl, SMALL)
+    assert all(type(r.arrival_ns) is int for r in res.records)
+    write(tmp_path, res.records, res.summary)
+    assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 3
 
 
 def _prefill_cost(cfg: PrefillConfig | None = None) -> PrefillCost:

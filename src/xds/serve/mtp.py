@@ -22,7 +22,6 @@ from ..config import check_fields
 from ..docfields import document_fields
 from ..errors import ConfigError
 
-
 MAX_DRAFTS = 8
 """The most draft tokens per step xds models: each draft is a sequential MTP forward, while
 the chance that all of them are accepted compounds away (0.9^8 = 0.43), and the decode batch's

@@ -27,7 +27,7 @@ import anyio.abc
 import msgspec
 from msgspec import Meta
 
-from ..config import check_fields, require_int
+from ..config import check_fields, is_integer, require_int
 from ..docfields import document_fields
 from ..errors import ConfigError, ModelTimeLimit
 from ..fabric import UBFabric
@@ -343,10 +343,12 @@ class Replay(Failover):
             require_callable(policy, name, arity=(3, 4) if name == "decode_routing" else 2)
         if kv_mover is not None:
             require_callable(kv_mover, "kv_mover")
+        if progress is not None:
+            require_callable(progress, "progress", arity=3)
         self._kv_mover = kv_mover
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
-        _check_workload(workload)
+        workload = _check_workload(workload)
         block = workload.hash_block_tokens
         if block and block != config.prefill.prefix_block_tokens:
             raise ConfigError(
@@ -938,8 +940,35 @@ def _check_distflow_fault(config: PDConfig, fault: DistFlowFault, where: str) ->
         )
 
 
-def _check_workload(workload: Workload) -> None:
-    """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals."""
+_REQUEST_INTS = ("request_id", "arrival_ns", "input_tokens", "output_tokens", "source_line")
+
+
+def _plain_request(r: Request, where: str) -> Request:
+    """``r`` with plain ints where a Python-built workload may hold numpy integers (they
+    replay, but its records could not be written as JSON); anything else that is not an
+    integer (a float, a string) is a ConfigError naming the request and the field."""
+    fields: dict[str, object] = {}
+    for name in _REQUEST_INTS:
+        v = getattr(r, name)
+        if type(v) is not int:
+            if not is_integer(v):
+                raise ConfigError(f"{where}: {name} must be an integer, got {v!r:.40}", field=name)
+            fields[name] = int(v)  # type: ignore[call-overload]
+    hashes = r.prefix_hashes
+    if type(hashes) is not tuple or any(type(h) is not int for h in hashes):
+        if not isinstance(hashes, Sequence) or not all(is_integer(h) for h in hashes):
+            raise ConfigError(
+                f"{where}: prefix_hashes must be a sequence of integers, got {hashes!r:.60}",
+                field="prefix_hashes",
+            )
+        fields["prefix_hashes"] = tuple(int(h) for h in hashes)
+    return msgspec.structs.replace(r, **fields) if fields else r
+
+
+def _check_workload(workload: Workload) -> Workload:
+    """A replayable workload: requests 0..n-1 in order, positive lengths, sorted arrivals,
+    prefix hashes that say how many tokens each covers and are no more than the prompt's
+    blocks. Returned with plain ints throughout (numpy integers converted)."""
     if not isinstance(workload, Workload):
         raise ConfigError(
             f"must be a Workload (xds.trace: a loader, a generator or Workload(requests)), "
@@ -948,11 +977,23 @@ def _check_workload(workload: Workload) -> None:
         )
     if not len(workload):
         raise ConfigError("the workload has no requests", field="workload")
-    last = 0
-    for i, r in enumerate(workload.requests):
-        where = f"{workload.source}: request {i}" + (
-            f" (line {r.source_line})" if r.source_line else ""
+    block = workload.hash_block_tokens
+    if not is_integer(block) or block < 0:
+        raise ConfigError(
+            f"hash_block_tokens must be an integer >= 0, got {block!r:.40}",
+            field="hash_block_tokens",
         )
+    last = 0
+    plain: list[Request] = []
+    for i, r in enumerate(workload.requests):
+        line = getattr(r, "source_line", 0)
+        where = f"{workload.source}: request {i}" + (f" (line {line})" if line else "")
+        if not isinstance(r, Request):
+            raise ConfigError(
+                f"{where} must be an xds.trace.Request, got {type(r).__name__}", field="requests"
+            )
+        r = _plain_request(r, where)
+        plain.append(r)
         if r.request_id != i:
             raise ConfigError(
                 f"{where} has request_id {r.request_id}; ids must be 0..n-1 in order",
@@ -973,6 +1014,8 @@ def _check_workload(workload: Workload) -> None:
                 field="arrival_ns",
             )
         last = r.arrival_ns
+        if r.prefix_hashes:
+            _check_hashes(r, block, where)
     if last > MAX_ARRIVAL_NS:
         raise ConfigError(
             f"{workload.source}: the last request arrives at {last / DAY_NS:.1f} days; xds "
@@ -980,6 +1023,28 @@ def _check_workload(workload: Workload) -> None:
             "virtual-time horizon; the rest is for serving them): shorten the trace or raise "
             "its rate",
             field="arrival_ns",
+        )
+    changed = any(a is not b for a, b in zip(plain, workload.requests, strict=True))
+    return msgspec.structs.replace(workload, requests=tuple(plain)) if changed else workload
+
+
+def _check_hashes(r: Request, block: int, where: str) -> None:
+    """A request's prefix hashes, as the trace loaders check them (a wrong count would credit
+    cache hits the prompts do not share)."""
+    if not block:
+        raise ConfigError(
+            f"{where} carries prefix hashes but the workload's hash_block_tokens is 0: set it "
+            "to the tokens each hash covers (Workload(..., hash_block_tokens=512))",
+            field="hash_block_tokens",
+        )
+    if min(r.prefix_hashes) < 0:
+        raise ConfigError(f"{where}: prefix hashes must be >= 0", field="prefix_hashes")
+    most = -(-r.input_tokens // block)
+    if len(r.prefix_hashes) > most:
+        raise ConfigError(
+            f"{where}: {len(r.prefix_hashes)} prefix hashes for {r.input_tokens} input tokens: "
+            f"a {block}-token block each allows at most {most}",
+            field="prefix_hashes",
         )
 
 
@@ -1060,7 +1125,7 @@ def replay(
     with a hard bound: the run stops there with :class:`~xds.errors.ModelTimeLimit`. Both
     errors name what each task waits for (e.g. a ``kv_mover`` that never returns)."""
     cfg = check_pd_config(config)
-    _check_workload(workload)
+    workload = _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
     if isinstance(faults, kinds) or not isinstance(faults, Sequence):
         raise ConfigError(

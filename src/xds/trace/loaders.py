@@ -535,10 +535,8 @@ def load_generic(
     records: Iterator[tuple[int, dict[str, Any]]]
     mapped = [mapping[k] for k in GENERIC_KEYS if k in mapping]
     from_json = p.suffix.lower() in (".jsonl", ".json", ".ndjson")
-    if from_json:
-        records = _json_objects(p, set(mapped))
-    else:  # a mapped hashes column must be in the header too (a row may leave it empty)
-        records = _csv_rows(p, mapped, set(mapped))
+    # a CSV's header must have a mapped hashes column too (a row may leave it empty)
+    records = _json_objects(p, set(mapped)) if from_json else _csv_rows(p, mapped, set(mapped))
     hashes_seen = False
     get: Callable[[dict[str, Any], str, int], Any] = _getter(str(p))
     rows = []

@@ -264,20 +264,21 @@ def write(
     """``requests.jsonl`` (one line per request), ``summary.json``, optionally
     ``requests.csv`` (without it, a ``requests.csv`` of an earlier run there is removed, so the
     directory holds one run's results). Other files are left alone."""
+    enc = msgspec.json.Encoder()
+    ordered = sorted(records, key=lambda r: r.request_id)
+    lines = b"".join(enc.encode(r) + b"\n" for r in ordered)  # encoded before any file is
+    summary_json = msgspec.json.format(enc.encode(summary))  # touched: all or nothing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    enc = msgspec.json.Encoder()
-    with (out / "requests.jsonl").open("wb") as f:
-        for r in sorted(records, key=lambda r: r.request_id):
-            f.write(enc.encode(r) + b"\n")
-    (out / "summary.json").write_bytes(msgspec.json.format(enc.encode(summary)))
+    (out / "requests.jsonl").write_bytes(lines)
+    (out / "summary.json").write_bytes(summary_json)
     if not csv:
         (out / "requests.csv").unlink(missing_ok=True)
         return
     with (out / "requests.csv").open("w", newline="") as f:
         writer = csv_module.writer(f)
         writer.writerow(CSV_COLUMNS)
-        for r in sorted(records, key=lambda r: r.request_id):
+        for r in ordered:
             writer.writerow([getattr(r, c) for c in CSV_COLUMNS])
 
 
