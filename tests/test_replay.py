@@ -152,6 +152,16 @@ def test_prefix_cache_is_lru_and_counts_leading_blocks():
     assert c.hit_blocks([1]) == 1 and c.hit_blocks([1, 2]) == 1 and c.hit_blocks([5, 6]) == 2
 
 
+def test_the_prefix_cache_holds_its_share_of_kv_whatever_tokens_a_hash_covers():
+    from xds.serve.prefill import PrefillTE
+
+    for per_hash in (512, 256, 200, 64):  # 200 and 64 are not multiples of a 128-token block
+        cfg = PrefillConfig(prefix_block_tokens=per_hash)
+        te = PrefillTE(0, cfg, None, kv_blocks_per_dp=1000)  # type: ignore[arg-type]
+        share = int(1000 * cfg.prefix_cache_fraction) * cfg.block_tokens
+        assert share - per_hash < te.cache[0].capacity * per_hash <= share
+
+
 def test_prefill_step_cost_grows_with_tokens_and_shrinks_with_cached_prefix():
     cfg = PrefillConfig()
     die, link = prefill_hardware(cfg)

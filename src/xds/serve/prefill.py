@@ -245,10 +245,11 @@ class PrefillTE:
         self.cost = cost
         cache_blocks = int(kv_blocks_per_dp * config.prefix_cache_fraction)
         kv_blocks = kv_blocks_per_dp - cache_blocks
-        per_hash = max(1, config.prefix_block_tokens // config.block_tokens)
+        # the cache's share of KV, in prefix hashes (each covers prefix_block_tokens tokens)
+        hashes = cache_blocks * config.block_tokens // config.prefix_block_tokens
         dps = config.dps_per_te
         self.kv = [KVBlockManager(kv_blocks, block_tokens=config.block_tokens) for _ in range(dps)]
-        self.cache = [PrefixCache(cache_blocks // per_hash) for _ in range(dps)]
+        self.cache = [PrefixCache(hashes) for _ in range(dps)]
         self.pool: list[tuple[PrefillJob, anyio.Event]] = []
         self.queued_tokens = 0
         """Prompt tokens waiting or running: the load the Job Executor sees."""
