@@ -463,3 +463,10 @@ def test_spread_ties_names_itself_and_a_tied_trace_gets_a_note(tmp_path, capsys)
     assert captured.err == "" and "spread over its step" in json.loads(captured.out)["workload"]
     assert main(["replay", "--spread-ties"]) == 2
     assert "--spread-ties applies to a TRACE with timestamps" in capsys.readouterr().err
+    trace.write_text("".join(json.dumps({**r, "timestamp": 0}) + "\n" for r in rows[:3]))
+    assert main(["replay", str(trace), "--json"]) == 0  # 2 ties of 3: too few for a note
+    assert capsys.readouterr().err == ""
+    assert main(["replay", str(trace), "--json", "--spread-ties"]) == 0
+    captured = capsys.readouterr()
+    assert "no step to spread them over" in captured.err
+    assert json.loads(captured.out)["workload"] == str(trace)

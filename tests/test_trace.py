@@ -47,6 +47,10 @@ def test_mooncake_jsonl(tmp_path):
         ),
         ("not json\n", "line 1: invalid JSON"),
         (
+            '{"timestamp": "5", "input_length": 1, "output_length": 2}\n',
+            "line 1 field 'timestamp': expected a number, got the string '5'",
+        ),
+        (
             '{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [1, 2]}\n',
             "line 1 field 'hash_ids': 2 block hashes for 10 input tokens",
         ),
@@ -643,3 +647,5 @@ def test_tied_timestamps_spread_over_their_step_in_order():
     assert "spread over its step (median 3 s)" in a.source
     untied = t.Workload(w.requests[2:5], "g")
     assert untied.spread_ties(np.random.default_rng(1)) is untied
+    one_stamp = t.Workload(w.requests[:3], "h")  # no step to spread over: left as it is
+    assert one_stamp.spread_ties(np.random.default_rng(1)) is one_stamp

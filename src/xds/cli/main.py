@@ -726,8 +726,15 @@ def _load_trace(
         if spread_ties:
             from xds.runtime.rng import RngStreams
 
-            return workload.spread_ties(RngStreams(seed)("trace/spread-ties"))
-        if (tied := workload.tied()) > len(workload) // 10:
+            spread = workload.spread_ties(RngStreams(seed)("trace/spread-ties"))
+            if spread is workload and workload.tied():
+                click.echo(
+                    "xds: --spread-ties: every request arrives at the same timestamp, so there "
+                    "is no step to spread them over: replayed as given",
+                    err=True,
+                )
+            return spread
+        if (tied := workload.tied()) >= 10 and tied > len(workload) // 10:
             click.echo(
                 f"xds: {tied:,} of {len(workload):,} requests arrive at the same time as the "
                 "one before (quantised timestamps?): replayed as given, in bursts; "
@@ -1060,6 +1067,10 @@ def replay(
             console.print(
                 "ITL, TPOT, decode admission wait, KV transfer: no completed request has a "
                 "second output token (each had one), so none was decoded"
+            )
+        elif cfg.record_token_times is False:
+            console.print(
+                "ITL: per-token times are off (record_token_times = false in the deployment)"
             )
         else:
             console.print(

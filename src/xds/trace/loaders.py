@@ -56,8 +56,15 @@ _DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?
 """A number as text: decimal digits, an optional fraction and exponent (not Python's ``1_000``)."""
 
 
-def _arrival_ns(value: Any, unit_ns: float, *, path: str, line: int, field: str) -> int:
-    """A finite, non-negative arrival time in ``unit_ns`` units, as integer nanoseconds."""
+def _arrival_ns(
+    value: Any, unit_ns: float, *, path: str, line: int, field: str, json: bool = False
+) -> int:
+    """A finite, non-negative arrival time in ``unit_ns`` units, as integer nanoseconds; from
+    JSON (``json``) a number, not a string holding one (as token counts there)."""
+    if json and isinstance(value, str):
+        raise TraceError(
+            f"expected a number, got the string {value!r:.40}", path=path, line=line, field=field
+        )
     try:
         if (
             isinstance(value, str)
@@ -228,7 +235,7 @@ def load_mooncake(path: str | Path, *, sort: bool = False, limit: int | None = N
             if key not in obj:
                 raise TraceError("missing", path=str(p), line=line_no, field=key)
         ts_ns = _arrival_ns(
-            obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp"
+            obj["timestamp"], 1_000_000, path=str(p), line=line_no, field="timestamp", json=True
         )
         x, y = (
             _int_field(obj[key], path=str(p), line=line_no, field=key, minimum=1, json=True)
@@ -547,6 +554,7 @@ def load_generic(
             path=str(p),
             line=line_no,
             field=mapping["arrival"],
+            json=from_json,
         )
         x = _int_field(
             get(row, mapping["input"], line_no),

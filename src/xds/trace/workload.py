@@ -79,14 +79,17 @@ class Workload(msgspec.Struct, frozen=True):
         """Requests sharing a timestamp spread uniformly over their step: from it to the next
         distinct timestamp (the last step is as long as the median step). Arrivals stay in
         request order, as the trace's own order within a timestamp is kept. For a trace with
-        quantised timestamps, whose literal replay arrives in bursts; a workload without ties
-        is returned as it is."""
+        quantised timestamps, whose literal replay arrives in bursts. A workload without ties,
+        or whose requests all share one timestamp (no step to spread over), is returned as it
+        is."""
         arrivals = self._arrivals()
         if not np.any(np.diff(arrivals) == 0):
             return self
         stamps, first, count = np.unique(arrivals, return_index=True, return_counts=True)
+        if len(stamps) == 1:
+            return self
         steps = np.diff(stamps)
-        last = int(np.median(steps)) if len(steps) else 0
+        last = int(np.median(steps))
         widths = np.append(steps, last)
         spread = arrivals.copy()
         for t, i, n, w in zip(stamps, first, count, widths, strict=True):
