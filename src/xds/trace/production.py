@@ -59,7 +59,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from ..config import check_fields
+from ..config import check_fields, require_int, require_positive
 from ..errors import ConfigError
 from ..units import S
 from .workload import Request, Workload, arrival_times
@@ -229,10 +229,9 @@ def production_workload(
     depend on it; only the gaps between arrivals scale, and with them which earlier turn a
     follow-up extends), and its first ``k`` requests for any ``n >= k``; the conversations
     already under way before the first request are drawn from a stream of their own."""
-    if n < 1:
-        raise ConfigError(f"n must be >= 1, got {n}", field="n")
-    if not 0 < rate_per_s < float("inf"):
-        raise ConfigError(f"rate must be positive, got {rate_per_s}", field="rate_per_s")
+    n = require_int(n, "n", low=1)
+    seed = require_int(seed, "seed")
+    rate_per_s = require_positive(rate_per_s, "rate_per_s")
     conv = conversations
     if rate_per_s > conv.max_rate_per_s:
         raise ConfigError(

@@ -65,6 +65,9 @@ def load_servegen(
 ) -> Workload:
     """Requests of the clients in ``path`` (default: all) arriving in ``[start_s, start_s +
     duration_s)`` of ServeGen's day, with arrival times relative to ``start_s``."""
+    for name, value in (("start_s", start_s), ("duration_s", duration_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise ConfigError(f"must be a number of seconds, got {value!r:.40}", field=name)
     if not (0 <= start_s < 86_400 and duration_s > 0 and start_s + duration_s <= 86_400):
         raise TraceError(
             f"the span [{start_s:g}, {start_s + duration_s:g}) s must lie within the day "
