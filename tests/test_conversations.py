@@ -114,14 +114,15 @@ def test_replay_records_prefix_cache_hits_of_a_follow_up():
     racing = Request(1, 0, 4096 + 50, 4, (*range(8), 200))
     # arrives long after the first prompt was prefilled: its 8 blocks are cached
     follow = Request(2, 2 * S, 4096 + 700, 4, (*range(8), 100, 101))
-    res = replay(Workload((first, racing, follow)), SMALL)
+    res = replay(Workload((first, racing, follow), hash_block_tokens=BLOCK_TOKENS), SMALL)
     rec = {r.request_id: r for r in res.records}
     assert rec[0].cached_tokens == 0 and rec[1].cached_tokens == 0
     assert rec[2].cached_tokens == 8 * BLOCK_TOKENS
     total = sum(r.input_tokens for r in (first, follow, racing))
     assert res.summary.prefix_hit_ratio == pytest.approx(8 * BLOCK_TOKENS / total)
     # the hit shortens the follow-up's prefill against an uncached prompt of its length
-    cold = replay(Workload((Request(0, 0, 4096 + 700, 4, (*range(500, 508), 100, 101)),)), SMALL)
+    cold_prompt = Request(0, 0, 4096 + 700, 4, (*range(500, 508), 100, 101))
+    cold = replay(Workload((cold_prompt,), hash_block_tokens=BLOCK_TOKENS), SMALL)
     assert rec[2].ttft_ns < cold.records[0].ttft_ns
 
 

@@ -134,7 +134,7 @@ def test_prefix_cache_hits_shorten_prefill_and_steer_the_job_executor():
         Request(1, 5_000_000_000, 10_240, 20, hashes),
         Request(2, 10_000_000_000, 10_240, 20, tuple(range(100, 120))),
     )
-    res = replay(Workload(reqs), SMALL)
+    res = replay(Workload(reqs, hash_block_tokens=512), SMALL)
     first, again, cold = res.records
     # same TE and (leader) DP group: the one caching the prompt; a 1-token remainder stays
     # on that group, the cold prompt was spread over the idle groups
@@ -904,7 +904,7 @@ def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs, microbatches)
     for i, (gap, x, y, hashes) in enumerate(reqs):
         t += gap
         rows.append(Request(i, t, x, y, prefix_hashes=hashes))
-    wl = Workload(tuple(rows))
+    wl = Workload(tuple(rows), hash_block_tokens=512 if any(r.prefix_hashes for r in rows) else 0)
 
     async def main():
         r = Replay(wl, cfg, _SP_GRID)
