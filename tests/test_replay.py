@@ -1367,8 +1367,20 @@ def test_the_job_executor_stops_choosing_a_failed_pair():
         faults=[DistFlowFault(at_ns=0, prefill_te=0), DistFlowFault(at_ns=0, prefill_te=1)],
     )
     assert both.summary.completed == 0 and both.summary.failed == 24
-    reasons = {x.reason for x in both.records}
-    assert any("every DistFlow pair from P" in r for r in reasons)
+    # once every pair has failed, later requests fail on arrival, not after a wasted prefill
+    from xds.serve.replay import NO_PAIR_FAILURE
+
+    on_arrival = [x for x in both.records if x.reason == NO_PAIR_FAILURE]
+    assert on_arrival and all(
+        x.finish_ns == x.arrival_ns and x.first_token_ns < 0 for x in on_arrival
+    )
+    one_token = _workload(*[(i * 100_000_000, 1500, 20 if i < 12 else 1) for i in range(24)])
+    still = replay(
+        one_token,
+        SMALL,
+        faults=[DistFlowFault(at_ns=0, prefill_te=0), DistFlowFault(at_ns=0, prefill_te=1)],
+    )
+    assert all(x.outcome == "completed" for x in still.records[12:])  # prefill alone serves
 
 
 def test_decode_jitter_lengthens_iterations_in_a_replay_and_mitigations_shrink_it():

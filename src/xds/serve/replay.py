@@ -107,6 +107,10 @@ SERVING_LIMIT_FAILURE = "not served by the replay's serving limit"
 stops serving (``replay(..., serve_grace_ns=...)``, ``xds replay --serve-limit``)."""
 
 
+NO_PAIR_FAILURE = "KV transfer impossible: every DistFlow pair has failed"
+"""The failure reason of a request that needs decode arriving while no DistFlow pair works
+(it fails on arrival; a one-token request is still served by prefill alone)."""
+
 CONTEXT_FAILURE = "exceeds max_context_tokens"
 """The failure reason of a request longer than the model's context (every deployment of the
 model fails it: capacity searches do not hold it against a deployment)."""
@@ -484,6 +488,17 @@ class Replay(Failover):
         self._picked[te.index] = self._picks
         return te
 
+    def _no_working_pair(self) -> bool:
+        """Every DistFlow pair from a Prefill TE in service has failed a transfer: no KV can
+        reach Decode until a restart rebuilds one."""
+        failed = self._failed_pairs
+        return bool(failed) and all(
+            (te.index, d) in failed
+            for te in self.prefill
+            if te.index not in self._prefill_down
+            for d in range(len(self.decode))
+        )
+
     def _decode_tes_from(self, prefill_te: int) -> list[DecodeTE]:
         """The Decode TEs in service whose DistFlow pair with ``prefill_te`` has not failed a
         transfer."""
@@ -558,6 +573,9 @@ class Replay(Failover):
             return
         if len(self._prefill_down) == len(self.prefill):
             self._fail(rec, "service unavailable: no Prefill TE in service (node faults)")
+            return
+        if req.output_tokens > 1 and self._no_working_pair():
+            self._fail(rec, NO_PAIR_FAILURE)  # its prefill would be wasted
             return
         te = self.select_prefill(req)
         rid = req.request_id
