@@ -86,6 +86,15 @@ def test_no_conversations_means_unique_prompts():
     assert w.requests[0].arrival_ns == 0
 
 
+def test_hashes_at_a_deployments_block_size_share_the_same_tokens():
+    a = production_workload(2000, rate_per_s=10.0, seed=0)
+    b = production_workload(2000, rate_per_s=10.0, seed=0, block_tokens=256)
+    assert (a.hash_block_tokens, b.hash_block_tokens) == (512, 256)
+    assert [r.input_tokens for r in a.requests] == [r.input_tokens for r in b.requests]
+    assert all(len(r.prefix_hashes) == -(-r.input_tokens // 256) for r in b.requests)
+    assert prefix_reuse(b, 256) == pytest.approx(prefix_reuse(a))  # 512-block sharing, halved
+
+
 def test_prefix_reuse_counts_leading_blocks_seen_before():
     w = Workload(
         (

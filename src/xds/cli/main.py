@@ -846,7 +846,7 @@ def _cell(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:,.2f}"
 
 
-def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
+def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens: int):
     from xds.trace.production import (
         MOONCAKE_CONVERSATIONS,
         NO_CONVERSATIONS,
@@ -854,7 +854,9 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool):
     )
 
     conv = NO_CONVERSATIONS if unique_prompts else MOONCAKE_CONVERSATIONS
-    return production_workload(n, rate_per_s=rate, seed=seed, conversations=conv)
+    return production_workload(
+        n, rate_per_s=rate, seed=seed, conversations=conv, block_tokens=block_tokens
+    )
 
 
 @app.command()
@@ -983,7 +985,9 @@ def replay(
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
     if trace is None:
-        workload = _built_in(synthetic_n, rate, seed, unique_prompts)
+        workload = _built_in(
+            synthetic_n, rate, seed, unique_prompts, cfg.prefill.prefix_block_tokens
+        )
     else:
         workload = _load_trace(
             trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid, limit, spread_ties
@@ -1419,8 +1423,9 @@ def capacity(
                 f"{MIN_SEARCH_REQUESTS} (a window of at least {MIN_SEARCH_REQUESTS / start:g} s)"
             )
 
-        def workload_at(x: float):
-            return _built_in(max(MIN_SEARCH_REQUESTS, round(x * window_s)), x, seed, unique_prompts)
+        def workload_at(x: float, block_tokens: int):  # hashed as the deployment caches
+            n = max(MIN_SEARCH_REQUESTS, round(x * window_s))
+            return _built_in(n, x, seed, unique_prompts, block_tokens)
     else:
         unit, knob = "x trace rate", "rate scale"
         base = _load_trace(
@@ -1436,7 +1441,7 @@ def capacity(
                 f"at least {MIN_SEARCH_REQUESTS} spread over time"
             )
 
-        def workload_at(x: float):
+        def workload_at(x: float, block_tokens: int):  # a trace's hashes are its own
             scaled = base.scaled(x)
             if not scaled.duration_ns:
                 flag = "max_scale" if x > start else "min_scale" if x == min_scale else "start"
@@ -1466,7 +1471,7 @@ def capacity(
         if not as_json and len(configs) > 1:
             click.echo(f"{name}:", err=True)
         res = search_capacity(
-            workload_at,
+            functools.partial(workload_at, block_tokens=cfg.prefill.prefix_block_tokens),
             cfg,
             start=start,
             max_scale=max_scale,

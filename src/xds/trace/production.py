@@ -222,16 +222,21 @@ def production_workload(
     rate_per_s: float,
     seed: int = 0,
     conversations: Conversations = MOONCAKE_CONVERSATIONS,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> Workload:
     """``n`` requests of the SPEC 12.4 mix arriving as a Poisson process at ``rate_per_s``,
     with the multi-turn prefix structure of ``conversations`` (``NO_CONVERSATIONS``: every
     prompt unique). One seed gives the same requests at every rate (their draws do not
     depend on it; only the gaps between arrivals scale, and with them which earlier turn a
     follow-up extends), and its first ``k`` requests for any ``n >= k``; the conversations
-    already under way before the first request are drawn from a stream of their own."""
+    already under way before the first request are drawn from a stream of their own.
+    ``block_tokens`` is the tokens each prefix hash covers (a deployment's
+    ``prefill.prefix_block_tokens``); the conversations themselves are built on Mooncake's
+    512-token blocks (a follow-up repeats its parent's full 512-token blocks) whatever it is."""
     n = require_int(n, "n", low=1)
     seed = require_int(seed, "seed")
     rate_per_s = require_positive(rate_per_s, "rate_per_s")
+    block_tokens = require_int(block_tokens, "block_tokens", low=1)
     conv = conversations
     if rate_per_s > conv.max_rate_per_s:
         raise ConfigError(
@@ -258,7 +263,7 @@ def production_workload(
     else:
         turns = _turns(draws, arrivals, _first_turn_location(conv), conv)
     outputs = _lengths(ahead.output_z, _location(OUTPUT_MEAN, OUTPUT_MAX, 1.0), OUTPUT_MAX)
-    hashes = _block_hashes(turns)[history:]
+    hashes = _block_hashes(turns, block_tokens)[history:]
     inputs = turns.inputs[history:]
     requests = tuple(
         Request(i, int(times[i]), int(inputs[i]), int(outputs[i]), hashes[i]) for i in range(n)
@@ -267,18 +272,20 @@ def production_workload(
     return Workload(
         requests,
         f"production(n={n}, rate={rate_per_s:g}/s{follow})",
-        hash_block_tokens=BLOCK_TOKENS if any(r.prefix_hashes for r in requests) else 0,
+        hash_block_tokens=block_tokens if any(r.prefix_hashes for r in requests) else 0,
     )
 
 
-def _block_hashes(turns: _Turns) -> list[tuple[int, ...]]:
-    """Prompt block hashes: a follow-up repeats its parent's full blocks, then new ones."""
+def _block_hashes(turns: _Turns, block_tokens: int) -> list[tuple[int, ...]]:
+    """Prompt block hashes, one per ``block_tokens``: a follow-up repeats the hashes of the
+    blocks its parent's full 512-token blocks cover, then new ones."""
     out: list[tuple[int, ...]] = []
     next_id = 0
     for i, length in enumerate(turns.inputs.tolist()):
-        blocks = -(-length // BLOCK_TOKENS)
+        blocks = -(-length // block_tokens)
         p = int(turns.parent[i])
-        shared = out[p][: int(turns.inputs[p]) // BLOCK_TOKENS] if p >= 0 else ()
+        shared_tokens = int(turns.inputs[p]) // BLOCK_TOKENS * BLOCK_TOKENS if p >= 0 else 0
+        shared = out[p][: shared_tokens // block_tokens] if p >= 0 else ()
         fresh = blocks - len(shared)
         out.append((*shared, *range(next_id, next_id + fresh)))
         next_id += fresh
