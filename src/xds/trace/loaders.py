@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from ..config import require_instance, require_int, require_positive
-from ..errors import TraceError
+from ..errors import ConfigError, TraceError
 from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
 
 _json = msgspec.json.Decoder()
@@ -669,6 +669,8 @@ def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
     """Load a trace, guessing the format from its first line that is not blank when ``fmt``
     is None (a directory is a ServeGen client pool:
     :func:`~xds.trace.servegen.load_servegen`)."""
+    if not isinstance(options.get("sort", False), bool):  # "no" would be truthy
+        raise ConfigError(f"sort must be True or False, got {options['sort']!r:.40}", field="sort")
     if fmt == "servegen" or (fmt is None and Path(path).is_dir()):
         from .servegen import load_servegen
 
