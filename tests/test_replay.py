@@ -903,7 +903,7 @@ def test_sequence_parallel_and_batched_jobs_mix_without_loss(reqs, microbatches)
     t, rows = 0, []
     for i, (gap, x, y, hashes) in enumerate(reqs):
         t += gap
-        rows.append(Request(i, t, x, y, prefix_hashes=hashes))
+        rows.append(Request(i, t, x, y, prefix_hashes=hashes[: -(-x // 512)]))  # a hash a block
     wl = Workload(tuple(rows), hash_block_tokens=512 if any(r.prefix_hashes for r in rows) else 0)
 
     async def main():
@@ -945,7 +945,7 @@ def test_a_lightly_loaded_te_spreads_prompts_and_caches_over_its_groups():
     follow-up then goes back to the group that caches its prefix."""
     reqs = [Request(i, i * S, 2000, 2, (1000 * i,)) for i in range(16)]
     reqs.append(Request(16, 16 * S, 2600, 2, (1000 * 5, 77)))  # extends request 5's prompt
-    res = replay(Workload(tuple(reqs)), SMALL)
+    res = replay(Workload(tuple(reqs), hash_block_tokens=512), SMALL)
     places = [r.prefill_placement for r in res.records]
     assert len(set(places[:16])) == 16
     assert places[16] == places[5] and res.records[16].cached_tokens == 512
@@ -959,7 +959,7 @@ def test_sequence_parallel_prompts_are_cached_by_rotating_leaders():
     grid = comm_grid(one_te.decode)
 
     async def main():
-        r = Replay(Workload(reqs), one_te, grid)
+        r = Replay(Workload(reqs, hash_block_tokens=512), one_te, grid)
         return r, await r.run()
 
     r, records = run(main)
@@ -1159,7 +1159,8 @@ def test_replay_takes_your_own_decode_routing_and_prefill_placement():
             Request(0, 0, 10_240, 20, hashes),
             Request(1, 5 * S, 10_240, 20, hashes),  # the same prompt again: a cache hit
             *(Request(i, 6 * S + i * 1_000_000, 2_000, 30) for i in range(2, 40)),
-        )
+        ),
+        hash_block_tokens=512,
     )
     offers = []
 
