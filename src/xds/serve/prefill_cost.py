@@ -126,10 +126,13 @@ class PrefillCost:
         experts_here = max(1, -(-m.routed_experts // cfg.dies_per_te))  # the fullest die's
         busiest = self.busiest_die_copies(all_tokens * m.top_k)
         routed = experts_here * self.cost.expert(busiest / experts_here).time_ns
-        per_group = [self._group_times(g, routed, int8_attention) for g in busy]
-        return tuple(
-            [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
+        # the slowest group's time of each kernel (the routed experts are every group's)
+        dense, before, after, mtp_proj, head = (
+            [max(col) for col in zip(*lists, strict=True)]
+            for lists in zip(*(self._group_times(g, int8_attention) for g in busy), strict=True)
         )
+        moe = [*before, routed, *after]
+        return dense, moe, [*mtp_proj, *moe], head
 
     def busiest_die_copies(self, copies: float) -> float:
         """Routed copies on the TE's busiest expert die when ``copies`` spread over its dies
@@ -149,10 +152,11 @@ class PrefillCost:
         return mean + self._blom * math.sqrt(copies * (1 / dies) * (1 - 1 / dies))
 
     def _group_times(
-        self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
-    ) -> tuple[list[int], list[int], list[int], list[int]]:
-        """One DP group's kernel times (attention side on ``tp`` dies); all but the routed
-        experts' are a pure function of the group's pieces, remembered (steps and plans repeat
+        self, group: Sequence[Piece], int8_attention: bool
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """One DP group's kernel times (attention side on ``tp`` dies) but the routed
+        experts': (dense layer, MoE layer before and after the routed experts, MTP projection,
+        head). A pure function of the group's pieces, remembered (steps and plans repeat
         groups: a spread job's shares, the leader's estimates)."""
         key = (tuple(group), int8_attention)
         hit = self._groups.get(key)
@@ -160,15 +164,12 @@ class PrefillCost:
             if len(self._groups) >= 16_384:
                 self._groups.clear()
             hit = self._groups[key] = self._group_parts(group, int8_attention)
-        dense, before, after, mtp_proj, head = hit
-        moe = [*before, routed_ns, *after]
-        return dense, moe, [*mtp_proj, *moe], head
+        return hit
 
     def _group_parts(
         self, group: Sequence[Piece], int8_attention: bool
     ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """:meth:`_group_times` without the routed experts: (dense layer, MoE layer before and
-        after the routed experts, MTP projection, head)."""
+        """:meth:`_group_times`, computed."""
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
