@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..hw.topology import PodConfig
-from ..runtime import emit, now_ns, rng, sleep_ns
+from ..runtime import current_runtime, emit, now_ns, rng, sleep_ns
 from ..runtime.nested import measure_anywhere
 from ..trace.metrics import RequestRecord
 from .decode import (
@@ -574,7 +574,7 @@ class DecodeTE:
         k = self.config.mtp_config.k
         gen = rng(f"decode-te/{self.index}/iteration")
         jitter_gen = rng(f"decode-te/{self.index}/jitter")
-        mtp_gen = rng(f"decode-te/{self.index}/mtp")
+        mtp_draws = current_runtime().rng.uniforms(f"decode-te/{self.index}/mtp")
         out: IterationOutcome | None = None
         while True:
             if self._holds:
@@ -602,7 +602,7 @@ class DecodeTE:
                 continue
             self.busy_ns += step
             self.iterations += 1
-            drawn = committed_tokens(cfg.mtp_config, mtp_gen, len(live.slots))
+            drawn = committed_tokens(cfg.mtp_config, mtp_draws, len(live.slots))
             kept = None
             if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
                 kept = live.still_in(self.slot_req)
