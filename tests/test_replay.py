@@ -988,6 +988,22 @@ def test_microbatched_prefill_overlaps_the_all_to_all_only_where_it_pays():
     assert two.step_ns(tiny) == one.step_ns(tiny) < two._overlapped_step_ns(tiny)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(st.lists(st.integers(0, 10**6), max_size=6), st.integers(0, 5)), max_size=5
+    ),
+    dispatch_ns=st.integers(0, 10**5),
+)
+def test_an_eager_step_by_runs_of_layers_is_the_operator_by_operator_bound(runs, dispatch_ns):
+    from xds.serve.prefill_cost import _eager_step_ns
+
+    ops = [t for block, repeats in runs for _ in range(repeats) for t in block]
+    # operator i starts once the device is free and its host dispatch is done at (i + 1) d
+    expected = max(((i + 1) * dispatch_ns + sum(ops[i:]) for i in range(len(ops))), default=0)
+    assert _eager_step_ns(runs, dispatch_ns) == expected
+
+
 def _one_step(
     lengths: list[int],
     *,

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from xds.errors import ConfigError
 from xds.hw import ASCEND_910C_DIE
 from xds.model import DEEPSEEK_V3
+from xds.runtime import RngStreams
 from xds.serve.jitter import JitterConfig, sample
 from xds.serve.kv import KVBlockManager, kv_capacity_blocks
-from xds.serve.mtp import MTPConfig, accepted_drafts, mtp_step, tokens_per_step
+from xds.serve.mtp import MTPConfig, accepted_drafts, committed_tokens, mtp_step, tokens_per_step
 from xds.serve.routing import BACKPRESSURE, DecodeRouter
 
 # -- routing -----------------------------------------------------------------------------------
@@ -161,6 +162,22 @@ def test_sampled_acceptance_matches_its_expectation():
     rng = np.random.default_rng(1)
     one = [accepted_drafts(MTPConfig(k=1), rng) + 1 for _ in range(50_000)]
     assert np.mean(one) == pytest.approx(1.9, abs=0.01)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    k=st.integers(0, 3),
+    acceptance=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+    steps=st.lists(st.integers(0, 70), max_size=40),
+)
+def test_committed_tokens_read_ahead_are_tokens_per_step(k, acceptance, steps):
+    cfg = MTPConfig(k=k, acceptance=tuple(acceptance))
+    streams = RngStreams(3)
+    direct = np.random.default_rng(np.random.PCG64(streams.seed_sequence("mtp")))
+    draws = streams.uniforms("mtp")
+    for n in steps:  # the reader's blocks fall anywhere: the same draws, the same tokens
+        assert committed_tokens(cfg, draws, n) == tokens_per_step(cfg, direct, n).tolist()
+    assert streams.uniforms("mtp") is draws  # one reader per stream: a restart goes on
 
 
 @settings(max_examples=100, deadline=None)

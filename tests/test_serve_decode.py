@@ -6,6 +6,8 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import xds
 from xds.errors import ConfigError
@@ -332,3 +334,39 @@ def test_prefill_and_ma_blocks_shrink_by_the_mtp_layer_weights_when_drafting():
     drafting, not_drafting = MADecodeConfig(), MADecodeConfig(mtp=MTPConfig(k=0))
     assert drafting.drafts and not not_drafting.drafts
     assert drafting.kv_blocks_per_die < not_drafting.kv_blocks_per_die
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 10**6), st.lists(st.integers(1, 300))),
+        max_size=60,
+    )
+)
+def test_a_live_batch_kept_by_joins_and_commits_is_the_batch_taken_afresh(ops):
+    from xds.serve.decode_te import _LiveBatch
+
+    dps, limit = 4, 3
+    slot_req = np.full((dps, limit), -1, dtype=np.int64)
+    remaining = np.zeros((dps, limit), dtype=np.int64)
+    context = np.zeros((dps, limit), dtype=np.int64)
+    live = _LiveBatch(slot_req, remaining, context, None)
+    for request, (join, x, drawn) in enumerate(ops):
+        if join:  # a sequence joins a free slot
+            free = np.flatnonzero(slot_req < 0)
+            if not free.size:
+                continue
+            slot = int(free[x % free.size])
+            left, ctx = 1 + x % 700, x % 5_000
+            slot_req.flat[slot], remaining.flat[slot], context.flat[slot] = request, left, ctx
+            live.add(slot, request, left, ctx, None)
+        else:  # an iteration: the sequences that end leave
+            drawn = (drawn * len(live.slots))[: len(live.slots)] or [1] * len(live.slots)
+            slot_req.reshape(-1)[live.commit(drawn, None, 0, remaining)] = -1
+        arrays = remaining.copy(), context.copy()
+        live.flush(slot_req, *arrays)
+        fresh = _LiveBatch(slot_req, *arrays, None)
+        for name in ("slots", "req", "remaining", "length", "dps", "group", "seqs", "sums"):
+            assert getattr(live, name) == getattr(fresh, name), name
+        assert live.steps == fresh.steps and live._next == fresh._next
+        assert live.seqs_all.tolist() == fresh.seqs_all.tolist()

@@ -387,6 +387,8 @@ class DecodeModel(KernelTimes):
         self._proj_cache: dict[float, int] = {}
         """The MTP eh_proj's time per widest DP batch."""
         self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
+        self._diff: tuple[np.ndarray, np.ndarray, list[int]] | None = None
+        """:meth:`_changed`'s last answer: (shapes before, shapes now, DP groups changed)."""
 
     # pieces of one pass ------------------------------------------------------------------------
     def _int8_layout(
@@ -548,7 +550,7 @@ class DecodeModel(KernelTimes):
         ``key`` (updated in place from the last one; read it before the next pass)."""
         last = self._tables.get(key)
         if last is not None and len(last[0]) == len(shapes):
-            todo = (last[0] != shapes).nonzero()[0].tolist()
+            todo = self._changed(last[0], shapes)
             table = last[1]
         else:
             todo = range(len(shapes))
@@ -557,6 +559,15 @@ class DecodeModel(KernelTimes):
             table[:, i] = self._pass_row(int(shapes[i]), key)
         self._tables[key] = (shapes, table)
         return table
+
+    def _changed(self, last: np.ndarray, shapes: np.ndarray) -> list[int]:
+        """The DP groups whose shape differs between ``last`` and ``shapes`` (remembered for
+        the last pair: an iteration's passes were last priced at the same shapes)."""
+        if self._diff is not None and self._diff[0] is last and self._diff[1] is shapes:
+            return self._diff[2]
+        changed = (last != shapes).nonzero()[0].tolist()
+        self._diff = (last, shapes, changed)
+        return changed
 
     def _pass(
         self,

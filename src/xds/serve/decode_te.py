@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..hw.topology import PodConfig
-from ..runtime import emit, now_ns, rng, sleep_ns
+from ..runtime import current_runtime, emit, now_ns, rng, sleep_ns
 from ..runtime.nested import measure_anywhere
 from ..trace.metrics import RequestRecord
 from .decode import (
@@ -166,24 +166,6 @@ class _ReplayDecodeModel(DecodeModel):
         self._gen = rng(
             stream or ("decode-te/routing" if index == 0 else f"decode-te/{index}/routing")
         )
-        self._last_key: tuple[object, ...] | None = None
-        self._last: IterationOutcome | None = None
-
-    def iteration(
-        self,
-        seqs: np.ndarray,
-        context: np.ndarray,
-        jitter_ns: np.ndarray,
-        gen: np.random.Generator,
-    ) -> IterationOutcome:
-        """As :meth:`DecodeModel.iteration`, reusing the previous outcome when nothing that
-        sets it changed (context moves in 256-token steps, so most iterations repeat the
-        last one's shape; the draws are cached, so the result is a pure function of the key)."""
-        key = (seqs.tobytes(), context.tobytes(), jitter_ns.tobytes(), self.comm, self.comm_mtp)
-        if key != self._last_key:
-            self._last_key = key
-            self._last = super().iteration(seqs, context, jitter_ns, gen)
-        return self._last
 
     def draw_experts(
         self, seqs: np.ndarray, gen: np.random.Generator
@@ -213,9 +195,10 @@ class _LiveBatch:
 
     Taken from the TE's slot arrays (``slot_req``, ``remaining``, ``context``, all
     [DP groups, batch limit]), it then holds its sequences' progress: :meth:`commit` moves only
-    the batch (and clears ``remaining`` of the sequences that end), and :meth:`flush` writes
-    the rest back to the arrays before the next batch is taken from them, when something else
-    changes which slots are live (``DecodeTE._live_dirty``)."""
+    the batch (clearing ``remaining`` of the sequences that end, which leave it), a sequence
+    joins by :meth:`add`, and :meth:`flush` writes the progress back to the arrays before the
+    next batch is taken from them, when something else changes which slots are live
+    (``DecodeTE._live_dirty``: a memory fault, a scale-down or -up)."""
 
     def __init__(
         self,
@@ -225,19 +208,19 @@ class _LiveBatch:
         records: dict[int, RequestRecord] | None,
     ):
         live = remaining > 0
-        self.flat = np.flatnonzero(live)
+        self.limit = live.shape[1]
+        flat = np.flatnonzero(live)
+        self.slots: list[int] = flat.tolist()
         """Flat indices (``dp * batch limit + slot``) of the live slots, ascending: the
         row-major order ``np.nonzero`` and ``np.place`` walk the slot arrays in."""
-        self.slots: list[int] = self.flat.tolist()
-        self.req: list[int] = slot_req.reshape(-1)[self.flat].tolist()
-        self.remaining: list[int] = remaining.reshape(-1)[self.flat].tolist()
-        contexts = context.reshape(-1)[self.flat].tolist()
+        self.req: list[int] = slot_req.reshape(-1)[flat].tolist()
+        self.remaining: list[int] = remaining.reshape(-1)[flat].tolist()
+        contexts = context.reshape(-1)[flat].tolist()
         self.length = [c + r for c, r in zip(contexts, self.remaining, strict=True)]
         """Each sequence's context when it ends (its context is this less what remains)."""
         self.tokens = None if records is None else [records[r].token_ns for r in self.req]
         """Each sequence's token times (None: not recorded)."""
-        limit = live.shape[1]
-        self.seqs_all = np.bincount(self.flat // limit, minlength=len(live))
+        self.seqs_all = np.bincount(flat // self.limit, minlength=len(live))
         """Live sequences of every DP group (in service or not)."""
         self.dps: list[int] = []
         """The DP groups holding live sequences, ascending: the batch's groups."""
@@ -248,7 +231,7 @@ class _LiveBatch:
         self.sums: list[int] = []
         """Each group's context, summed over its sequences."""
         for i, c in zip(self.slots, contexts, strict=True):  # slot order: groups ascend
-            dp = i // limit
+            dp = i // self.limit
             if not self.dps or self.dps[-1] != dp:
                 self.dps.append(dp)
                 self.seqs.append(0)
@@ -260,14 +243,70 @@ class _LiveBatch:
         """Each group's mean context in 256-token steps, rounded up (the kernel cost cache's
         step: the iteration is priced at it)."""
         self._next: list[int] = []
-        """The context sum at which each group's step moves up (contexts only grow)."""
+        """The context sum at which each group's step moves up (contexts only grow, and a
+        group whose sequences change is stepped afresh)."""
         self.moved = True
-        """A group's step changed since the iteration was last priced."""
+        """A group's step changed since the iteration was last priced, or sequences joined or
+        left."""
         self._set_steps()
+
+    @property
+    def flat(self) -> np.ndarray:
+        """:attr:`slots` as an array."""
+        return np.array(self.slots, dtype=np.int64)
+
+    def add(
+        self, flat: int, req: int, remaining: int, context: int, tokens: list[int] | None
+    ) -> None:
+        """Sequence ``req`` joins in slot ``flat`` with ``remaining`` tokens to go from
+        ``context`` (``tokens``: its token times, if recorded)."""
+        j = bisect.bisect(self.slots, flat)
+        self.slots.insert(j, flat)
+        self.req.insert(j, req)
+        self.remaining.insert(j, remaining)
+        self.length.insert(j, context + remaining)
+        if self.tokens is not None:
+            assert tokens is not None
+            self.tokens.insert(j, tokens)
+        dp = flat // self.limit
+        self.seqs_all[dp] += 1
+        g = bisect.bisect_left(self.dps, dp)
+        if g == len(self.dps) or self.dps[g] != dp:  # a group of its own, before those after
+            self.dps.insert(g, dp)
+            for column in (self.seqs, self.sums, self.steps, self._next):
+                column.insert(g, 0)
+            self.group[j:] = [h + 1 for h in self.group[j:]]
+        self.group.insert(j, g)
+        self.seqs[g] += 1
+        self.sums[g] += context
+        self._step(g)
+        self.moved = True
+
+    def _leave(self, j: int) -> None:
+        """The ``j``-th sequence, which ended, leaves the batch."""
+        g = self.group[j]
+        self.seqs[g] -= 1
+        self.sums[g] -= self.length[j]  # its context, nothing remaining
+        self.seqs_all[self.slots[j] // self.limit] -= 1
+        del self.slots[j], self.req[j], self.remaining[j], self.length[j], self.group[j]
+        if self.tokens is not None:
+            del self.tokens[j]
+        if self.seqs[g]:
+            self._step(g)
+        else:  # its group emptied: those after it move down
+            for column in (self.dps, self.seqs, self.sums, self.steps, self._next):
+                del column[g]
+            self.group[j:] = [h - 1 for h in self.group[j:]]
+        self.moved = True
 
     def _set_steps(self) -> None:
         self.steps = [-(-(s // n) // 256) for s, n in zip(self.sums, self.seqs, strict=True)]
         self._next = [(256 * st + 1) * n for st, n in zip(self.steps, self.seqs, strict=True)]
+
+    def _step(self, g: int) -> None:
+        """:meth:`_set_steps` of group ``g`` alone."""
+        self.steps[g] = step = -(-(self.sums[g] // self.seqs[g]) // 256)
+        self._next[g] = (256 * step + 1) * self.seqs[g]
 
     def still_in(self, slot_req: np.ndarray) -> list[int]:
         """The positions of the sequences still in their slots (others were dropped)."""
@@ -282,23 +321,27 @@ class _LiveBatch:
         of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
         pos = range(len(self.slots)) if kept is None else kept
         rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
-        ended: list[int] = []
+        gone: list[int] = []
         # fewer kept than drawn (a memory fault): the first draws go to them
         for j, n in zip(pos, drawn, strict=False):
             left = rem[j] - n
             if left <= 0:  # its last tokens: only what was left
                 n += left
                 left = 0
-                ended.append(self.slots[j])
+                gone.append(j)
             rem[j] = left
             sums[group[j]] += n
             if tokens is not None:
                 tokens[j].extend([t] * n)
-        if ended:
-            remaining.reshape(-1)[ended] = 0
         if any(map(operator.ge, sums, self._next)):
             self._set_steps()
             self.moved = True
+        if not gone:
+            return []
+        ended = [self.slots[j] for j in gone]
+        remaining.reshape(-1)[ended] = 0
+        for j in reversed(gone):
+            self._leave(j)
         return ended
 
     def flush(self, slot_req: np.ndarray, remaining: np.ndarray, context: np.ndarray) -> None:
@@ -374,10 +417,14 @@ class DecodeTE:
         when the batch was last priced."""
         self._live_dirty = True
         """Set by whatever may change which slots are live (``remaining > 0``) other than the
-        iteration loop's own commits: a sequence joins, finishes or is dropped, or the DP
-        groups in service change. While clear, :attr:`_live` is exact; the loop takes a new
-        one when it is set."""
+        iteration loop's own commits (sequences that end leave the batch there) and joins
+        (:attr:`_joining`): a memory fault drops sequences, or the DP groups in service
+        change. While clear, :attr:`_live` is exact; the loop takes a new one when it is
+        set."""
         self._live = _LiveBatch(self.slot_req, self.remaining, self.context, None)
+        self._joining: list[tuple[int, int, int, int, list[int] | None]] = []
+        """Sequences that joined since the last iteration began (:meth:`_LiveBatch.add`
+        arguments): they join the batch before the next one."""
         self._dropped = 0
         """Counts sequences a memory fault dropped from the batch (they may leave mid-iteration,
         the epoch unchanged)."""
@@ -466,12 +513,13 @@ class DecodeTE:
             raise AssertionError(f"decode DP {dp} has no free batch slot (router bound broken)")
         s = int(free[0])
         self.slot_req[dp, s] = record.request_id
-        self.remaining[dp, s] = record.output_tokens - 1  # prefill emitted the first token
-        self.context[dp, s] = record.input_tokens + 1
+        start = (record.output_tokens - 1, record.input_tokens + 1)  # prefill's first token
+        self.remaining[dp, s], self.context[dp, s] = start
         self.records[record.request_id] = record
         record.decode_placement = f"D{self.index}/DP{dp}"
         self.router.admitted(record.request_id)
-        self._live_dirty = True
+        tokens = record.token_ns if self.record_token_times else None
+        self._joining.append((dp * self.slot_req.shape[1] + s, record.request_id, *start, tokens))
         self._work.set()
 
     def abandon(self, dp: int, record: RequestRecord) -> None:
@@ -617,7 +665,7 @@ class DecodeTE:
         k = self.config.mtp_config.k
         gen = rng(f"decode-te/{self.index}/iteration")
         jitter_gen = rng(f"decode-te/{self.index}/jitter")
-        mtp_gen = rng(f"decode-te/{self.index}/mtp")
+        mtp_draws = current_runtime().rng.uniforms(f"decode-te/{self.index}/mtp")
         out: IterationOutcome | None = None
         while True:
             if self._holds:
@@ -629,7 +677,12 @@ class DecodeTE:
                 tokens = self.records if self.record_token_times else None
                 self._live = _LiveBatch(self.slot_req, self.remaining, self.context, tokens)
                 self._live_dirty = False
+                self._joining.clear()  # taken from the arrays with the rest
                 out = None
+            elif self._joining:
+                for joiner in self._joining:
+                    self._live.add(*joiner)
+                self._joining.clear()
             live = self._live
             if not live.slots:
                 self._work = anyio.Event()
@@ -649,7 +702,7 @@ class DecodeTE:
             load.sequence_ns += step * len(live.slots)
             load.die_ns += step * dps
             load.skew_ns += step * self._skew
-            drawn = committed_tokens(cfg.mtp_config, mtp_gen, len(live.slots))
+            drawn = committed_tokens(cfg.mtp_config, mtp_draws, len(live.slots))
             kept = None
             if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
                 kept = live.still_in(self.slot_req)
@@ -700,8 +753,7 @@ class DecodeTE:
 
     def _finish(self, dp: int, s: int, t: int) -> None:
         req = int(self.slot_req[dp, s])
-        self.slot_req[dp, s] = -1
-        self._live_dirty = True
+        self.slot_req[dp, s] = -1  # the sequence already left the live batch
         rec = self.records.pop(req)
         rec.finish_ns = t
         self.kv[dp].release(req)

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from statistics import NormalDist
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 from ..errors import ConfigError
 from ..hw import DieSpec, EngineSpec, LinkSpec, PodConfig, collective_efficiency
 from ..model import CostModel, ModelSpec
@@ -87,6 +85,7 @@ class PrefillCost:
         self._blom = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25)) if ep > 1 else 0.0
         self._work: tuple[float, float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
+        self._runs: list[tuple[bool, int, int]] | None = None
         self._steps: dict[tuple[tuple[Piece, ...], ...], int] = {}
         self._groups: dict[tuple[tuple[Piece, ...], bool], tuple[list[int], ...]] = {}
         self._cheaper: dict[tuple[Piece, bool], tuple[int, _Form]] = {}
@@ -127,10 +126,13 @@ class PrefillCost:
         experts_here = max(1, -(-m.routed_experts // cfg.dies_per_te))  # the fullest die's
         busiest = self.busiest_die_copies(all_tokens * m.top_k)
         routed = experts_here * self.cost.expert(busiest / experts_here).time_ns
-        per_group = [self._group_times(g, routed, int8_attention) for g in busy]
-        return tuple(
-            [max(col) for col in zip(*lists, strict=True)] for lists in zip(*per_group, strict=True)
+        # the slowest group's time of each kernel (the routed experts are every group's)
+        dense, before, after, mtp_proj, head = (
+            [max(col) for col in zip(*lists, strict=True)]
+            for lists in zip(*(self._group_times(g, int8_attention) for g in busy), strict=True)
         )
+        moe = [*before, routed, *after]
+        return dense, moe, [*mtp_proj, *moe], head
 
     def busiest_die_copies(self, copies: float) -> float:
         """Routed copies on the TE's busiest expert die when ``copies`` spread over its dies
@@ -150,10 +152,11 @@ class PrefillCost:
         return mean + self._blom * math.sqrt(copies * (1 / dies) * (1 - 1 / dies))
 
     def _group_times(
-        self, group: Sequence[Piece], routed_ns: int, int8_attention: bool
-    ) -> tuple[list[int], list[int], list[int], list[int]]:
-        """One DP group's kernel times (attention side on ``tp`` dies); all but the routed
-        experts' are a pure function of the group's pieces, remembered (steps and plans repeat
+        self, group: Sequence[Piece], int8_attention: bool
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """One DP group's kernel times (attention side on ``tp`` dies) but the routed
+        experts': (dense layer, MoE layer before and after the routed experts, MTP projection,
+        head). A pure function of the group's pieces, remembered (steps and plans repeat
         groups: a spread job's shares, the leader's estimates)."""
         key = (tuple(group), int8_attention)
         hit = self._groups.get(key)
@@ -161,15 +164,12 @@ class PrefillCost:
             if len(self._groups) >= 16_384:
                 self._groups.clear()
             hit = self._groups[key] = self._group_parts(group, int8_attention)
-        dense, before, after, mtp_proj, head = hit
-        moe = [*before, routed_ns, *after]
-        return dense, moe, [*mtp_proj, *moe], head
+        return hit
 
     def _group_parts(
         self, group: Sequence[Piece], int8_attention: bool
     ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """:meth:`_group_times` without the routed experts: (dense layer, MoE layer before and
-        after the routed experts, MTP projection, head)."""
+        """:meth:`_group_times`, computed."""
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
@@ -359,27 +359,33 @@ class PrefillCost:
             self._kinds = [(p.int8_attention(x), kind) for x, kind in enumerate(kinds)]
         return self._kinds
 
+    def _layer_runs(self) -> list[tuple[bool, int, int]]:
+        """:meth:`_layer_kinds` as runs of consecutive equal layers: (INT8 attention, kind,
+        layers)."""
+        if self._runs is None:
+            runs: list[tuple[bool, int, int]] = []
+            for int8, kind in self._layer_kinds():
+                if runs and runs[-1][:2] == (int8, kind):
+                    runs[-1] = (int8, kind, runs[-1][2] + 1)
+                else:
+                    runs.append((int8, kind, 1))
+            self._runs = runs
+        return self._runs
+
     def _times_by_precision(
         self, groups: Sequence[Sequence[Piece]]
     ) -> dict[bool, tuple[list[int], ...]]:
         """:meth:`layer_times` with BF16 attention, and with INT8 where some layer uses it."""
         times = {False: self.layer_times(groups, int8_attention=False)}
-        if any(int8 for int8, _ in self._layer_kinds()):
+        if any(int8 for int8, _, _ in self._layer_runs()):
             times[True] = self.layer_times(groups, int8_attention=True)
         return times
 
     def _single_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         times = self._times_by_precision(groups)
-        arrays = {key: [np.array(x, dtype=np.int64) for x in lists] for key, lists in times.items()}
-        ops = np.concatenate(
-            [arrays[int8][kind] for int8, kind in self._layer_kinds()]
-            + [arrays[False][3]]  # LM head and sampling
-        )
-        # operator i starts at max(device free, its host dispatch done at (i + 1) d): the
-        # step ends at max over i of (i + 1) d + (the time of operators i..n-1)
-        d = self.cost.eff.eager_op_dispatch_ns
-        after = np.cumsum(ops[::-1])[::-1]
-        return int(np.max((np.arange(1, len(ops) + 1) * d) + after))
+        runs = [(times[int8][kind], layers) for int8, kind, layers in self._layer_runs()]
+        runs.append((times[False][3], 1))  # LM head and sampling
+        return _eager_step_ns(runs, self.cost.eff.eager_op_dispatch_ns)
 
     def _overlapped_step_ns(self, groups: Sequence[Sequence[Piece]]) -> int:
         """Two-batch overlap: every piece's new tokens split into a first half and a second
@@ -420,6 +426,39 @@ class PrefillCost:
             # token, in the second half
             compute = done = on(compute, t, done)
         return done
+
+
+def _eager_step_ns(runs: Sequence[tuple[Sequence[int], int]], dispatch_ns: int) -> int:
+    """The time of operators issued eagerly, one host dispatch of ``dispatch_ns`` each:
+    operator ``i`` (from 0) starts at max(device free, its dispatch done at (i + 1) d), so
+    the step ends at the max over ``i`` of (i + 1) d + (the time of operators i..n-1).
+    ``runs`` gives the operators in order as (block of operator times, repeats): a run of
+    identical layers.
+
+    Over the repeats of a block, an operator's bound moves by ``L d - S`` a repeat (``L``
+    operators of total time ``S`` between two repeats), so it peaks at the first repeat or
+    the last: each run costs one pass over its block, whatever its repeats."""
+    end = sum(len(block) * repeats for block, repeats in runs)
+    tail = 0  # the time of the operators after the run
+    best = 0
+    for block, repeats in reversed(runs):
+        if not block or repeats <= 0:
+            continue
+        per_repeat = sum(block)
+        start = end - len(block) * repeats
+        # the first repeat: operator start + j, followed by the rest of its block (``rest``),
+        # the other repeats and the tail
+        first = rest = 0
+        for j in reversed(range(len(block))):
+            rest += block[j]
+            bound = (start + j + 1) * dispatch_ns + rest
+            if bound > first:
+                first = bound
+        later = max(0, (repeats - 1) * (len(block) * dispatch_ns - per_repeat))
+        best = max(best, first + tail + (repeats - 1) * per_repeat + later)
+        tail += repeats * per_repeat
+        end = start
+    return best
 
 
 def _half(piece: Piece, first: bool) -> Piece:
