@@ -51,7 +51,13 @@ def main() -> None:
     print(f"tokens/s/chip    {s.output_tokens_per_s_per_chip:,.1f}")
     print(f"goodput          {s.goodput:.1%}")
     print(f"prefix hits      {s.prefix_hit_ratio:.1%} of prompt tokens")
+    d = s.decode
+    assert d is not None
     print(f"virtual duration {s.duration_s:,.1f} s; decode iterations {res.decode_iterations:,}")
+    print(
+        f"decode           {d.mean_iteration_ms:.1f} ms per iteration, {d.sequences_per_die:.2f} "
+        f"sequences per die, busiest die's context {d.context_max_over_mean:.2f}x the mean"
+    )
     print(f"wall             {wall:.1f} s ({s.duration_s / wall:,.0f}x real time)")
 
 

@@ -127,11 +127,9 @@ class DecodeRouter:
         input_tokens = require_int(input_tokens, "input_tokens")
         reserve = self.reservation_blocks(max_output_tokens)
         # a DP at its batch limit is never offered
-        eligible = [
-            i
-            for i, dp in enumerate(self.dps)
-            if dp.active + dp.pending < dp.batch_limit and i not in exclude
-        ]
+        eligible = [i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit]
+        if exclude:
+            eligible = [i for i in eligible if i not in exclude]
         if not eligible:
             return BACKPRESSURE
         if self.routing is lowest_kv:
