@@ -557,7 +557,9 @@ def test_an_overloaded_replay_stops_at_its_serving_limit_and_keeps_every_record(
     from xds.serve.replay import SERVING_LIMIT_FAILURE
 
     wl = _workload(*[(0, 30_000, 200)] * 60)  # far more prefill than 20 s can do
-    res = replay(wl, SMALL, serve_grace_ns=20 * S)
+    heard = []
+    res = replay(wl, SMALL, serve_grace_ns=20 * S, progress=lambda t, done, n: heard.append(done))
+    assert heard[-1] == 60  # the requests failed at the limit are reported too
     assert [r.request_id for r in res.records] == list(range(60))
     late = [r for r in res.records if r.outcome == "failed"]
     assert late and res.summary.completed == 60 - len(late) > 0
@@ -577,6 +579,40 @@ def test_an_overloaded_replay_stops_at_its_serving_limit_and_keeps_every_record(
     assert main(["replay", str(trace), "--serve-limit", "5", "--out", str(tmp_path / "o")]) == 0
     lines = (tmp_path / "o" / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 40 and any(SERVING_LIMIT_FAILURE in line for line in lines)
+
+
+def test_a_serving_limit_past_the_end_of_virtual_time_is_the_end_of_virtual_time():
+    from xds.runtime.loop import HORIZON_NS
+
+    async def sixty_days(move):  # a KV move that would outlast virtual time itself
+        await sleep_ns(60 * 86_400 * S)
+
+    wl = _workload((0, 1000, 4), (1 * S, 1000, 1))
+    res = replay(wl, SMALL, serve_grace_ns=100 * 86_400 * S, kv_mover=sixty_days)
+    stuck, served = res.records
+    assert served.outcome == "completed" and stuck.outcome == "failed"
+    assert stuck.finish_ns == HORIZON_NS and res.end_ns == HORIZON_NS
+
+
+def test_decode_stats_count_each_iteration_once_across_a_restart(monkeypatch):
+    """A replay that ends while a restart-the-world is still under way: the torn-down Decode
+    TE's iterations count once, not again as the TE still listed."""
+    from xds.serve import decode_te
+    from xds.serve.recovery import NodeFault
+
+    ran = []
+    counted = decode_te.committed_tokens
+    monkeypatch.setattr(
+        decode_te, "committed_tokens", lambda *a: ran.append(1) or counted(*a)
+    )  # called once an iteration
+    res = replay(
+        production_workload(60, rate_per_s=6.0, seed=1),
+        pd_config("production-4p1d"),
+        faults=[NodeFault(at_ns=5 * S, server=9)],  # a Decode server
+    )
+    assert res.restarts and res.summary.failed
+    assert res.decode_iterations == res.summary.decode.iterations == len(ran) > 0
+    assert res.summary.decode.busy < 1
 
 
 def test_a_one_token_request_never_needs_decode_kv():
@@ -1398,6 +1434,19 @@ def test_the_job_executor_stops_choosing_a_failed_pair():
         faults=[DistFlowFault(at_ns=0, prefill_te=0), DistFlowFault(at_ns=0, prefill_te=1)],
     )
     assert all(x.outcome == "completed" for x in still.records[12:])  # prefill alone serves
+
+
+def test_requests_wait_for_a_restarting_decode_te_even_when_every_pair_has_failed():
+    async def main():
+        r = Replay(_workload((0, 100, 4)), SMALL, comm_grid(SMALL.decode))
+        r._failed_pairs = {(p, 0): 0 for p in range(SMALL.prefill.tes)}
+        gone = r._no_working_pair()
+        r._decode_down.add(0)  # restarting: its return brings fresh pairs (_build_pair)
+        waits = not r._no_working_pair()
+        r._decode_lost[0] = "too few healthy servers"
+        return gone, waits, r._no_working_pair()
+
+    assert run(main) == (True, True, True)
 
 
 def test_decode_jitter_lengthens_iterations_in_a_replay_and_mitigations_shrink_it():

@@ -257,6 +257,10 @@ def test_generic_hashes_carry_their_block_size_and_csv_hashes_are_digits(tmp_pat
     j = write(tmp_path, "l.jsonl", '{"t": 0, "i": 600, "o": 2}\n')
     with pytest.raises(TraceError, match="no row has the hashes field 'h'"):
         t.load_generic(j, mapping=mapping)
+    later = write(
+        tmp_path, "m.jsonl", '{"t": 0, "i": 600, "o": 2}\n{"t": 1, "i": 9, "o": 2, "h": [4]}\n'
+    )
+    assert len(t.load_generic(later, mapping=mapping, limit=1)) == 1  # its rows were not all read
     with pytest.raises(TraceError, match="unknown mapping key 'hashs'"):
         t.load_generic(c, mapping={**mapping, "hashs": "h"})
     with pytest.raises(ConfigError, match="sort must be True or False, got 'no'"):

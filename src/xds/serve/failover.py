@@ -182,6 +182,12 @@ class Failover(Elastic):
     def _live_decode(self, te: DecodeTE | None) -> bool:
         return te is not None and te.index not in self._decode_down and self.decode[te.index] is te
 
+    def _retire_decode(self, te: DecodeTE) -> None:
+        """Keep a Decode TE's iteration-loop totals once its loop is gone; the TE object may
+        stay listed until its replacement is built, so its own totals restart from zero."""
+        self._retired_decode.add(te.load)
+        te.load = DecodeLoad()
+
     def _undo(self, request_id: int) -> None:
         """A request failed by a failover gives back what it holds on TEs still in service
         (called by its own task once it has stopped: the task may have run on past the
@@ -294,7 +300,7 @@ class Failover(Elastic):
         for k in range(len(self.prefill)):
             self._retire_prefill(k)
         for te in self.decode:
-            self._retired_decode.add(te.load)
+            self._retire_decode(te)
         restart = Restart(reason=reason, started_ns=started, failed=failed)
         self.restarts.append(restart)
         while True:
@@ -416,7 +422,7 @@ class Failover(Elastic):
         rec = self._take_down("D", d, reason)
         self._decode_down.add(d)
         rec.failed = self._fail_held(lambda r, w: w.decode == d, reason)
-        self._retired_decode.add(self.decode[d].load)
+        self._retire_decode(self.decode[d])
         need = cfg.decode_servers // cfg.decode_tes
         while True:
             servers = self._decode_servers(d, need)

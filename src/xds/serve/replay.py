@@ -35,7 +35,7 @@ from ..fabric.xccl import XCCL
 from ..hw import CloudMatrix384, PodConfig
 from ..runtime import Runtime, current_runtime, emit, now_ns, sleep_ns, sleep_until_ns
 from ..runtime.events import EventLog
-from ..runtime.loop import HORIZON_NS
+from ..runtime.loop import HORIZON_NS, effective_limit_ns
 from ..runtime.sync import task_group_raising_single
 from ..trace.metrics import (
     SLA,
@@ -492,6 +492,8 @@ class Replay(Failover):
         """Every DistFlow pair from a Prefill TE in service has failed a transfer: no KV can
         reach Decode until a restart rebuilds one."""
         failed = self._failed_pairs
+        if any(d not in self._decode_lost for d in self._decode_down):
+            return False  # a Decode TE coming back brings fresh pairs; requests wait for it
         return bool(failed) and all(
             (te.index, d) in failed
             for te in self.prefill
@@ -814,7 +816,7 @@ class Replay(Failover):
             rec = self.records.get(req.request_id) or self._record(req)
             if req.request_id not in self._ended_ids:
                 rec.outcome, rec.reason, rec.finish_ns = "failed", reason, at_ns
-                self._ended_ids.add(req.request_id)
+                self._ended(rec)  # progress hears of it too
         return [self.records[r.request_id] for r in self.workload.requests]
 
     def _start_engine(self, *, first: bool = False) -> None:
@@ -1191,7 +1193,8 @@ def replay(
         else:
             last = max(last, fault.at_ns)
     grace = REPLAY_GRACE_NS if serve_grace_ns is None else serve_grace_ns
-    serve_until_ns = last + require_int(grace, "serve_grace_ns", low=0)
+    # (never past the end of virtual time: the run could not reach it)
+    serve_until_ns = effective_limit_ns(last + require_int(grace, "serve_grace_ns", low=0))
     runtime = Runtime(
         seed=seed,
         backend=backend,  # type: ignore[arg-type]

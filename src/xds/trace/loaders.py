@@ -172,6 +172,8 @@ def _finish(
 ) -> Workload:
     """Order by arrival (or check the order), rebase arrivals to 0, number the requests; the
     first ``limit`` of them, named so in the workload's source."""
+    if not isinstance(sort, bool):  # "no" would be truthy
+        raise ConfigError(f"sort must be True or False, got {sort!r:.40}", field="sort")
     if not rows:
         raise TraceError("no requests in the file", path=path)
     if not sort:
@@ -591,7 +593,9 @@ def load_generic(
             )
         rows.append((arrival, x, y, hashes, line_no))
         if _reached(rows, limit, sort):
+            hashes_seen = True  # read only up to the limit: later rows may have them
             break
+    # the whole file read: a mapped hashes field that no row has is a misspelling
     if "hashes" in mapping and rows and not hashes_seen:
         raise TraceError(
             f"no row has the hashes field {mapping['hashes']!r} the mapping names",
