@@ -815,6 +815,8 @@ def test_replay_rejects_malformed_workloads_with_the_request_named():
         replay(hashed, SMALL)
     with pytest.raises(ConfigError, match="progress must be a function"):
         replay(_workload((0, 10, 2)), SMALL, progress=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"progress callback '<lambda>'\(a, b\) must take 3"):
+        replay(_workload((0, 10, 2)), SMALL, progress=lambda a, b: None)
 
 
 def test_numpy_integers_in_a_workload_replay_and_their_results_write(tmp_path):

@@ -33,19 +33,24 @@ def binds(fn: object, n: int) -> bool | None:
 
 
 def require_callable(
-    policy: object, field: str, *, arity: int | tuple[int, ...] | None = None
+    policy: object,
+    field: str,
+    *,
+    arity: int | tuple[int, ...] | None = None,
+    kind: str = "policy",
 ) -> None:
-    """A policy argument must be a function (named ``field`` in the error) taking ``arity``
-    positional arguments (one of them, for a tuple); synchronous unless ``arity`` is None (a
-    KV mover is async). A signature that cannot be read is tried at the call."""
+    """A policy argument (or another ``kind`` of function: a progress callback) must be a
+    function (named ``field`` in the error) taking ``arity`` positional arguments (one of
+    them, for a tuple); synchronous unless ``arity`` is None (a KV mover is async). A
+    signature that cannot be read is tried at the call."""
     if not callable(policy):
         raise ConfigError(f"{field} must be a function, got {policy!r}", field=field)
     if arity is None:
         return
     if inspect.iscoroutinefunction(policy):
         raise ConfigError(
-            f"{field} policy {policy_name(policy)} is async; policies are plain functions that "
-            "xds calls inline where the decision is made (drop the `async`)",
+            f"{field} {kind} {policy_name(policy)} is async; xds calls it inline, as a plain "
+            "function (drop the `async`)",
             field=field,
         )
     counts = (arity,) if isinstance(arity, int) else arity
@@ -53,7 +58,7 @@ def require_callable(
         return
     takes = " or ".join(map(str, counts))
     raise ConfigError(
-        f"{field} policy {policy_name(policy)}{inspect.signature(policy)} must take {takes} "  # type: ignore[arg-type]
+        f"{field} {kind} {policy_name(policy)}{inspect.signature(policy)} must take {takes} "  # type: ignore[arg-type]
         "positional arguments",
         field=field,
     )

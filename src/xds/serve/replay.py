@@ -348,7 +348,7 @@ class Replay(Failover):
         if kv_mover is not None:
             require_callable(kv_mover, "kv_mover")
         if progress is not None:
-            require_callable(progress, "progress", arity=3)
+            require_callable(progress, "progress", arity=3, kind="callback")
         self._kv_mover = kv_mover
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
