@@ -472,3 +472,6 @@ def test_pricing_by_distinct_dp_shape_matches_every_die(groups, jittered):
     assert sparse.distinct == dense.distinct
     assert sparse.of_die.tolist() == dense.of_die.tolist()
     assert (sparse.widest, sparse.total) == (dense.widest, dense.total)
+    if not jittered:  # without the per-die first dispatches: the same iteration
+        bare = dm.account_shapes(sparse, None, mtp_experts, main_experts, per_die=False)
+        assert (bare.time_ns, bare.breakdown) == (t, bd) and not bare.first_dispatch_ns.size

@@ -238,17 +238,35 @@ class DPShapes:
     """The DP groups of one iteration by shape, ``seqs << 32 | context``: kernel times are a
     function of it, and a few shapes cover the dies (most are alike, or empty at low load)."""
 
-    __slots__ = ("distinct", "of_die", "total", "widest")
+    __slots__ = ("_held", "_of_die", "distinct", "total", "widest")
 
-    def __init__(self, distinct: list[int], of_die: np.ndarray, widest: float, total: int):
+    def __init__(
+        self,
+        distinct: list[int],
+        of_die: np.ndarray | tuple[int, list[int], list[int]],
+        widest: float,
+        total: int,
+    ):
         self.distinct = distinct
         """The distinct shapes, in the order of the first die holding each."""
-        self.of_die = of_die
-        """Each die's shape: an index into :attr:`distinct`."""
+        self._of_die = of_die if isinstance(of_die, np.ndarray) else None
+        self._held = of_die if isinstance(of_die, tuple) else None
+        """(dies, held, shapes) of :meth:`sparse`, until :attr:`of_die` is asked for."""
         self.widest = widest
         """The largest DP batch (sequences)."""
         self.total = total
         """Sequences over all dies."""
+
+    @property
+    def of_die(self) -> np.ndarray:
+        """Each die's shape: an index into :attr:`distinct` (made on first use)."""
+        if self._of_die is None:
+            assert self._held is not None
+            dies, held, shapes = self._held
+            rank = {shape: i for i, shape in enumerate(self.distinct)}
+            self._of_die = np.full(dies, rank.get(0, 0), dtype=np.int64)
+            self._of_die[held] = [rank[shape] for shape in shapes]
+        return self._of_die
 
     @classmethod
     def of(cls, seqs: np.ndarray, context: np.ndarray) -> DPShapes:
@@ -272,10 +290,7 @@ class DPShapes:
         empty = next((i for i, die in enumerate(held) if die != i), len(held))  # the first
         if empty < dies:  # after the shapes of the dies before it (dies 0 .. empty - 1)
             distinct.insert(len(dict.fromkeys(shapes[:empty])), 0)
-        rank = {shape: i for i, shape in enumerate(distinct)}
-        of_die = np.full(dies, rank.get(0, 0), dtype=np.int64)
-        of_die[held] = [rank[shape] for shape in shapes]
-        return cls(distinct, of_die, float(max(seqs)), sum(seqs))
+        return cls(distinct, (dies, held, shapes), float(max(seqs)), sum(seqs))
 
 
 class KernelTimes:
@@ -514,9 +529,12 @@ class DecodeModel(KernelTimes):
         jitter: np.ndarray | None,
         mtp_experts: list[int],
         main_experts: list[int],
+        *,
+        per_die: bool = True,
     ) -> IterationOutcome:
         """:meth:`account` of the DP groups ``shapes``, each die delayed ``jitter`` ns before
-        its first dispatch (None: none)."""
+        its first dispatch (None: none); ``per_die``: whether the outcome gives each die's
+        first dispatch time (or :data:`_UNREAD`: a caller without jitter never reads them)."""
         m = self.model
         eff = self.config.efficiency
         k = self.config.mtp_config.k
@@ -545,6 +563,7 @@ class DecodeModel(KernelTimes):
             experts=main_experts,
             dense=m.dense_layers,
             comm=self.comm,
+            per_die=per_die,
         )
         t += main.time_ns + eff.graph_launch_ns
         bd.launch += (k + 1) * eff.graph_launch_ns

@@ -724,7 +724,12 @@ class DecodeTE:
         self.model.comm, self.model.comm_mtp = self._comm(max(live.seqs), k)
         live.moved = False
         self._skew = max(live.sums) * len(live.sums) / max(1, sum(live.sums))
-        return self.model.account_shapes(shapes, None, *self.model.draws(shapes.total))
+        return self.model.account_shapes(
+            shapes,
+            None,
+            *self.model.draws(shapes.total),
+            per_die=self.config.jitter.enabled,  # only :meth:`_jitter` reads them
+        )
 
     def _alive_pos(self, dps: list[int]) -> list[int]:
         """The positions of DP groups ``dps`` (in service) among those in service."""
