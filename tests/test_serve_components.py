@@ -258,3 +258,25 @@ def test_a_kv_snapshot_must_be_counts_of_blocks():
         router.snapshot_kv([1, 2, 3])
     router.snapshot_kv([np.int64(3), 7])
     assert [d.kv_used_blocks for d in router.dps] == [3, 7]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)),
+        min_size=1,
+        max_size=16,
+    )
+)
+def test_the_built_in_routing_walk_picks_what_lowest_kv_picks(dps):
+    """The router's one-walk lowest_kv: the DP lowest_kv picks among those below their
+    batch limit (ties to the lowest index), or backpressure when none is."""
+    from xds.serve.routing import lowest_kv
+
+    router = DecodeRouter(len(dps), 3)
+    for dp, (active, pending, used, reserved) in zip(router.dps, dps, strict=True):
+        dp.active, dp.pending = active, pending
+        dp.kv_used_blocks, dp.kv_reserved_blocks = used, reserved
+    eligible = [i for i, dp in enumerate(router.dps) if dp.active + dp.pending < 3]
+    expected = lowest_kv(eligible, router.dps, 1) if eligible else BACKPRESSURE
+    assert router.route("r", 128) == expected

@@ -370,3 +370,108 @@ def test_a_live_batch_kept_by_joins_and_commits_is_the_batch_taken_afresh(ops):
             assert getattr(live, name) == getattr(fresh, name), name
         assert live.steps == fresh.steps and live._next == fresh._next
         assert live.seqs_all.tolist() == fresh.seqs_all.tolist()
+
+
+def _per_die_account(dm, seqs, ctx, jitter, mtp_experts, main_experts):
+    """DecodeModel.account as a [len(_ROW), dies] table of every die's times: the reference
+    the pricing by distinct DP shape must match to the nanosecond."""
+    from xds.serve.decode_model import (
+        _ARRIVE,
+        _ATTENTION,
+        _DENSE_MLP,
+        _GATE,
+        _OTHER,
+        Breakdown,
+    )
+
+    m, k = dm.model, dm.config.mtp_config.k
+    launch = dm.config.efficiency.graph_launch_ns
+    shapes = (seqs.astype(np.int64) << 32 | ctx.astype(np.int64)).tolist()
+    widest = float(seqs.max())
+    bd = Breakdown()
+
+    def one_pass(tps, first_layer, dense, experts, comm, jitter):
+        d, c, n_moe = comm.dispatch_ns, comm.combine_ns, len(experts)
+        key = (tps, first_layer, dense, n_moe)
+        table = np.array([dm._pass_row(s, key) for s in shapes], dtype=np.int64).T
+        arrive = table[_ARRIVE] if jitter is None else table[_ARRIVE] + jitter
+        slowest = int(arrive.argmax())
+        barrier = int(arrive[slowest])
+        row = table[:, slowest].tolist()
+        if jitter is not None:
+            bd.jitter_wait += int(jitter[slowest])
+        bd.attention += row[_ATTENTION]
+        bd.mla_other += (dense + 1) * row[_OTHER]
+        bd.gating += row[_GATE]
+        bd.dense_mlp += dense * row[_DENSE_MLP]
+        t = barrier + n_moe * (d + c) + sum(experts)
+        bd.dispatch += n_moe * d
+        bd.experts += sum(experts)
+        bd.combine += n_moe * c
+        n8 = dm._int8_layout(first_layer, dense, n_moe)[2]
+        for layer, attn, count in ((5, 6, max(0, n_moe - 1) - n8), (7, 8, n8)):
+            if count:
+                worst = table[:, int(table[layer].argmax())].tolist()
+                t += count * worst[layer]
+                bd.attention += count * worst[attn]
+                bd.mla_other += count * worst[_OTHER]
+                bd.gating += count * worst[_GATE]
+        head, samp = dm.head_ns(widest * tps)
+        bd.lm_head += head
+        bd.sampling += samp
+        return t + head + samp, (barrier + d) - arrive
+
+    t = 0
+    proj = dm._mtp_projection_ns(widest)
+    for draft in range(k):
+        t += one_pass(1.0, m.layers, 0, [mtp_experts[draft]], dm.comm_mtp, None)[0]
+        t += launch + proj
+        bd.mla_other += proj
+    main, first = one_pass(
+        1.0 + k, 0, m.dense_layers, main_experts, dm.comm, jitter if jitter.any() else None
+    )
+    bd.launch += (k + 1) * launch
+    return t + main + launch, bd, first
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 40_000)),
+        min_size=1,
+        max_size=12,
+    ),
+    jittered=st.booleans(),
+)
+def test_pricing_by_distinct_dp_shape_matches_every_die(groups, jittered):
+    """Few distinct shapes (ties in every row), with and without jitter: the iteration's
+    time, breakdown and each die's first dispatch are those of the per-die table, and the
+    sparse shapes (empty dies but a few) are those of the arrays."""
+    from xds.model import Precision
+    from xds.serve.decode_model import DecodeModel, DPShapes
+
+    config = DecodeConfig(
+        **{f: getattr(SMALL, f) for f in SMALL.__struct_fields__ if f != "precision"},
+        precision=Precision(attention_int8_layers=(0, 5, 30, 61)),
+    )
+    dm = DecodeModel(config, COMM, COMM_MTP)
+    seqs = np.array([s for s, _, _ in groups], dtype=np.int64)
+    ctx = np.array([256 * c for _, c, _ in groups], dtype=np.int64) * (seqs > 0)
+    jitter = np.array([j if jittered else 0 for _, _, j in groups], dtype=np.int64)
+    if not seqs.any():
+        seqs[0] = 1
+    mtp_experts, main_experts = [70_000], [50_000 + 10 * i for i in range(58)]
+    out = dm.account(seqs, ctx, jitter, mtp_experts, main_experts)
+    t, bd, first = _per_die_account(dm, seqs, ctx, jitter, mtp_experts, main_experts)
+    assert out.time_ns == t and out.breakdown == bd
+    assert out.first_dispatch_ns.dtype == first.dtype
+    assert out.first_dispatch_ns.tolist() == first.tolist()
+    held = np.flatnonzero(seqs).tolist()
+    sparse = DPShapes.sparse(len(seqs), held, seqs[held].tolist(), ctx[held].tolist())
+    dense = DPShapes.of(seqs, ctx)
+    assert sparse.distinct == dense.distinct
+    assert sparse.of_die.tolist() == dense.of_die.tolist()
+    assert (sparse.widest, sparse.total) == (dense.widest, dense.total)
+    if not jittered:  # without the per-die first dispatches: the same iteration
+        bare = dm.account_shapes(sparse, None, mtp_experts, main_experts, per_die=False)
+        assert (bare.time_ns, bare.breakdown) == (t, bd) and not bare.first_dispatch_ns.size

@@ -12,6 +12,7 @@ lockstep: per MoE layer, dispatch, the slowest expert, combine, then the next la
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Annotated
 
 import anyio
@@ -233,6 +234,65 @@ class IterationOutcome(msgspec.Struct):
     first_dispatch_ns: np.ndarray  # per die: its first dispatch kernel's duration
 
 
+class DPShapes:
+    """The DP groups of one iteration by shape, ``seqs << 32 | context``: kernel times are a
+    function of it, and a few shapes cover the dies (most are alike, or empty at low load)."""
+
+    __slots__ = ("_held", "_of_die", "distinct", "total", "widest")
+
+    def __init__(
+        self,
+        distinct: list[int],
+        of_die: np.ndarray | tuple[int, list[int], list[int]],
+        widest: float,
+        total: int,
+    ):
+        self.distinct = distinct
+        """The distinct shapes, in the order of the first die holding each."""
+        self._of_die = of_die if isinstance(of_die, np.ndarray) else None
+        self._held = of_die if isinstance(of_die, tuple) else None
+        """(dies, held, shapes) of :meth:`sparse`, until :attr:`of_die` is asked for."""
+        self.widest = widest
+        """The largest DP batch (sequences)."""
+        self.total = total
+        """Sequences over all dies."""
+
+    @property
+    def of_die(self) -> np.ndarray:
+        """Each die's shape: an index into :attr:`distinct` (made on first use)."""
+        if self._of_die is None:
+            assert self._held is not None
+            dies, held, shapes = self._held
+            rank = {shape: i for i, shape in enumerate(self.distinct)}
+            self._of_die = np.full(dies, rank.get(0, 0), dtype=np.int64)
+            self._of_die[held] = [rank[shape] for shape in shapes]
+        return self._of_die
+
+    @classmethod
+    def of(cls, seqs: np.ndarray, context: np.ndarray) -> DPShapes:
+        """The shapes of DP groups holding ``seqs`` sequences at ``context`` each (per die)."""
+        shapes = seqs.astype(np.int64, copy=False) << 32 | context.astype(np.int64, copy=False)
+        distinct, first, inverse = np.unique(shapes, return_index=True, return_inverse=True)
+        order = np.argsort(first)  # by first die (no ties: each die holds one shape)
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        return cls(
+            distinct[order].tolist(), rank[inverse.reshape(-1)], float(seqs.max()), int(seqs.sum())
+        )
+
+    @classmethod
+    def sparse(cls, dies: int, held: list[int], seqs: list[int], context: list[int]) -> DPShapes:
+        """The shapes of ``dies`` DP groups, all empty (no sequence, context 0: shape 0) but
+        the dies ``held`` (ascending, at least one), which hold ``seqs`` sequences at
+        ``context``."""
+        shapes = [n << 32 | c for n, c in zip(seqs, context, strict=True)]
+        distinct = list(dict.fromkeys(shapes))  # held ascend: by first die
+        empty = next((i for i, die in enumerate(held) if die != i), len(held))  # the first
+        if empty < dies:  # after the shapes of the dies before it (dies 0 .. empty - 1)
+            distinct.insert(len(dict.fromkeys(shapes[:empty])), 0)
+        return cls(distinct, (dies, held, shapes), float(max(seqs)), sum(seqs))
+
+
 class KernelTimes:
     """Per-kernel times of one model on one die, cached by shape: the pieces of a decode layer
     that the colocated (:class:`DecodeModel`) and the MoE-attention disaggregated
@@ -350,6 +410,8 @@ the first dispatch (jitter aside), the attention, other MLA + norms, gating and 
 up to there, then one later MoE layer's attention + other + gating and its attention, in BF16
 (``layer``, ``attn``) and INT8 (``layer8``, ``attn8``) attention."""
 _ARRIVE, _ATTENTION, _OTHER, _GATE, _DENSE_MLP, _LAYER, _ATTN, _LAYER8, _ATTN8 = range(len(_ROW))
+_UNREAD = np.zeros(0, dtype=np.int64)
+"""The per-die first dispatch times of a pass that does not give them."""
 
 
 class DecodeModel(KernelTimes):
@@ -377,18 +439,11 @@ class DecodeModel(KernelTimes):
         self.routed_die_share: np.ndarray | None = None
         """Optional [moe_layers, dies]: each die's share of a layer's routed copies (EPLB
         placements on skewed routing); None means uniform routing drawn per pass."""
-        self._rows: dict[tuple[int, _PassKey], tuple[int, ...]] = {}
-        """:meth:`_pass_row` per (DP shape, pass)."""
-        self._tables: dict[_PassKey, tuple[np.ndarray, np.ndarray]] = {}
-        """Per pass: the DP shapes it was last priced at and their [len(_ROW), dies] table of
-        :meth:`_pass_row` columns. Invariant: column ``i`` is the row of shape ``i``; the next
-        pass recomputes only the DP groups whose shape changed (between iterations, a few at
-        most)."""
+        self._rows: dict[_PassKey, dict[int, tuple[int, ...]]] = {}
+        """:meth:`_pass_row` per pass and DP shape."""
         self._proj_cache: dict[float, int] = {}
         """The MTP eh_proj's time per widest DP batch."""
         self._layouts: dict[tuple[int, int, int], tuple[int, bool, int, int | None]] = {}
-        self._diff: tuple[np.ndarray, np.ndarray, list[int]] | None = None
-        """:meth:`_changed`'s last answer: (shapes before, shapes now, DP groups changed)."""
 
     # pieces of one pass ------------------------------------------------------------------------
     def _int8_layout(
@@ -465,33 +520,42 @@ class DecodeModel(KernelTimes):
         main_experts: list[int],
     ) -> IterationOutcome:
         """Time and per-kernel breakdown of one iteration given its expert-compute draws."""
+        jitter = jitter_ns if np.count_nonzero(jitter_ns) else None
+        return self.account_shapes(DPShapes.of(seqs, context), jitter, mtp_experts, main_experts)
+
+    def account_shapes(
+        self,
+        shapes: DPShapes,
+        jitter: np.ndarray | None,
+        mtp_experts: list[int],
+        main_experts: list[int],
+        *,
+        per_die: bool = True,
+    ) -> IterationOutcome:
+        """:meth:`account` of the DP groups ``shapes``, each die delayed ``jitter`` ns before
+        its first dispatch (None: none); ``per_die``: whether the outcome gives each die's
+        first dispatch time (or :data:`_UNREAD`: a caller without jitter never reads them)."""
         m = self.model
         eff = self.config.efficiency
         k = self.config.mtp_config.k
         bd = Breakdown()
         t = 0
-        widest = float(seqs.max())
-        proj = self._mtp_projection_ns(widest)  # the MTP eh_proj
-        shapes = self._shapes(seqs, context)  # both passes see the same DP shapes
-        jitter = jitter_ns if np.count_nonzero(jitter_ns) else None
+        proj = self._mtp_projection_ns(shapes.widest)  # the MTP eh_proj
         for draft in range(k):  # each draft depth is its own sequential MTP forward
             mtp = self._pass(
-                seqs,
-                context,
+                shapes,
                 1.0,
                 m.layers,
                 jitter=None,
                 bd=bd,
                 experts=[mtp_experts[draft]],
                 comm=self.comm_mtp,
-                shapes=shapes,
-                widest=widest,
+                per_die=False,  # only the main pass's are read
             )
             t += mtp.time_ns + eff.graph_launch_ns + proj
             bd.mla_other += proj
         main = self._pass(
-            seqs,
-            context,
+            shapes,
             1.0 + k,
             0,
             jitter=jitter,
@@ -499,17 +563,11 @@ class DecodeModel(KernelTimes):
             experts=main_experts,
             dense=m.dense_layers,
             comm=self.comm,
-            shapes=shapes,
-            widest=widest,
+            per_die=per_die,
         )
         t += main.time_ns + eff.graph_launch_ns
         bd.launch += (k + 1) * eff.graph_launch_ns
         return IterationOutcome(t, bd, main.first_dispatch_ns)
-
-    @staticmethod
-    def _shapes(seqs: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """Each DP group's shape, ``seqs << 32 | context``: kernel times are a function of it."""
-        return seqs.astype(np.int64, copy=False) << 32 | context.astype(np.int64, copy=False)
 
     def _mtp_projection_ns(self, tokens: float) -> int:
         hit = self._proj_cache.get(tokens)
@@ -522,7 +580,8 @@ class DecodeModel(KernelTimes):
     def _pass_row(self, shape: int, key: _PassKey) -> tuple[int, ...]:
         """The :data:`_ROW` times of a DP group of ``shape`` (``seqs << 32 | context``) in the
         pass ``key``, cached."""
-        hit = self._rows.get((shape, key))
+        rows = self._rows.setdefault(key, {})
+        hit = rows.get(shape)
         if hit is not None:
             return hit
         tokens_per_seq, first_layer, dense, n_moe = key
@@ -540,39 +599,14 @@ class DecodeModel(KernelTimes):
         arrive = attention + dense * (other + dense_mlp) + other + gate
         row = (arrive, attention, other, gate, dense_mlp)
         row += (attn + other + gate, attn, attn8 + other + gate, attn8)
-        if len(self._rows) >= 65_536:
-            self._rows.clear()
-        self._rows[(shape, key)] = row
+        if len(rows) >= 65_536:
+            rows.clear()
+        rows[shape] = row
         return row
-
-    def _pass_table(self, shapes: np.ndarray, key: _PassKey) -> np.ndarray:
-        """[len(_ROW), dies]: :meth:`_pass_row` of every DP group of ``shapes`` in the pass
-        ``key`` (updated in place from the last one; read it before the next pass)."""
-        last = self._tables.get(key)
-        if last is not None and len(last[0]) == len(shapes):
-            todo = self._changed(last[0], shapes)
-            table = last[1]
-        else:
-            todo = range(len(shapes))
-            table = np.empty((len(_ROW), len(shapes)), dtype=np.int64)
-        for i in todo:
-            table[:, i] = self._pass_row(int(shapes[i]), key)
-        self._tables[key] = (shapes, table)
-        return table
-
-    def _changed(self, last: np.ndarray, shapes: np.ndarray) -> list[int]:
-        """The DP groups whose shape differs between ``last`` and ``shapes`` (remembered for
-        the last pair: an iteration's passes were last priced at the same shapes)."""
-        if self._diff is not None and self._diff[0] is last and self._diff[1] is shapes:
-            return self._diff[2]
-        changed = (last != shapes).nonzero()[0].tolist()
-        self._diff = (last, shapes, changed)
-        return changed
 
     def _pass(
         self,
-        seqs: np.ndarray,
-        context: np.ndarray,
+        shapes: DPShapes,
         tokens_per_seq: float,
         first_layer: int,
         *,
@@ -581,28 +615,39 @@ class DecodeModel(KernelTimes):
         experts: list[int],
         comm: CommCosts,
         dense: int = 0,
-        shapes: np.ndarray | None = None,
-        widest: float | None = None,
+        per_die: bool = True,
     ) -> IterationOutcome:
-        """One forward pass: ``dense`` dense layers then one MoE layer per ``experts`` entry,
-        numbered from ``first_layer`` (the main model from 0, the MTP layer as ``layers``),
-        each die delayed ``jitter`` ns before it (None: none). ``shapes`` and ``widest`` (the
-        largest DP batch), if given, are what ``seqs`` and ``context`` make of them."""
+        """One forward pass over the DP groups ``shapes``: ``dense`` dense layers then one MoE
+        layer per ``experts`` entry, numbered from ``first_layer`` (the main model from 0, the
+        MTP layer as ``layers``), each die delayed ``jitter`` ns before it (None: none);
+        ``per_die``: whether to give each die's first dispatch time (or :data:`_UNREAD`).
+
+        A die's times are its shape's :meth:`_pass_row`, so the first slowest die of a row is
+        the first die of the first shape slowest in it (shapes go by first die)."""
         d, c = comm.dispatch_ns, comm.combine_ns
         n_moe = len(experts)
         n8_between = self._int8_layout(first_layer, dense, n_moe)[2]
-        if shapes is None:
-            shapes = self._shapes(seqs, context)
-        table = self._pass_table(shapes, (tokens_per_seq, first_layer, dense, n_moe))
+        key = (tokens_per_seq, first_layer, dense, n_moe)
+        known = self._rows.get(key, {})
+        rows = [known.get(shape) or self._pass_row(shape, key) for shape in shapes.distinct]
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        arrive = table[_ARRIVE] if jitter is None else table[_ARRIVE] + jitter
-        slowest = int(arrive.argmax())
-        barrier = int(arrive[slowest])
-        first_dispatch = (barrier + d) - arrive
-        row = table[:, slowest].tolist()
-        t = barrier
-        if jitter is not None:
+        arrive = None
+        if jitter is None:
+            row = max(rows, key=itemgetter(_ARRIVE))
+            barrier = row[_ARRIVE]
+        else:
+            arrive = np.array([r[_ARRIVE] for r in rows], dtype=np.int64)[shapes.of_die]
+            arrive = arrive + jitter
+            slowest = int(arrive.argmax())
+            row = rows[int(shapes.of_die[slowest])]
+            barrier = int(arrive[slowest])
             bd.jitter_wait += int(jitter[slowest])
+        first_dispatch = _UNREAD
+        if per_die:
+            if arrive is None:
+                arrive = np.array([r[_ARRIVE] for r in rows], dtype=np.int64)[shapes.of_die]
+            first_dispatch = (barrier + d) - arrive
+        t = barrier
         bd.attention += row[_ATTENTION]
         bd.mla_other += (dense + 1) * row[_OTHER]
         bd.gating += row[_GATE]
@@ -620,14 +665,12 @@ class DecodeModel(KernelTimes):
         ):
             if not count:  # the layers after the first MoE one, by attention precision
                 continue
-            worst = table[:, int(table[layer].argmax())].tolist()  # the first slowest die's
+            worst = max(rows, key=itemgetter(layer))  # the first slowest die's
             t += count * worst[layer]
             bd.attention += count * worst[attn]
             bd.mla_other += count * worst[_OTHER]
             bd.gating += count * worst[_GATE]
-        if widest is None:
-            widest = float(seqs.max())
-        head, samp = self.head_ns(widest * tokens_per_seq)
+        head, samp = self.head_ns(shapes.widest * tokens_per_seq)
         t += head + samp
         bd.lm_head += head
         bd.sampling += samp

@@ -37,6 +37,7 @@ from .decode import (
     decode_kv_capacity,
     measure_comm,
 )
+from .decode_model import DPShapes
 from .jitter import JitterConfig, sample_dps
 from .kv import KVBlockManager
 from .mtp import committed_tokens
@@ -171,10 +172,14 @@ class _ReplayDecodeModel(DecodeModel):
         self, seqs: np.ndarray, gen: np.random.Generator
     ) -> tuple[list[int], list[int]]:
         total = int(seqs.sum())
+        return self.draws(total) if total else super().draw_experts(seqs, self._gen)
+
+    def draws(self, total: int) -> tuple[list[int], list[int]]:
+        """:meth:`draw_experts` of an iteration of ``total`` sequences (at least one)."""
         key = -(-total // self.bucket) * self.bucket
         hit = self._draws.get(key)
         if hit is None:
-            hit = super().draw_experts(np.array([key], dtype=np.int64) if key else seqs, self._gen)
+            hit = super().draw_experts(np.array([key], dtype=np.int64), self._gen)
             self._draws[key] = hit
         return hit
 
@@ -387,7 +392,6 @@ class DecodeTE:
         self.alive = np.ones(n, dtype=bool)
         """DP groups in service (a scale-down clears those of the failed server)."""
         self._alive_idx = np.arange(n)
-        self._no_jitter = np.zeros(n, dtype=np.int64)
         self._comm_at: dict[int, tuple[CommCosts, CommCosts]] = {}
         """(main pass, MTP pass) dispatch/combine costs by widest DP batch, read off
         :attr:`grid` (cleared when the grid changes)."""
@@ -663,7 +667,6 @@ class DecodeTE:
     # -- the iteration loop --
     async def run(self) -> None:
         k = self.config.mtp_config.k
-        gen = rng(f"decode-te/{self.index}/iteration")
         jitter_gen = rng(f"decode-te/{self.index}/jitter")
         mtp_draws = current_runtime().rng.uniforms(f"decode-te/{self.index}/mtp")
         out: IterationOutcome | None = None
@@ -689,7 +692,7 @@ class DecodeTE:
                 await self._work.wait()
                 continue
             if out is None or live.moved:
-                out = self._price(live, k, gen)
+                out = self._price(live, k)
             dps = len(self._alive_idx)
             step = out.time_ns + cfg.scheduler_gap_ns + self._jitter(out, jitter_gen, dps)
             epoch, dropped = self._epoch, self._dropped
@@ -712,19 +715,25 @@ class DecodeTE:
             for i in ended:
                 self._finish(i // limit, i % limit, t)
 
-    def _price(self, live: _LiveBatch, k: int, gen: np.random.Generator) -> IterationOutcome:
+    def _price(self, live: _LiveBatch, k: int) -> IterationOutcome:
         """The iteration of the live batch on the DP groups in service."""
-        seqs = live.seqs_all
-        ctx = np.zeros(len(seqs), dtype=np.int64)
-        ctx[live.dps] = live.steps
-        ctx *= 256
         idx = self._alive_idx
-        if len(idx) != len(seqs):
-            seqs, ctx = seqs[idx], ctx[idx]
+        held = live.dps if len(idx) == len(live.seqs_all) else self._alive_pos(live.dps)
+        context = [256 * step for step in live.steps]
+        shapes = DPShapes.sparse(len(idx), held, live.seqs, context)
         self.model.comm, self.model.comm_mtp = self._comm(max(live.seqs), k)
         live.moved = False
         self._skew = max(live.sums) * len(live.sums) / max(1, sum(live.sums))
-        return self.model.iteration(seqs, ctx, self._no_jitter[: len(idx)], gen)
+        return self.model.account_shapes(
+            shapes,
+            None,
+            *self.model.draws(shapes.total),
+            per_die=self.config.jitter.enabled,  # only :meth:`_jitter` reads them
+        )
+
+    def _alive_pos(self, dps: list[int]) -> list[int]:
+        """The positions of DP groups ``dps`` (in service) among those in service."""
+        return np.searchsorted(self._alive_idx, dps).tolist()
 
     def _comm(self, widest: int, k: int) -> tuple[CommCosts, CommCosts]:
         """Dispatch/combine costs of the main pass (``1 + k`` tokens per sequence) and of the

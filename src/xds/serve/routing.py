@@ -126,33 +126,52 @@ class DecodeRouter:
         max_output_tokens = require_int(max_output_tokens, "max_output_tokens")
         input_tokens = require_int(input_tokens, "input_tokens")
         reserve = self.reservation_blocks(max_output_tokens)
-        # a DP at its batch limit is never offered
-        eligible = [i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit]
-        if exclude:
-            eligible = [i for i in eligible if i not in exclude]
-        if not eligible:
-            return BACKPRESSURE
-        if self.routing is lowest_kv:
-            answer: object = lowest_kv(eligible, self.dps, reserve)
-        else:  # a custom policy sees copies: it cannot change the router's bookkeeping
-            loads = tuple(d.__copy__() for d in self.dps)
-            args: tuple[object, ...] = (tuple(eligible), loads, reserve)
-            if self._with_request:
-                args += (RouteRequest(request, input_tokens, max_output_tokens),)
-            answer = ask(self.routing, "decode_routing", request, *args)
-        best = offered_choice(
-            self.routing,
-            answer,
-            eligible,
-            "decode DP",
-            request,
-            "the DPs below their batch limit",
-            field="decode_routing",
-        )
+        if self.routing is lowest_kv and not exclude:  # the built-in policy, in one walk
+            found = self._lowest_kv()
+            if found is None:
+                return BACKPRESSURE
+            best = found
+        else:
+            # a DP at its batch limit is never offered
+            eligible = [
+                i for i, dp in enumerate(self.dps) if dp.active + dp.pending < dp.batch_limit
+            ]
+            if exclude:
+                eligible = [i for i in eligible if i not in exclude]
+            if not eligible:
+                return BACKPRESSURE
+            if self.routing is lowest_kv:
+                answer: object = lowest_kv(eligible, self.dps, reserve)
+            else:  # a custom policy sees copies: it cannot change the router's bookkeeping
+                loads = tuple(d.__copy__() for d in self.dps)
+                args: tuple[object, ...] = (tuple(eligible), loads, reserve)
+                if self._with_request:
+                    args += (RouteRequest(request, input_tokens, max_output_tokens),)
+                answer = ask(self.routing, "decode_routing", request, *args)
+            best = offered_choice(
+                self.routing,
+                answer,
+                eligible,
+                "decode DP",
+                request,
+                "the DPs below their batch limit",
+                field="decode_routing",
+            )
         dp = self.dps[best]
         dp.pending += 1
         dp.kv_reserved_blocks += reserve
         self._reservations[request] = (best, reserve)
+        return best
+
+    def _lowest_kv(self) -> int | None:
+        """:func:`lowest_kv` of the DP groups below their batch limit, ties to the lowest
+        index (None: every one is at its limit)."""
+        best, low = None, 0
+        for i, dp in enumerate(self.dps):
+            if dp.active + dp.pending < dp.batch_limit:
+                load = dp.kv_used_blocks + dp.kv_reserved_blocks
+                if best is None or load < low:
+                    best, low = i, load
         return best
 
     def admitted(self, request: object) -> None:
