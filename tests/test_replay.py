@@ -811,7 +811,8 @@ def test_replay_rejects_malformed_workloads_with_the_request_named():
             replay(Workload((req,)), SMALL)
         assert err.value.field == field
     hashed = Workload((Request(0, 0, 1024, 5, tuple(range(8))),), hash_block_tokens=512)
-    with pytest.raises(ConfigError, match="8 prefix hashes for 1024 input tokens") as err:
+    says = "8 block hashes for 1024 input tokens: a 512-token block each allows at most 2"
+    with pytest.raises(ConfigError, match=says) as err:
         replay(hashed, SMALL)
     with pytest.raises(ConfigError, match="progress must be a function"):
         replay(_workload((0, 10, 2)), SMALL, progress=3)  # type: ignore[arg-type]

@@ -631,21 +631,19 @@ class DecodeModel(KernelTimes):
         known = self._rows.get(key, {})
         rows = [known.get(shape) or self._pass_row(shape, key) for shape in shapes.distinct]
         # dies run alone until the first dispatch: dense layers + first MoE layer's attention
-        arrive = None
-        if jitter is None:
+        if jitter is None and not per_die:  # no die's own times needed: by shape alone
             row = max(rows, key=itemgetter(_ARRIVE))
             barrier = row[_ARRIVE]
+            first_dispatch = _UNREAD
         else:
             arrive = np.array([r[_ARRIVE] for r in rows], dtype=np.int64)[shapes.of_die]
-            arrive = arrive + jitter
+            if jitter is not None:
+                arrive = arrive + jitter
             slowest = int(arrive.argmax())
             row = rows[int(shapes.of_die[slowest])]
             barrier = int(arrive[slowest])
-            bd.jitter_wait += int(jitter[slowest])
-        first_dispatch = _UNREAD
-        if per_die:
-            if arrive is None:
-                arrive = np.array([r[_ARRIVE] for r in rows], dtype=np.int64)[shapes.of_die]
+            if jitter is not None:
+                bd.jitter_wait += int(jitter[slowest])
             first_dispatch = (barrier + d) - arrive
         t = barrier
         bd.attention += row[_ATTENTION]

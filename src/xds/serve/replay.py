@@ -45,7 +45,7 @@ from ..trace.metrics import (
     check_complete,
     summarize,
 )
-from ..trace.workload import Request, Workload
+from ..trace.workload import Request, Workload, hash_problem
 from ..units import S, fmt_ns
 from .decode import CommCosts, DecodeConfig
 from .decode_model import decode_kv_capacity
@@ -1049,23 +1049,16 @@ def _check_workload(workload: Workload) -> Workload:
 
 
 def _check_hashes(r: Request, block: int, where: str) -> None:
-    """A request's prefix hashes, as the trace loaders check them (a wrong count would credit
-    cache hits the prompts do not share)."""
+    """A request's prefix hashes, by the trace loaders' rule (:func:`hash_problem`)."""
     if not block:
         raise ConfigError(
             f"{where} carries prefix hashes but the workload's hash_block_tokens is 0: set it "
             "to the tokens each hash covers (Workload(..., hash_block_tokens=512))",
             field="hash_block_tokens",
         )
-    if min(r.prefix_hashes) < 0:
-        raise ConfigError(f"{where}: prefix hashes must be >= 0", field="prefix_hashes")
-    most = -(-r.input_tokens // block)
-    if len(r.prefix_hashes) > most:
-        raise ConfigError(
-            f"{where}: {len(r.prefix_hashes)} prefix hashes for {r.input_tokens} input tokens: "
-            f"a {block}-token block each allows at most {most}",
-            field="prefix_hashes",
-        )
+    problem = hash_problem(r.prefix_hashes, r.input_tokens, block)
+    if problem:
+        raise ConfigError(f"{where}: {problem}", field="prefix_hashes")
 
 
 def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:

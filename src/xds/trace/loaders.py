@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import require_instance, require_int, require_positive
 from ..errors import ConfigError, TraceError
-from .workload import Request, Workload, gamma_arrivals, poisson_arrivals
+from .workload import Request, Workload, gamma_arrivals, hash_problem, poisson_arrivals
 
 _json = msgspec.json.Decoder()
 _BOM = b"\xef\xbb\xbf"
@@ -213,17 +213,9 @@ def _block_hashes(
         isinstance(h, int) and not isinstance(h, bool) for h in raw
     ):
         raise TraceError("expected a list of integers", path=path, line=line, field=field)
-    if any(h < 0 for h in raw):
-        raise TraceError("block hashes must be >= 0", path=path, line=line, field=field)
-    most = -(-input_tokens // block_tokens)
-    if len(raw) > most:
-        raise TraceError(
-            f"{len(raw)} block hashes for {input_tokens} input tokens: a {block_tokens}-token "
-            f"block each allows at most {most}",
-            path=path,
-            line=line,
-            field=field,
-        )
+    problem = hash_problem(raw, input_tokens, block_tokens)
+    if problem:
+        raise TraceError(problem, path=path, line=line, field=field)
     return tuple(int(h) for h in raw)
 
 
@@ -673,8 +665,6 @@ def load(path: str | Path, fmt: str | None = None, **options: Any) -> Workload:
     """Load a trace, guessing the format from its first line that is not blank when ``fmt``
     is None (a directory is a ServeGen client pool:
     :func:`~xds.trace.servegen.load_servegen`)."""
-    if not isinstance(options.get("sort", False), bool):  # "no" would be truthy
-        raise ConfigError(f"sort must be True or False, got {options['sort']!r:.40}", field="sort")
     if fmt == "servegen" or (fmt is None and Path(path).is_dir()):
         from .servegen import load_servegen
 

@@ -20,6 +20,21 @@ from ..errors import ConfigError
 from ..units import S
 
 
+def hash_problem(hashes: Sequence[int], input_tokens: int, block_tokens: int) -> str:
+    """What is wrong with a prompt's prefix block hashes ("" if nothing): each must be >= 0,
+    and there is at most one per ``block_tokens`` of its ``input_tokens`` (more would credit
+    cache hits the prompts do not share). The loaders and the replay apply this one rule."""
+    if any(h < 0 for h in hashes):
+        return "block hashes must be >= 0"
+    most = -(-input_tokens // block_tokens)
+    if len(hashes) > most:
+        return (
+            f"{len(hashes)} block hashes for {input_tokens} input tokens: a {block_tokens}-token "
+            f"block each allows at most {most}"
+        )
+    return ""
+
+
 class Request(msgspec.Struct, frozen=True):
     request_id: int
     arrival_ns: int
