@@ -278,8 +278,9 @@ def test_fourth_review_deployment_files_and_api_misuse_are_one_clear_error(tmp_p
 
     async def zero():
         cfg = DecodeConfig(dies=32, batch_per_die=1, shared_expert_dies=0)
-        comm = CommCosts(1, 10_000, 10_000)
-        await DecodeInstance(cfg, comm, comm).serve(16, max_iterations=0)
+        comm = CommCosts(2, 10_000, 10_000)
+        comm_mtp = CommCosts(1, 10_000, 10_000)
+        await DecodeInstance(cfg, comm, comm_mtp).serve(16, max_iterations=0)
 
     with pytest.raises(ConfigError) as err:
         xds.run(zero)
@@ -548,6 +549,17 @@ def test_moe_communication_arguments_are_checked_at_the_call():
         with pytest.raises(ConfigError) as err:
             call()
         assert err.value.field == field
+    # costs measured for another pass would price this one silently wrong
+    main, mtp = CommCosts(16, 1, 1), CommCosts(8, 1, 1)  # batch 8 with one MTP draft
+    for args, field, says in (
+        ((mtp, mtp), "comm", r"at 8 tokens per die, but the main pass carries 16 .*\(config, 16\)"),
+        ((main, main), "comm_mtp", r"at 16 tokens per die, but the MTP pass carries 8"),
+        ((main,), "comm_mtp", r"MTP \(k=1\) runs a pass of 8 tokens .*measure_comm\(config, 8\)"),
+    ):
+        with pytest.raises(ConfigError, match=says) as err:
+            DecodeInstance(small, *args)
+        assert err.value.field == field
+    assert DecodeInstance(small, main, mtp).model.comm_mtp is mtp
 
     async def fractional_count():
         group = EPGroup(

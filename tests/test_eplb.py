@@ -413,10 +413,11 @@ def _online(policy_name: str, spare: int = 1, iterations: int = 30):
             load_ns=20 * MS,
         ),
     )
-    comm = CommCosts(8, 80_000, 150_000)
+    comm = CommCosts(8, 80_000, 150_000)  # main pass: 4 sequences x (1 + 1 draft)
+    comm_mtp = CommCosts(4, 45_000, 80_000)
 
     async def main():
-        inst = DecodeInstance(cfg, comm, comm)
+        inst = DecodeInstance(cfg, comm, comm_mtp)
         res = await inst.serve(cfg.dies * cfg.batch_per_die, max_iterations=iterations)
         return res, inst.eplb
 

@@ -1323,9 +1323,9 @@ def test_colocated_decode_reports_a_routing_policys_error_as_itself():
     from xds.serve.decode import DecodeInstance
 
     async def main():
-        inst = DecodeInstance(
-            SMALL.decode, *comm_grid(SMALL.decode)[:2], routing=lambda e, d, r: 10**9
-        )
+        grid = comm_grid(SMALL.decode)  # ends at the main pass's tokens per die
+        mtp = interpolate(grid, SMALL.decode.batch_per_die)
+        inst = DecodeInstance(SMALL.decode, grid[-1], mtp, routing=lambda e, d, r: 10**9)
         await inst.serve(8)
 
     with pytest.raises(ProtocolError, match="chose decode DP"):

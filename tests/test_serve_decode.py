@@ -24,7 +24,9 @@ COMM_MTP = CommCosts(6, 35_000, 60_000)
 
 def run(config=SMALL, *, tier="iteration", iterations=None, seed=0):
     async def main():
-        inst = DecodeInstance(config, COMM, COMM_MTP, tier=tier)
+        k = config.mtp_config.k  # the main pass carries 1 + k tokens a sequence
+        comm = msgspec.structs.replace(COMM, tokens_per_die=config.batch_per_die * (1 + k))
+        inst = DecodeInstance(config, comm, COMM_MTP, tier=tier)
         res = await inst.serve(config.dies * config.batch_per_die, max_iterations=iterations)
         return inst, res
 
@@ -176,10 +178,11 @@ def test_online_eplb_rebalances_a_skewed_decode_without_stalling_it():
                 policy=policy_name, window_ns=300 * MS, prefetch_ns=10 * MS, load_ns=20 * MS
             ),
         )
-        comm = CommCosts(8, 80_000, 150_000)
+        comm = CommCosts(8, 80_000, 150_000)  # main pass: 4 sequences x (1 + 1 draft)
+        comm_mtp = CommCosts(4, 45_000, 80_000)
 
         async def main():
-            inst = DecodeInstance(cfg, comm, comm)
+            inst = DecodeInstance(cfg, comm, comm_mtp)
             checked = []
 
             async def watchdog():  # forward passes only ever see enabled replicas

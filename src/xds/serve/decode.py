@@ -94,6 +94,29 @@ def check_batch_fits(config: DecodeConfig, capacity: int | None = None) -> None:
         )
 
 
+def _check_comm_tokens(config: DecodeConfig, comm: CommCosts, comm_mtp: CommCosts | None) -> None:
+    """The costs price the passes they were measured for: the main pass carries
+    ``batch_per_die * (1 + k)`` tokens per die, the MTP pass ``batch_per_die`` (else
+    ConfigError naming the argument and the ``measure_comm`` call that fits)."""
+    b, k = config.batch_per_die, config.mtp_config.k
+    wanted = [("comm", comm, b * (1 + k), "the main pass")]
+    if k:
+        if comm_mtp is None:
+            raise ConfigError(
+                f"MTP (k={k}) runs a pass of {b} tokens per die: pass its costs too, "
+                f"comm_mtp=measure_comm(config, {b})",
+                field="comm_mtp",
+            )
+        wanted.append(("comm_mtp", comm_mtp, b, "the MTP pass"))
+    for name, costs, tokens, what in wanted:
+        if costs.tokens_per_die != tokens:
+            raise ConfigError(
+                f"measured at {costs.tokens_per_die} tokens per die, but {what} carries "
+                f"{tokens} (batch_per_die={b}, MTP k={k}): use measure_comm(config, {tokens})",
+                field=name,
+            )
+
+
 class DecodeInstance:
     """A colocated decode instance running as tasks: TE-shell, DP groups, output processors."""
 
@@ -106,14 +129,17 @@ class DecodeInstance:
         tier: str = "iteration",
         routing: DecodeRouting = lowest_kv,
     ):
-        """``routing``: the TE-shell's choice among DPs below their batch limit
-        (:mod:`xds.serve.routing`)."""
+        """``comm``: one MoE layer's dispatch/combine at the main pass's tokens per die
+        (``batch_per_die * (1 + k)``); ``comm_mtp``: the MTP pass's (``batch_per_die``; needed
+        when MTP is on); both as :func:`measure_comm` gives them. ``routing``: the TE-shell's
+        choice among DPs below their batch limit (:mod:`xds.serve.routing`)."""
         if tier not in ("iteration", "layer"):
             raise ConfigError(f"unknown tier {tier!r}; choose iteration or layer", field="tier")
         require_instance(config, DecodeConfig, "config")
         require_instance(comm, CommCosts, "comm")
         if comm_mtp is not None:
             require_instance(comm_mtp, CommCosts, "comm_mtp")
+        _check_comm_tokens(config, comm, comm_mtp)
         self.config = config
         self.tier = tier
         self.model = DecodeModel(config, comm, comm_mtp)
