@@ -174,8 +174,8 @@ def test_one_seed_gives_the_same_requests_at_every_rate_and_length(conv):
     assert [r.output_tokens for r in slow.requests] == [r.output_tokens for r in fast.requests]
     gaps = np.diff([r.arrival_ns for r in slow.requests])
     assert np.allclose(gaps, 4 * np.diff([r.arrival_ns for r in fast.requests]), atol=4)
-    firsts = [i for i, r in enumerate(slow.requests) if i not in _parents(slow)]
-    firsts = [i for i in firsts if i not in _parents(fast)]  # a first turn at both rates
+    followups = _parents(slow).keys() | _parents(fast).keys()
+    firsts = [i for i in range(len(slow)) if i not in followups]  # a first turn at both rates
     assert len(firsts) > 200
     same = [slow.requests[i].input_tokens == fast.requests[i].input_tokens for i in firsts]
     assert np.mean(same) > 0.95  # (a follow-up of a prompt under one block shares no hash)

@@ -180,24 +180,27 @@ def _turns(draws: _Draws, arrivals: np.ndarray, first_mu: float, conv: Conversat
     gaps = np.exp(np.log(conv.gap_median_s * S) + conv.gap_sigma * draws.gap_z)
     new = np.maximum(1, np.rint(np.exp(np.log(conv.new_median) + conv.new_sigma * draws.new_z)))
     new = new.astype(np.int64)
-    targets = np.searchsorted(arrivals, arrivals - gaps, side="right") - 1
-    inputs = first.copy()
-    parent = np.full(len(arrivals), -1, dtype=np.int64)
-    continued = np.zeros(len(arrivals), dtype=bool)
-    full = inputs // BLOCK_TOKENS * BLOCK_TOKENS  # tokens in a prompt's full blocks
-    for i in np.nonzero(follow)[0]:
-        j = int(targets[i])
-        stop = max(-1, j - conv.search_back)
+    targets = (np.searchsorted(arrivals, arrivals - gaps, side="right") - 1).tolist()
+    # the walk below is sequential (a turn continued is taken): plain lists, not numpy scalars
+    inputs = first.tolist()
+    parent = [-1] * len(inputs)
+    continued = [False] * len(inputs)
+    full = [x // BLOCK_TOKENS * BLOCK_TOKENS for x in inputs]  # tokens in full blocks
+    added = new.tolist()
+    back = conv.search_back
+    for i in np.nonzero(follow)[0].tolist():
+        j = targets[i]
+        stop = j - back if j - back > -1 else -1
         while j > stop:  # the nearest earlier turn, not yet continued, that leaves room
-            if not continued[j] and full[j] + new[i] <= INPUT_MAX:
+            if not continued[j] and full[j] + added[i] <= INPUT_MAX:
                 break
             j -= 1
         if j > stop:
             continued[j] = True
             parent[i] = j
-            inputs[i] = full[j] + new[i]
-            full[i] = inputs[i] // BLOCK_TOKENS * BLOCK_TOKENS
-    return _Turns(inputs, parent)
+            inputs[i] = x = full[j] + added[i]
+            full[i] = x // BLOCK_TOKENS * BLOCK_TOKENS
+    return _Turns(np.array(inputs, dtype=np.int64), np.array(parent, dtype=np.int64))
 
 
 @functools.cache
