@@ -346,28 +346,31 @@ class XdsGreedy:
         copies = np.ones(n_e)
         fits = _Fit(layout)
         chosen: list[int] = []
+        per_replica = counts / copies[:, None]  # always from the original counts (A12)
         for _ in range(budget):
-            per_replica = counts / copies[:, None]  # always from the original counts (A12)
             hottest = per_replica.max(axis=0)
             if not hottest.any():
                 break  # no load left to split: a replica would balance nothing
             # every expert that is the hottest in some slice with load (ties included): in an
             # idle slice every expert ties at zero, and a replica there balances nothing
             hot = (per_replica == hottest) & (hottest > 0)
-            candidates = sorted({int(e) for e in np.nonzero(hot)[0]})
-            best, best_score = -1, np.inf
-            for c in candidates:
-                if not fits.can_add(c):
-                    continue
-                trial = per_replica.copy()
-                trial[c] = counts[c] / (copies[c] + 1)
-                score = trial.max(axis=0).sum()
-                if score < best_score:  # ties go to the lower expert id (sorted order)
-                    best, best_score = c, score
-            if best < 0:
+            candidates = np.flatnonzero(hot.any(axis=1)).tolist()
+            ok = [c for c in candidates if fits.can_add(c)]  # ascending: ties to the lowest
+            if not ok:
                 break  # no candidate can take another replica
+            # a candidate's score is the sum over slices of the hottest replica once it has one
+            # more copy: where it was the hottest, the next one down (a tie: the same value)
+            runner_up = (
+                np.partition(per_replica, -2, axis=0)[-2]
+                if n_e > 1
+                else np.full_like(hottest, -np.inf)
+            )
+            rest = np.where(per_replica[ok] == hottest, runner_up, hottest)
+            scores = np.maximum(rest, counts[ok] / (copies[ok] + 1)[:, None]).sum(axis=1)
+            best = ok[int(np.argmin(scores))]
             fits.add(best)
             copies[best] += 1
+            per_replica[best] = counts[best] / copies[best]
             chosen.append(best)
         total = counts.sum(axis=1)
         order = sorted(chosen, key=lambda e: (-total[e], e))  # by total load (SPEC 7.3)

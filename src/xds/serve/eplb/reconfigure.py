@@ -99,10 +99,12 @@ class MappingTable:
         """(expert or -1, state) of each redundant slot of ``die`` in ``layer``."""
         return [self.slots.get((layer, die, s), (-1, "empty")) for s in range(self.spare_slots)]
 
-    def _serves(self, layer: int, die: int, expert: int) -> bool:
-        return (expert, "enabled") in self.slot_states(layer, die)
+    def _serving(self) -> set[tuple[int, int, int]]:
+        """(layer, die, expert) of every enabled redundant slot."""
+        return {(layer, d, e) for (layer, d, _), (e, st) in self.slots.items() if st == "enabled"}
 
     def _publish(self, replicas: list[list[list[int]]]) -> Mapping:
+        serving = self._serving()
         for layer, experts in enumerate(replicas):
             for e, dies in enumerate(experts):
                 if not dies:
@@ -110,7 +112,7 @@ class MappingTable:
                         f"layer {layer} expert {e} would have no enabled replica", field="plan"
                     )
                 for d in dies[1:]:
-                    if not self._serves(layer, d, e):
+                    if (layer, d, e) not in serving:
                         raise ConfigError(
                             f"layer {layer} die {d}: no enabled slot holds expert {e} "
                             f"(slots: {self.slot_states(layer, d)}), cannot serve tokens",
@@ -219,12 +221,13 @@ class MappingTable:
 
     def check_pass(self, mapping: Mapping) -> None:
         """A forward pass using ``mapping`` now: every replica it routes to is enabled."""
+        serving = self._serving()
         for layer, experts in enumerate(mapping.replicas):
             for e, dies in enumerate(experts):
                 if not dies:
                     raise AssertionError(f"layer {layer} expert {e} has no replica")
                 for d in dies[1:]:
-                    if not self._serves(layer, d, e):
+                    if (layer, d, e) not in serving:
                         raise AssertionError(
                             f"pass v{mapping.version} routes layer {layer} expert {e} to die "
                             f"{d} whose slots are {self.slot_states(layer, d)}"
