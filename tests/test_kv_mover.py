@@ -66,8 +66,11 @@ def test_a_chunked_protocol_on_the_xccl_tier_matches_one_message_per_rank():
             for r in range(len(move.sources)):
                 tg.start_soon(rank, r)
 
-    base = replay(WL, xccl).records
-    mine = replay(WL, xccl, kv_mover=two_chunks).records
+    short = Workload(
+        tuple(msgspec.structs.replace(r, input_tokens=r.input_tokens // 5) for r in WL.requests)
+    )
+    base = replay(short, xccl).records  # (every slot of the KV is an event on this tier)
+    mine = replay(short, xccl, kv_mover=two_chunks).records
     for a, b in zip(base, mine, strict=True):
         assert b.outcome == "completed"
         assert 1.0 <= b.kv_transfer_ns / a.kv_transfer_ns < 1.1  # a second message's set-up
