@@ -841,6 +841,37 @@ def _write_out(out_dir: str, records, summary, as_csv: bool, faults: dict | None
         raise click.UsageError(f"--out {out_dir}: {exc.strerror or exc}") from None
 
 
+_plot_option = click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    metavar="FILE.png|.svg|.pdf",
+    help="Also draw the results into this file (needs matplotlib: pip install 'xds-sim[plot]').",
+)
+
+
+def _check_plot(plot_path: str | None) -> None:
+    """Fail before a long run, not after it, if ``--plot`` cannot be drawn or written."""
+    if plot_path is None:
+        return
+    from xds import plots
+
+    try:
+        plots.require_matplotlib()
+        plots.check_path(plot_path)
+    except ConfigError as exc:
+        raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
+
+
+def _save_plot(fig, plot_path: str) -> None:
+    from xds import plots
+
+    try:
+        plots.save(fig, plot_path)
+    except OSError as exc:
+        raise click.UsageError(f"--plot {plot_path}: {exc.strerror or exc}") from None
+
+
 def _cell(value: float) -> str:
     """A statistic for the replay table; "-" where there is none (e.g. ITL untracked)."""
     return "-" if math.isnan(value) else f"{value:,.2f}"
@@ -922,6 +953,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
     help="Seconds of virtual time the replay keeps serving after the last arrival (or "
     "scheduled fault end); requests still in flight then fail with a reason.",
 )
+@_plot_option
 @_policy_option
 def replay(
     trace: str | None,
@@ -946,6 +978,7 @@ def replay(
     probe: bool = False,
     recovery: str | None = None,
     serve_limit_s: float = 86_400.0,
+    plot_path: str | None = None,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
@@ -984,6 +1017,7 @@ def replay(
         check_distflow_faults(cfg, faults)
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
+    _check_plot(plot_path)
     if trace is None:
         workload = _built_in(
             synthetic_n, rate, seed, unique_prompts, cfg.prefill.prefix_block_tokens
@@ -1038,6 +1072,11 @@ def replay(
                 "unfired": result.unfired_faults,
             }
         _write_out(out_dir, result.records, s, as_csv, outcome)
+    if plot_path is not None:
+        from xds.plots import replay_figure
+
+        title = f"{workload.source} on {deployment} (seed {seed})"
+        _save_plot(replay_figure(result.records, sla=s.sla, title=title), plot_path)
     for spec, fault in zip(fault_specs, faults, strict=True):
         if any(fault is u for u in result.unfired_faults):
             click.echo(
@@ -1155,6 +1194,8 @@ def replay(
         totals.add_row("link probes", ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))
+    if plot_path is not None:
+        totals.add_row("plotted to", escape(plot_path))
     console.print(totals)
 
 
@@ -1343,6 +1384,7 @@ def _ms(value: float, digits: int) -> str:
     "to 4). The points tried and the result do not depend on it.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_plot_option
 @_policy_option
 def capacity(
     trace: str | None,
@@ -1369,6 +1411,7 @@ def capacity(
     as_json: bool,
     drop_invalid: bool = False,
     spread_ties: bool = False,
+    plot_path: str | None = None,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
@@ -1403,6 +1446,7 @@ def capacity(
         raise click.UsageError("--goodput applies to --criterion goodput")
     configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
     policies = _policies(policy_specs)
+    _check_plot(plot_path)
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
         if not unique_prompts:  # the conversation history a rate needs is capped
@@ -1539,6 +1583,14 @@ def capacity(
                 + ("--window" if trace is None else "a longer trace, or --span")
                 + ")"
             )
+    if plot_path is not None:
+        from xds.plots import capacity_figure
+
+        named: dict[str, Any] = {}
+        for name, _, res in found:  # a deployment given twice is drawn twice
+            named[name if name not in named else f"{name} ({len(named) + 1})"] = res
+        title = f"capacity search: {what} within the SLA (seed {seed})"
+        _save_plot(capacity_figure(named, title=title, knob=knob), plot_path)
     if as_json or len(found) < 2:
         return
     compare = Table(title=f"capacity compared: {what} within the SLA")

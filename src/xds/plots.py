@@ -1,0 +1,216 @@
+"""Figures of a replay and of a capacity search (``xds replay --plot``, ``xds capacity --plot``).
+
+:func:`replay_figure` shows where a replay's latency went: the TTFT and TPOT distributions
+against the SLA, each request's TTFT by arrival time (a queue building up in front of prefill
+shows as a ramp), and how many requests wait for prefill and decode over time.
+:func:`capacity_figure` shows a capacity search: mean TPOT and mean TTFT at every rate tried,
+the SLA and the rate found. :func:`save` writes either one as PNG, SVG or PDF, the same bytes
+for the same figure (no dates, fixed SVG ids), so a plot can sit beside results under version
+control.
+
+Needs matplotlib (``pip install 'xds-sim[plot]'``); everything else in xds runs without it.
+Figures are built with matplotlib's object API (no pyplot, no global figure state), so they can
+be made from any thread or notebook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import ConfigError
+from .trace.metrics import SLA, RequestRecord
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .serve.capacity import CapacityResult
+
+FORMATS = (".png", ".svg", ".pdf")
+"""File types :func:`save` writes, by suffix."""
+
+_MET, _MISSED = "tab:blue", "tab:red"
+
+
+def require_matplotlib() -> None:
+    """ConfigError naming the extra to install unless matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "plots need matplotlib: pip install 'xds-sim[plot]' (or pip install matplotlib)",
+            field="plot",
+        ) from None
+
+
+def check_path(path: str | Path) -> Path:
+    """``path`` as a Path whose suffix :func:`save` writes and whose folder exists (checked
+    before a long run, not after it); else ConfigError."""
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS:
+        raise ConfigError(
+            f"{str(path)!r}: a plot is written as {', '.join(FORMATS)} (by the file's suffix)",
+            field="plot",
+        )
+    if not p.absolute().parent.is_dir():
+        raise ConfigError(
+            f"{str(path)!r}: folder {p.absolute().parent} does not exist", field="plot"
+        )
+    return p
+
+
+def _figure(rows: int, cols: int, title: str) -> tuple[Figure, np.ndarray]:
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.2 * cols, 3.8 * rows), layout="constrained")
+    axes = np.asarray(fig.subplots(rows, cols), dtype=object).reshape(rows, cols)
+    if title:
+        fig.suptitle(title)
+    return fig, axes
+
+
+def _cdf(ax: Axes, values: np.ndarray, limit: float, unit: str, what: str) -> None:
+    """Empirical CDF of ``values`` with the SLA ``limit`` (skipped when infinite)."""
+    if values.size:
+        x = np.sort(values)
+        ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", color=_MET)
+    if np.isfinite(limit):
+        share = float(np.mean(values < limit)) if values.size else float("nan")
+        ax.axvline(
+            limit, color=_MISSED, linestyle="--", label=f"SLA {limit:g} {unit}: {share:.1%} under"
+        )
+        ax.legend(loc="lower right")
+    ax.set_xlabel(f"{what} ({unit})")
+    ax.set_ylabel("share of completed requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+
+
+def in_system(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Requests waiting for or in prefill (arrival to first token) and in decode (first token
+    to finish), over time: ``(times_s, prefill, decode)``, each count holding from its time to
+    the next. A failed request counts until it failed (its finish), in prefill if it had no
+    first token."""
+    changes: list[tuple[int, int, int]] = []  # (ns, prefill delta, decode delta)
+    for r in records:
+        end = r.finish_ns if r.finish_ns >= 0 else r.first_token_ns
+        if r.first_token_ns >= 0:
+            changes += [(r.arrival_ns, 1, 0), (r.first_token_ns, -1, 1)]
+            if end >= 0:
+                changes.append((end, 0, -1))
+        elif end >= 0:
+            changes += [(r.arrival_ns, 1, 0), (end, -1, 0)]
+    if not changes:
+        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    changes.sort()
+    t = np.array([c[0] for c in changes], dtype=np.int64)
+    prefill = np.cumsum([c[1] for c in changes])
+    decode = np.cumsum([c[2] for c in changes])
+    last = np.append(t[1:] != t[:-1], True)  # one point per instant: the count after it
+    return t[last] / 1e9, prefill[last], decode[last]
+
+
+def replay_figure(
+    records: Sequence[RequestRecord], *, sla: SLA | None = None, title: str = ""
+) -> Figure:
+    """Four panels of a replay's per-request records: TTFT and TPOT CDFs against ``sla``
+    (default: SPEC 12.4's), TTFT by arrival time (failed requests marked at their arrival),
+    and the requests in prefill and in decode over time."""
+    sla = sla or SLA()
+    done = [r for r in records if r.outcome == "completed"]
+    failed = [r for r in records if r.outcome != "completed"]
+    fig, ax = _figure(2, 2, title)
+    ttft = np.array([r.ttft_ns / 1e9 for r in done])
+    tpot = np.array([r.tpot_ns / 1e6 for r in done if r.output_tokens > 1])
+    _cdf(ax[0, 0], ttft, sla.ttft_ms / 1e3, "s", "TTFT")
+    _cdf(ax[0, 1], tpot, sla.tpot_ms, "ms", "TPOT")
+    over = ax[1, 0]
+    over.scatter([r.arrival_ns / 1e9 for r in done], ttft, s=6, color=_MET, label="completed")
+    if failed:
+        top = float(ttft.max()) if ttft.size else 1.0
+        over.scatter(
+            [r.arrival_ns / 1e9 for r in failed],
+            np.full(len(failed), top),
+            marker="x",
+            color=_MISSED,
+            label=f"failed ({len(failed):,}; drawn at the top)",
+        )
+    if np.isfinite(sla.ttft_ms):
+        over.axhline(sla.ttft_ms / 1e3, color=_MISSED, linestyle="--", label="TTFT SLA")
+    over.set_xlabel("arrival (s)")
+    over.set_ylabel("TTFT (s)")
+    over.legend(loc="upper left")
+    over.grid(alpha=0.3)
+    load = ax[1, 1]
+    t, prefill, decode = in_system(records)
+    load.step(t, prefill, where="post", label="waiting for or in prefill")
+    load.step(t, decode, where="post", label="in decode")
+    load.set_xlabel("time (s)")
+    load.set_ylabel("requests")
+    load.legend(loc="upper left")
+    load.grid(alpha=0.3)
+    return fig
+
+
+def capacity_figure(
+    results: CapacityResult | Mapping[str, CapacityResult],
+    *,
+    title: str = "",
+    knob: str = "rate (req/s)",
+) -> Figure:
+    """Mean TPOT and mean TTFT over the steady window at every rate a search tried (filled:
+    met the SLA; hollow: missed it; a star: the rate found) with the SLA's bounds, against
+    ``knob`` (what the search varied: a rate, or a trace's rate scale). Several searches by
+    name (e.g. deployments compared on one workload) share the axes."""
+    from .serve.capacity import CapacityResult
+
+    named = {"": results} if isinstance(results, CapacityResult) else dict(results)
+    fig, ax = _figure(1, 2, title)
+    for i, (name, res) in enumerate(named.items()):
+        color = f"C{i}"
+        points = sorted(res.points, key=lambda p: p.scale)
+        scale = np.array([p.scale for p in points])
+        met = np.array([p.meets for p in points], dtype=bool)
+        for a, key in ((ax[0, 0], "tpot_ms"), (ax[0, 1], "ttft_ms")):
+            value = np.array([getattr(p, key) for p in points])
+            a.plot(scale, value, color=color, label=name or None, zorder=1)
+            a.scatter(scale[met], value[met], color=color, zorder=2)
+            a.scatter(scale[~met], value[~met], facecolors="none", edgecolors=color, zorder=2)
+            if res.found is not None:
+                a.scatter(
+                    [res.found.scale],
+                    [getattr(res.found, key)],
+                    marker="*",
+                    s=160,
+                    color=color,
+                    zorder=3,
+                )
+    for a, what, limits in (
+        (ax[0, 0], "mean TPOT (ms)", {r.sla.tpot_ms for r in named.values()}),
+        (ax[0, 1], "mean TTFT (ms)", {r.sla.ttft_ms for r in named.values()}),
+    ):
+        for limit in sorted(x for x in limits if np.isfinite(x)):
+            a.axhline(limit, color="0.3", linestyle="--", label=f"SLA {limit:g} ms")
+        a.set_xlabel(knob)
+        a.set_ylabel(what)
+        a.legend(loc="upper left")
+        a.grid(alpha=0.3)
+    ax[0, 1].set_yscale("log")
+    return fig
+
+
+def save(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (PNG, SVG or PDF by suffix), the same bytes every time."""
+    import matplotlib
+
+    p = check_path(path)
+    kind = p.suffix.lower()
+    metadata = {".png": {"Software": None}, ".svg": {"Date": None}, ".pdf": {"CreationDate": None}}
+    with matplotlib.rc_context({"svg.hashsalt": "xds", "pdf.compression": 6}):
+        fig.savefig(p, format=kind[1:], metadata=metadata[kind], dpi=110)
+    return p
