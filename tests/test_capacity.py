@@ -251,6 +251,23 @@ def test_a_workload_the_rate_cannot_change_is_an_error(requests):
     assert err.value.field == "workload_at"
 
 
+def test_what_the_search_calls_is_checked_before_it_replays_anything():
+    trace = Workload(tuple(Request(i, i * 10**9, 100, 11) for i in range(4)))
+
+    async def async_at(x):
+        return trace
+
+    for bad, kwargs, field, says in (
+        (trace, {}, "workload_at", "got a Workload: pass its `scaled` method"),
+        (lambda: trace, {}, "workload_at", r"must take 1 positional argument$"),
+        (async_at, {}, "workload_at", "is async"),
+        (trace.scaled, {"on_point": lambda: None}, "on_point", "on_point callback"),
+    ):
+        with pytest.raises(ConfigError, match=says) as err:
+            search_capacity(bad, SMALL, **kwargs)
+        assert err.value.field == field
+
+
 def test_infinite_bounds_and_overflowing_rates_are_errors():
     with pytest.raises(ConfigError) as err:
         search_capacity(built_in(), SMALL, max_scale=float("inf"))

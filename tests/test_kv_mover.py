@@ -111,6 +111,15 @@ def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_e
     ):
         replay(WL, SMALL, kv_mover=not_async)  # type: ignore[arg-type]
 
+    async def three(move, pair, extra):  # refused when the replay is built, before any move
+        await xds.sleep_ns(1)
+
+    nothing_moves = Workload((Request(0, 0, 100, 1),))  # one output token: no KV transfer
+    for mover in (three, lambda: None):
+        with pytest.raises(ConfigError, match=r"must take one argument, the KVMove") as err:
+            replay(nothing_moves, SMALL, kv_mover=mover)  # type: ignore[arg-type]
+        assert err.value.field == "kv_mover"
+
     async def forgets_to_wait(move: KVMove) -> None:
         move.book(move.part_bytes)
 

@@ -51,6 +51,7 @@ from .job_executor import (
     earliest_first_token,
     fewest_sequences,
 )
+from .policies import require_callable
 from .prefill import PrefillPlacement, least_work
 from .replay import CONTEXT_FAILURE, MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
 from .routing import DecodeRouting, lowest_kv
@@ -306,6 +307,15 @@ def search_capacity(
     ``jobs > 1`` replays the rates the search may try next in that many worker processes while
     it waits for the current one (:class:`~xds.serve.speculative.Speculator`); the points
     tried and the result are the same for any ``jobs``, only the wall time changes."""
+    if isinstance(workload_at, Workload):
+        raise ConfigError(
+            "must be a function of the searched rate returning a Workload, got a Workload: "
+            "pass its `scaled` method (the search then varies the trace's rate scale)",
+            field="workload_at",
+        )
+    require_callable(workload_at, "workload_at", arity=1, kind="function")
+    if on_point is not None:
+        require_callable(on_point, "on_point", arity=1, kind="callback")
     cfg = check_pd_config(config)
     cfg = msgspec.structs.replace(cfg, record_token_times=False)  # no ITL here: save the memory
     cap = 256 * start if max_scale is None else max_scale

@@ -59,7 +59,7 @@ def require_callable(
     takes = " or ".join(map(str, counts))
     raise ConfigError(
         f"{field} {kind} {policy_name(policy)}{inspect.signature(policy)} must take {takes} "  # type: ignore[arg-type]
-        "positional arguments",
+        + ("positional argument" if counts == (1,) else "positional arguments"),
         field=field,
     )
 

@@ -19,6 +19,7 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
@@ -63,7 +64,7 @@ from .job_executor import (
     fewest_sequences,
 )
 from .kv import kv_capacity_blocks
-from .policies import require_callable
+from .policies import binds, policy_name, require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
 from .prefill_cost import PrefillCost, prefill_hardware, prefill_te_link, prefill_tp_link
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
@@ -347,6 +348,12 @@ class Replay(Failover):
             require_callable(policy, name, arity=(3, 4) if name == "decode_routing" else 2)
         if kv_mover is not None:
             require_callable(kv_mover, "kv_mover")
+            if binds(kv_mover, 1) is False:  # (whether it is async shows when it is called)
+                raise ConfigError(
+                    f"kv_mover {policy_name(kv_mover)}{inspect.signature(kv_mover)} must take "
+                    "one argument, the KVMove: `async def mover(move): ...`",
+                    field="kv_mover",
+                )
         if progress is not None:
             require_callable(progress, "progress", arity=3, kind="callback")
         self._kv_mover = kv_mover
