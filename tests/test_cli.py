@@ -422,6 +422,23 @@ def test_a_quick_reproduce_run_says_so_in_its_json():
     assert "quick" not in Result("peak-decode", 1.0, rows).to_json_object()
 
 
+def test_a_quick_reproduce_table_is_not_judged(monkeypatch, capsys):
+    """A --quick run is a smaller configuration: its table says so and gives no verdict."""
+    import xds.reproduce
+    from xds.reproduce import Result, Row
+
+    rows = [Row("iteration_ms", 93.0, 81.6, "ms", "approx", 0.1)]
+    monkeypatch.setattr(
+        xds.reproduce, "run_target", lambda name, quick: Result(name, 1.0, rows, quick=quick)
+    )
+    assert main(["reproduce", "peak-decode", "--quick"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the title wraps over the table)
+    assert "--quick: a smaller run, not judged" in out and "NO" not in out
+    assert main(["reproduce", "peak-decode"]) == 0
+    out = capsys.readouterr().out
+    assert "not judged" not in out and "NO" in out  # 81.6 is not within 10 % of 93
+
+
 def test_a_single_valued_option_given_twice_is_an_error_not_last_wins(capsys):
     for argv, expected in (
         (["replay", "--synthetic", "3", "--deployment", "a", "--deployment=b"], "--deployment is"),
