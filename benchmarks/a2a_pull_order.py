@@ -115,7 +115,15 @@ def main() -> None:
             + " ".join(f"{lat[o][b][0] / 1e3:9.1f} /{lat[o][b][1] / 1e3:7.1f}" for o in ORDERS)
         )
     for o in ORDERS:
-        print(f"   {o}: crossover at batch {dispatch_combine.crossover(lat[o]):.1f} (paper 32)")
+        cross = dispatch_combine.crossover(lat[o])
+        where = (
+            "none: dispatch is faster at every batch"
+            if cross == 0
+            else "none: combine is faster at every batch"
+            if cross == float(max(lat[o]))
+            else f"at batch {cross:.1f}"
+        )
+        print(f"   {o}: crossover {where} (paper 32)")
 
     if not args.skip_decode:
         print("\n3. peak decode (SPEC 12.2), full run")

@@ -224,12 +224,14 @@ def main() -> None:
             f"{r['events']:,}",
             f"{r['xds_asyncio']:,.0f}",
             f"{r['xds_trio']:,.0f}",
-            f"{simpy_rate:,.0f}" if simpy_rate else "n/a",
-            f"{r.get('ratio_asyncio_over_simpy', float('nan')):.3f}",
-            f"{r.get('ratio_trio_over_simpy', float('nan')):.3f}",
-            str(r["same_end_time"]),
+            f"{simpy_rate:,.0f}" if simpy_rate else "-",
+            f"{r['ratio_asyncio_over_simpy']:.3f}" if simpy_rate else "-",
+            f"{r['ratio_trio_over_simpy']:.3f}" if simpy_rate else "-",
+            str(r["same_end_time"]) + ("" if simpy_rate else " (xds backends)"),
         )
     Console(width=140).print(table)
+    if not all(r["simpy"] for r in rows):
+        print("SimPy is not installed, so it was skipped: pip install -e '.[bench]'")
 
 
 if __name__ == "__main__":

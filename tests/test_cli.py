@@ -272,6 +272,8 @@ def test_replay_injects_node_and_link_faults(capsys):
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),
         ("node:at=-1,server=0", "at must be in 0..1e+06"),
+        ("link_down:at=1,prefill_te=0,duration=0", "above 0 s, got '0' (leave it out for a link"),
+        ("node:at=1,server=1,repair=0", "above 0 s, got '0' (leave it out for a server never"),
     ):
         assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2
         err = capsys.readouterr().err

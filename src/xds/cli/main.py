@@ -1239,6 +1239,12 @@ def _replay_fault(spec: str):
             raise click.UsageError(f"--fault {spec}: {key} must be in 0..{limit:g}, got {value!r}")
         if key not in ("at", "repair", "duration") and not values[key].is_integer():
             raise click.UsageError(f"--fault {spec}: {key} must be a whole number, got {value!r}")
+        if key in ("repair", "duration") and values[key] * 1e9 < 0.5:  # 0 would mean never
+            never = "a link that stays down" if key == "duration" else "a server never repaired"
+            raise click.UsageError(
+                f"--fault {spec}: {key} must be above 0 s, got {value!r} (leave it out for "
+                f"{never})"
+            )
     needed = {"node": {"at", "server"}, "memory": {"at", "dp"}}.get(kind, {"at", "prefill_te"})
     if missing := needed - values.keys():
         raise click.UsageError(f"--fault {spec}: needs {', '.join(sorted(missing))}")
