@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xds.cli.main import main
 from xds.errors import TraceError
@@ -167,3 +169,21 @@ def test_trace_rows_are_one_per_window_in_order(tmp_path):
     off = pool(tmp_path / "m", {0: ["5,1,1,Gamma,1,1"]})
     with pytest.raises(TraceError, match=r"line 1 field 'start': .*multiple of 600 s, got 5"):
         load_servegen(off)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    probs=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40).filter(lambda p: sum(p) > 0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_length_draws_are_those_of_generator_choice(probs, seed):
+    """The loader searches each window's CDF itself (it draws tens of thousands of lengths);
+    the lengths are the ones ``Generator.choice(values, p=probs)`` would draw."""
+    from xds.trace.servegen import _cdf
+
+    p = np.array(probs) / sum(probs)
+    values = np.arange(1, len(p) + 1) * 7
+    mine, theirs = np.random.default_rng(seed), np.random.default_rng(seed)
+    cdf = _cdf(p)
+    for _ in range(20):
+        assert values[cdf.searchsorted(mine.random(), side="right")] == theirs.choice(values, p=p)

@@ -229,6 +229,14 @@ def _arrivals(
             )
 
 
+def _cdf(probs: np.ndarray) -> np.ndarray:
+    """The CDF ``Generator.choice`` searches for ``p=probs``: the cumulative sum over its last
+    value (so the draws are bit for bit those of ``choice``)."""
+    cdf = probs.cumsum()
+    cdf /= cdf[-1]
+    return cdf
+
+
 class _Lengths:
     """A client's input and output length distributions per 6 h window (parsed on first use)."""
 
@@ -248,8 +256,11 @@ class _Lengths:
                 path=str(self.path),
                 field=key,
             )
-        xv, xp, yv, yp = dists
-        return int(rng.choice(xv, p=xp)), int(rng.choice(yv, p=yp))
+        xv, xcdf, yv, ycdf = dists
+        # what rng.choice(values, p=probs) draws (one uniform, searched in the normalised
+        # CDF), without re-checking the probabilities and summing them on every draw
+        x = xv[xcdf.searchsorted(rng.random(), side="right")]
+        return int(x), int(yv[ycdf.searchsorted(rng.random(), side="right")])
 
     def _parse(self) -> dict[str, tuple[np.ndarray, ...]]:
         if not self.path.is_file():
@@ -268,7 +279,8 @@ class _Lengths:
                 raise TraceError("expected an object of fields", path=str(self.path), field=key)
             pmfs = [self._pmf(fields, key, name) for name in ("input_tokens", "output_tokens")]
             if all(v.size for v, _ in pmfs):
-                out[key] = (*pmfs[0], *pmfs[1])
+                (xv, xp), (yv, yp) = pmfs
+                out[key] = (xv, _cdf(xp), yv, _cdf(yp))
         return out
 
     def _pmf(self, fields: dict, key: str, name: str) -> tuple[np.ndarray, np.ndarray]:
