@@ -15,6 +15,7 @@ time.
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -324,6 +325,8 @@ class _LiveBatch:
         """Commit one step's tokens: ``drawn[j]`` (at most what is left) to the ``j``-th
         sequence of ``kept`` (positions; None: all), at time ``t``. Returns the flat indices
         of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
+        if kept is None and len(drawn) == len(self.slots):
+            return self._commit_all(drawn, t, remaining)
         pos = range(len(self.slots)) if kept is None else kept
         rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
         gone: list[int] = []
@@ -339,6 +342,39 @@ class _LiveBatch:
             if tokens is not None:
                 tokens[j].extend([t] * n)
         if any(map(operator.ge, sums, self._next)):
+            self._set_steps()
+            self.moved = True
+        if not gone:
+            return []
+        ended = [self.slots[j] for j in gone]
+        remaining.reshape(-1)[ended] = 0
+        for j in reversed(gone):
+            self._leave(j)
+        return ended
+
+    def _commit_all(self, drawn: list[int], t: int, remaining: np.ndarray) -> list[int]:
+        """:meth:`commit` of one draw per sequence, in whole-list operations: the same
+        progress as its per-sequence loop, at a fraction of its cost for hundreds of
+        sequences."""
+        rem = list(map(operator.sub, self.remaining, drawn))
+        gone: list[int] = []
+        if min(rem, default=1) <= 0:  # some sequences' last tokens: only what was left
+            drawn = list(drawn)
+            gone = [j for j, left in enumerate(rem) if left <= 0]
+            for j in gone:
+                drawn[j] += rem[j]
+                rem[j] = 0
+        self.remaining[:] = rem
+        # a group's sequences are a run of the slot order: its context grows by their draws
+        cum = list(itertools.accumulate(drawn, initial=0))
+        edges = list(map(cum.__getitem__, itertools.accumulate(self.seqs, initial=0)))
+        grown = map(operator.sub, edges[1:], edges[:-1])
+        self.sums[:] = map(operator.add, self.sums, grown)
+        if self.tokens is not None:
+            reps = [[t] * n for n in range(max(drawn, default=0) + 1)]
+            for times, n in zip(self.tokens, drawn, strict=True):
+                times += reps[n]
+        if any(map(operator.ge, self.sums, self._next)):
             self._set_steps()
             self.moved = True
         if not gone:
