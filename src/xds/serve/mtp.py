@@ -77,17 +77,15 @@ def tokens_per_step(config: MTPConfig, rng: np.random.Generator, steps: int) -> 
 
 def committed_tokens(config: MTPConfig, draws: UniformDraws, steps: int) -> list[int]:
     """:func:`tokens_per_step` as a list, from the same draws (``steps`` per draft depth, in
-    depth order) read off ``draws``: the same values, cheaper for a few dozen steps."""
-    if config.k == 1:
-        p = config.p(0)
-        return [2 if u < p else 1 for u in draws.take(steps)]
-    out = [1] * steps
-    alive = [True] * steps
-    for depth in range(config.k):
-        p = config.p(depth)
-        alive = [a and u < p for a, u in zip(alive, draws.take(steps), strict=True)]
-        out = [n + a for n, a in zip(out, alive, strict=True)]
-    return out
+    depth order) read off ``draws``: the same values, without a Generator call per step."""
+    if not config.k:
+        return [1] * steps
+    alive = draws.take(steps) < config.p(0)
+    out = np.add(alive, 1, dtype=np.int64)
+    for depth in range(1, config.k):
+        alive &= draws.take(steps) < config.p(depth)
+        out += alive
+    return out.tolist()
 
 
 def mtp_step(
