@@ -374,8 +374,11 @@ class _LiveBatch:
             reps = [[t] * n for n in range(max(drawn, default=0) + 1)]
             for times, n in zip(self.tokens, drawn, strict=True):
                 times += reps[n]
-        if any(map(operator.ge, self.sums, self._next)):
-            self._set_steps()
+        # the groups whose step moved up (every other group's stands: sums only grew)
+        up = list(itertools.compress(itertools.count(), map(operator.ge, self.sums, self._next)))
+        for g in up:
+            self._step(g)
+        if up:
             self.moved = True
         if not gone:
             return []
