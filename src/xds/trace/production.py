@@ -111,11 +111,13 @@ NO_CONVERSATIONS = Conversations(follow_up=0.0)
 def _location(mean: float, cap: int, sigma: float) -> float:
     """Location of a log-normal whose values clipped to [1, ``cap``] average ``mean`` (by
     bisection on a fixed reference sample, so it does not depend on the workload's size)."""
-    ref = np.random.default_rng(12_4).standard_normal(200_000)
+    spread = sigma * np.random.default_rng(12_4).standard_normal(200_000)
+    values = np.empty_like(spread)  # each try's lengths, in one buffer
     lo, hi = np.log(1.0), np.log(float(cap))
     for _ in range(60):
         mu = (lo + hi) / 2
-        m = np.clip(np.exp(mu + sigma * ref), 1, cap).mean()
+        np.exp(np.add(mu, spread, out=values), out=values)
+        m = np.clip(values, 1, cap, out=values).mean()
         lo, hi = (mu, hi) if m < mean else (lo, mu)
     return (lo + hi) / 2
 
