@@ -176,7 +176,7 @@ def test_committed_tokens_read_ahead_are_tokens_per_step(k, acceptance, steps):
     direct = np.random.default_rng(np.random.PCG64(streams.seed_sequence("mtp")))
     draws = streams.uniforms("mtp")
     for n in steps:  # the reader's blocks fall anywhere: the same draws, the same tokens
-        assert committed_tokens(cfg, draws, n).tolist() == tokens_per_step(cfg, direct, n).tolist()
+        assert committed_tokens(cfg, draws, n) == tokens_per_step(cfg, direct, n).tolist()
     assert streams.uniforms("mtp") is draws  # one reader per stream: a restart goes on
 
 

@@ -195,10 +195,9 @@ DIES_PER_SERVER = PodConfig().chips_per_server * PodConfig().dies_per_chip
 
 
 class _LiveBatch:
-    """A Decode TE's live sequences (``remaining > 0``) in slot order, as plain lists (the
-    per-group columns are a few dozen to a hundred long, where a numpy call costs more than
-    the Python arithmetic it replaces) but :attr:`remaining`, which every iteration moves as
-    one array.
+    """A Decode TE's live sequences (``remaining > 0``) in slot order, as plain lists: the
+    iteration loop runs a few dozen sequences, where a numpy call costs more than the Python
+    arithmetic it replaces.
 
     Taken from the TE's slot arrays (``slot_req``, ``remaining``, ``context``, all
     [DP groups, batch limit]), it then holds its sequences' progress: :meth:`commit` moves only
@@ -221,10 +220,9 @@ class _LiveBatch:
         """Flat indices (``dp * batch limit + slot``) of the live slots, ascending: the
         row-major order ``np.nonzero`` and ``np.place`` walk the slot arrays in."""
         self.req: list[int] = slot_req.reshape(-1)[flat].tolist()
-        self.remaining: np.ndarray = remaining.reshape(-1)[flat]
-        """Each sequence's tokens still to come (int64, a copy of the TE's)."""
+        self.remaining: list[int] = remaining.reshape(-1)[flat].tolist()
         contexts = context.reshape(-1)[flat].tolist()
-        self.length = (context.reshape(-1)[flat] + self.remaining).tolist()
+        self.length = [c + r for c, r in zip(contexts, self.remaining, strict=True)]
         """Each sequence's context when it ends (its context is this less what remains)."""
         self.tokens = None if records is None else [records[r].token_ns for r in self.req]
         """Each sequence's token times (None: not recorded)."""
@@ -271,7 +269,7 @@ class _LiveBatch:
         j = bisect.bisect(self.slots, flat)
         self.slots.insert(j, flat)
         self.req.insert(j, req)
-        self.remaining = np.insert(self.remaining, j, remaining)
+        self.remaining.insert(j, remaining)
         self.length.insert(j, context + remaining)
         if self.tokens is not None:
             assert tokens is not None
@@ -296,8 +294,7 @@ class _LiveBatch:
         self.seqs[g] -= 1
         self.sums[g] -= self.length[j]  # its context, nothing remaining
         self.seqs_all[self.slots[j] // self.limit] -= 1
-        del self.slots[j], self.req[j], self.length[j], self.group[j]
-        self.remaining = np.delete(self.remaining, j)
+        del self.slots[j], self.req[j], self.remaining[j], self.length[j], self.group[j]
         if self.tokens is not None:
             del self.tokens[j]
         if self.seqs[g]:
@@ -323,18 +320,18 @@ class _LiveBatch:
         return [i for i, (a, b) in enumerate(zip(now, self.req, strict=True)) if a == b]
 
     def commit(
-        self, drawn: np.ndarray, kept: list[int] | None, t: int, remaining: np.ndarray
+        self, drawn: list[int], kept: list[int] | None, t: int, remaining: np.ndarray
     ) -> list[int]:
         """Commit one step's tokens: ``drawn[j]`` (at most what is left) to the ``j``-th
         sequence of ``kept`` (positions; None: all), at time ``t``. Returns the flat indices
         of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
         if kept is None and len(drawn) == len(self.slots):
-            return self._commit_all(drawn, t, remaining) if len(drawn) else []
+            return self._commit_all(drawn, t, remaining)
         pos = range(len(self.slots)) if kept is None else kept
-        rem, sums, group, tokens = self.remaining.tolist(), self.sums, self.group, self.tokens
+        rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
         gone: list[int] = []
         # fewer kept than drawn (a memory fault): the first draws go to them
-        for j, n in zip(pos, drawn.tolist(), strict=False):
+        for j, n in zip(pos, drawn, strict=False):
             left = rem[j] - n
             if left <= 0:  # its last tokens: only what was left
                 n += left
@@ -344,7 +341,6 @@ class _LiveBatch:
             sums[group[j]] += n
             if tokens is not None:
                 tokens[j].extend([t] * n)
-        self.remaining = np.array(rem, dtype=np.int64)
         if any(map(operator.ge, sums, self._next)):
             self._set_steps()
             self.moved = True
@@ -356,25 +352,27 @@ class _LiveBatch:
             self._leave(j)
         return ended
 
-    def _commit_all(self, drawn: np.ndarray, t: int, remaining: np.ndarray) -> list[int]:
-        """:meth:`commit` of one draw per sequence (at least one), in whole-array and
-        whole-list operations: the same progress as its per-sequence loop, at a fraction of
-        its cost for hundreds of sequences."""
-        rem = self.remaining - drawn
+    def _commit_all(self, drawn: list[int], t: int, remaining: np.ndarray) -> list[int]:
+        """:meth:`commit` of one draw per sequence, in whole-list operations: the same
+        progress as its per-sequence loop, at a fraction of its cost for hundreds of
+        sequences."""
+        rem = list(map(operator.sub, self.remaining, drawn))
         gone: list[int] = []
-        if rem.min() <= 0:  # some sequences' last tokens: only what was left
-            last = rem <= 0
-            gone = np.flatnonzero(last).tolist()
-            drawn = drawn + np.minimum(rem, 0)
-            rem[last] = 0
-        self.remaining = rem
+        if min(rem, default=1) <= 0:  # some sequences' last tokens: only what was left
+            drawn = list(drawn)
+            gone = [j for j, left in enumerate(rem) if left <= 0]
+            for j in gone:
+                drawn[j] += rem[j]
+                rem[j] = 0
+        self.remaining[:] = rem
         # a group's sequences are a run of the slot order: its context grows by their draws
-        starts = list(itertools.accumulate(self.seqs[:-1], initial=0))
-        self.sums[:] = map(operator.add, self.sums, np.add.reduceat(drawn, starts).tolist())
+        cum = list(itertools.accumulate(drawn, initial=0))
+        edges = list(map(cum.__getitem__, itertools.accumulate(self.seqs, initial=0)))
+        grown = map(operator.sub, edges[1:], edges[:-1])
+        self.sums[:] = map(operator.add, self.sums, grown)
         if self.tokens is not None:
-            counts = drawn.tolist()
-            reps = [[t] * n for n in range(max(counts) + 1)]
-            for times, n in zip(self.tokens, counts, strict=True):
+            reps = [[t] * n for n in range(max(drawn, default=0) + 1)]
+            for times, n in zip(self.tokens, drawn, strict=True):
                 times += reps[n]
         # the groups whose step moved up (every other group's stands: sums only grew)
         up = list(itertools.compress(itertools.count(), map(operator.ge, self.sums, self._next)))
@@ -394,9 +392,8 @@ class _LiveBatch:
         """Write the progress of the sequences still in their slots back to the TE's arrays."""
         kept = self.still_in(slot_req)
         flat = self.flat[kept]
-        left = self.remaining[kept]
-        remaining.reshape(-1)[flat] = left
-        context.reshape(-1)[flat] = np.array(self.length, dtype=np.int64)[kept] - left
+        remaining.reshape(-1)[flat] = [self.remaining[j] for j in kept]
+        context.reshape(-1)[flat] = [self.length[j] - self.remaining[j] for j in kept]
 
 
 class DecodeTE:

@@ -75,17 +75,17 @@ def tokens_per_step(config: MTPConfig, rng: np.random.Generator, steps: int) -> 
     return out
 
 
-def committed_tokens(config: MTPConfig, draws: UniformDraws, steps: int) -> np.ndarray:
-    """:func:`tokens_per_step` from the same draws (``steps`` per draft depth, in depth order)
-    read off ``draws``: the same values, without a Generator call per step."""
+def committed_tokens(config: MTPConfig, draws: UniformDraws, steps: int) -> list[int]:
+    """:func:`tokens_per_step` as a list, from the same draws (``steps`` per draft depth, in
+    depth order) read off ``draws``: the same values, without a Generator call per step."""
     if not config.k:
-        return np.ones(steps, dtype=np.int64)
+        return [1] * steps
     alive = draws.take(steps) < config.p(0)
     out = np.add(alive, 1, dtype=np.int64)
     for depth in range(1, config.k):
         alive &= draws.take(steps) < config.p(depth)
         out += alive
-    return out
+    return out.tolist()
 
 
 def mtp_step(
