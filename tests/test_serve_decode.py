@@ -384,13 +384,16 @@ def test_a_live_batch_commits_all_as_its_per_sequence_loop(ops):
     token times and the slot arrays as the per-sequence loop does (the path of ``kept``)."""
     from xds.serve.decode_te import _LiveBatch
 
+    class WholeList(_LiveBatch):
+        WHOLE_LIST_FROM = 1  # the whole-list path at any size
+
     dps, limit = 4, 3
     batches = []
-    for _ in range(2):
+    for kind in (WholeList, _LiveBatch):
         slot_req = np.full((dps, limit), -1, dtype=np.int64)
         remaining = np.zeros((dps, limit), dtype=np.int64)
         context = np.zeros((dps, limit), dtype=np.int64)
-        live = _LiveBatch(slot_req, remaining, context, {})
+        live = kind(slot_req, remaining, context, {})
         batches.append((live, slot_req, remaining, {}))
     for request, (join, x, draws) in enumerate(ops):
         ended = []

@@ -319,13 +319,17 @@ class _LiveBatch:
         now = slot_req.reshape(-1)[self.flat].tolist()
         return [i for i, (a, b) in enumerate(zip(now, self.req, strict=True)) if a == b]
 
+    WHOLE_LIST_FROM = 64
+    """Batches of at least this many sequences commit in whole-list operations
+    (:meth:`_commit_all`); smaller ones sequence by sequence, which costs less there."""
+
     def commit(
         self, drawn: list[int], kept: list[int] | None, t: int, remaining: np.ndarray
     ) -> list[int]:
         """Commit one step's tokens: ``drawn[j]`` (at most what is left) to the ``j``-th
         sequence of ``kept`` (positions; None: all), at time ``t``. Returns the flat indices
         of the sequences that ended, in slot order (their ``remaining`` is cleared)."""
-        if kept is None and len(drawn) == len(self.slots):
+        if kept is None and len(drawn) == len(self.slots) >= self.WHOLE_LIST_FROM:
             return self._commit_all(drawn, t, remaining)
         pos = range(len(self.slots)) if kept is None else kept
         rem, sums, group, tokens = self.remaining, self.sums, self.group, self.tokens
@@ -355,7 +359,7 @@ class _LiveBatch:
     def _commit_all(self, drawn: list[int], t: int, remaining: np.ndarray) -> list[int]:
         """:meth:`commit` of one draw per sequence, in whole-list operations: the same
         progress as its per-sequence loop, at a fraction of its cost for hundreds of
-        sequences."""
+        sequences (a few dozen cost less in the loop)."""
         rem = list(map(operator.sub, self.remaining, drawn))
         gone: list[int] = []
         if min(rem, default=1) <= 0:  # some sequences' last tokens: only what was left
