@@ -348,13 +348,7 @@ class _LiveBatch:
         if any(map(operator.ge, sums, self._next)):
             self._set_steps()
             self.moved = True
-        if not gone:
-            return []
-        ended = [self.slots[j] for j in gone]
-        remaining.reshape(-1)[ended] = 0
-        for j in reversed(gone):
-            self._leave(j)
-        return ended
+        return self._left(gone, remaining)
 
     def _commit_all(self, drawn: list[int], t: int, remaining: np.ndarray) -> list[int]:
         """:meth:`commit` of one draw per sequence, in whole-list operations: the same
@@ -378,12 +372,17 @@ class _LiveBatch:
             reps = [[t] * n for n in range(max(drawn, default=0) + 1)]
             for times, n in zip(self.tokens, drawn, strict=True):
                 times += reps[n]
-        # the groups whose step moved up (every other group's stands: sums only grew)
+        # the groups whose step moved up (every other group's stands: contexts only grew)
         up = list(itertools.compress(itertools.count(), map(operator.ge, self.sums, self._next)))
         for g in up:
             self._step(g)
         if up:
             self.moved = True
+        return self._left(gone, remaining)
+
+    def _left(self, gone: list[int], remaining: np.ndarray) -> list[int]:
+        """The sequences ``gone`` (positions, ascending), which ended, leave the batch and
+        their slots' ``remaining``. Returns their flat indices."""
         if not gone:
             return []
         ended = [self.slots[j] for j in gone]
