@@ -375,6 +375,56 @@ def test_a_live_batch_kept_by_joins_and_commits_is_the_batch_taken_afresh(ops):
         assert live.seqs_all.tolist() == fresh.seqs_all.tolist()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 10**6), st.lists(st.integers(1, 4), min_size=1)),
+        max_size=60,
+    )
+)
+def test_a_live_batch_commits_all_as_its_per_sequence_loop(ops):
+    """:meth:`_LiveBatch.commit` of every sequence (its whole-list path) leaves the batch, the
+    token times and the slot arrays as the per-sequence loop does (the path of ``kept``)."""
+    from xds.serve.decode_te import _LiveBatch
+
+    class WholeList(_LiveBatch):
+        WHOLE_LIST_FROM = 1  # the whole-list path at any size
+
+    dps, limit = 4, 3
+    batches = []
+    for kind in (WholeList, _LiveBatch):
+        slot_req = np.full((dps, limit), -1, dtype=np.int64)
+        remaining = np.zeros((dps, limit), dtype=np.int64)
+        context = np.zeros((dps, limit), dtype=np.int64)
+        live = kind(slot_req, remaining, context, {})
+        batches.append((live, slot_req, remaining, {}))
+    for request, (join, x, draws) in enumerate(ops):
+        ended = []
+        for live, slot_req, remaining, tokens in batches:
+            if join:
+                free = np.flatnonzero(slot_req < 0)
+                if not free.size:
+                    continue
+                slot = int(free[x % free.size])
+                left, ctx = 1 + x % 9, x % 5_000
+                slot_req.flat[slot], remaining.flat[slot] = request, left
+                tokens[request] = [x]
+                live.add(slot, request, left, ctx, tokens[request])
+            else:
+                n = len(live.slots)
+                drawn = (draws * n)[:n]
+                kept = None if live is batches[0][0] else list(range(n))
+                ended.append(live.commit(drawn, kept, 1_000 + request, remaining))
+                slot_req.reshape(-1)[ended[-1]] = -1
+        (a, _, rem_a, tok_a), (b, _, rem_b, tok_b) = batches
+        assert ended[:1] == ended[1:]
+        for name in ("slots", "req", "remaining", "length", "dps", "group", "seqs", "sums"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert a.steps == b.steps and a._next == b._next and a.moved == b.moved
+        assert a.tokens == b.tokens and tok_a == tok_b
+        assert rem_a.tolist() == rem_b.tolist()
+
+
 def _per_die_account(dm, seqs, ctx, jitter, mtp_experts, main_experts):
     """DecodeModel.account as a [len(_ROW), dies] table of every die's times: the reference
     the pricing by distinct DP shape must match to the nanosecond."""

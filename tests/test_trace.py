@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import xds.trace as t
 from xds.errors import ConfigError, TraceError
+from xds.trace.metrics import inter_token_ms
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
@@ -145,6 +148,26 @@ def test_generators_rate_scale_and_limit():
     g = np.diff([r.arrival_ns for r in b.requests])
     assert np.std(g) / np.mean(g) == pytest.approx(3.0, rel=0.1)
     assert np.mean([r.input_tokens for r in s.requests]) == pytest.approx(1000, rel=0.05)
+
+
+_TIME = st.integers(0, 10**13)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_TIME, st.lists(_TIME, max_size=6)), max_size=6))
+def test_inter_token_ms_is_the_pairwise_formula(records):
+    """The vectorised ITLs are exactly the per-pair ``(b - a) / 1e6``, in record order."""
+    recs = [
+        t.RequestRecord(i, 0, 1, len(times) + 1, first_token_ns=first, token_ns=times)
+        for i, (first, times) in enumerate(records)
+    ]
+    plain = [
+        (b - a) / 1e6
+        for r in recs
+        for a, b in zip([r.first_token_ns, *r.token_ns], r.token_ns, strict=False)
+    ]
+    fast = inter_token_ms(recs)
+    assert fast.dtype == np.float64 and fast.tolist() == plain
 
 
 def test_summary_and_outputs(tmp_path):

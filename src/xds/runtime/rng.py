@@ -67,20 +67,20 @@ class UniformDraws:
     """Uniform [0, 1) doubles of one Generator, read ahead ``block`` at a time: :meth:`take`
     gives what ``generator.random(n)`` would have (a Generator draws its doubles one after
     another, however many each call asks for), at one numpy call per block rather than per
-    take (a decode iteration takes a few dozen)."""
+    take (a decode iteration takes a few hundred)."""
 
     def __init__(self, generator: np.random.Generator, block: int = 1024):
         self._generator = generator
         self._block = block
-        self._ahead: list[float] = []
+        self._ahead: np.ndarray = np.empty(0)
         self._next = 0
         """Where the next take starts in :attr:`_ahead`."""
 
-    def take(self, n: int) -> list[float]:
-        """The next ``n`` draws."""
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` draws (a view of the read-ahead block: read them, do not write)."""
         if self._next + n > len(self._ahead):
-            fresh = self._generator.random(max(n, self._block)).tolist()
-            self._ahead = self._ahead[self._next :] + fresh
+            fresh = self._generator.random(max(n, self._block))
+            self._ahead = np.concatenate([self._ahead[self._next :], fresh])
             self._next = 0
         draws = self._ahead[self._next : self._next + n]
         self._next += n

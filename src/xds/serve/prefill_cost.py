@@ -127,9 +127,10 @@ class PrefillCost:
         busiest = self.busiest_die_copies(all_tokens * m.top_k)
         routed = experts_here * self.cost.expert(busiest / experts_here).time_ns
         # the slowest group's time of each kernel (the routed experts are every group's)
+        times = [self._group_times(g, int8_attention) for g in busy]
         dense, before, after, mtp_proj, head = (
-            [max(col) for col in zip(*lists, strict=True)]
-            for lists in zip(*(self._group_times(g, int8_attention) for g in busy), strict=True)
+            list(map(max, *lists)) if len(lists) > 1 else list(lists[0])
+            for lists in zip(*times, strict=True)
         )
         moe = [*before, routed, *after]
         return dense, moe, [*mtp_proj, *moe], head

@@ -11,6 +11,7 @@ decode: TPOT, decode admission wait and KV transfer are over the requests with t
 from __future__ import annotations
 
 import csv as csv_module
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -179,6 +180,25 @@ def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
     return sum(r.cached_tokens for r in records) / max(1, sum(r.input_tokens for r in records))
 
 
+def inter_token_ms(records: Sequence[RequestRecord]) -> np.ndarray:
+    """The inter-token latencies of ``records`` (ms), record by record: each one's gap from
+    its first token to its first token time, then between consecutive token times. Computed on
+    one array of every token time (a replay holds millions), with the values
+    ``(b - a) / 1e6`` of each pair would give."""
+    counts = np.fromiter((len(r.token_ns) for r in records), dtype=np.int64, count=len(records))
+    times = np.fromiter(
+        itertools.chain.from_iterable(r.token_ns for r in records),
+        dtype=np.int64,
+        count=int(counts.sum()),
+    )
+    before = np.empty_like(times)  # each token's predecessor: the token before it ...
+    before[1:] = times[:-1]
+    firsts = np.fromiter((r.first_token_ns for r in records), dtype=np.int64, count=len(records))
+    some = counts > 0  # ... or, for a record's first token time, the record's first token
+    before[(np.cumsum(counts) - counts)[some]] = firsts[some]
+    return (times - before) / 1e6
+
+
 def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None = None) -> Summary:
     """The summary of a finished replay (``chips`` for the per-chip throughput)."""
     if chips < 1:
@@ -190,11 +210,7 @@ def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None =
         if r.outcome == "failed":
             kind = failure_kind(r.reason)
             failures[kind] = failures.get(kind, 0) + 1
-    itl = [
-        (b - a) / 1e6
-        for r in done
-        for a, b in zip([r.first_token_ns, *r.token_ns], r.token_ns, strict=False)
-    ]
+    itl = inter_token_ms(done)
     start = min((r.arrival_ns for r in records), default=0)
     ended = done or [r for r in records if r.finish_ns >= 0]  # nothing completed: the failures
     end = max((r.finish_ns for r in ended), default=start)

@@ -53,7 +53,7 @@ the deployment's answers to one workload.
 from __future__ import annotations
 
 import functools
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 import numpy as np
@@ -111,11 +111,13 @@ NO_CONVERSATIONS = Conversations(follow_up=0.0)
 def _location(mean: float, cap: int, sigma: float) -> float:
     """Location of a log-normal whose values clipped to [1, ``cap``] average ``mean`` (by
     bisection on a fixed reference sample, so it does not depend on the workload's size)."""
-    ref = np.random.default_rng(12_4).standard_normal(200_000)
+    spread = sigma * np.random.default_rng(12_4).standard_normal(200_000)
+    values = np.empty_like(spread)  # each try's lengths, in one buffer
     lo, hi = np.log(1.0), np.log(float(cap))
     for _ in range(60):
         mu = (lo + hi) / 2
-        m = np.clip(np.exp(mu + sigma * ref), 1, cap).mean()
+        np.exp(np.add(mu, spread, out=values), out=values)
+        m = np.clip(values, 1, cap, out=values).mean()
         lo, hi = (mu, hi) if m < mean else (lo, mu)
     return (lo + hi) / 2
 
@@ -173,33 +175,53 @@ class _Turns(msgspec.Struct):
     """Index of the request whose prompt this one extends, -1 for a first turn."""
 
 
-def _turns(draws: _Draws, arrivals: np.ndarray, first_mu: float, conv: Conversations) -> _Turns:
-    """Input lengths and parents, in arrival order (a parent always arrived earlier)."""
-    first = _lengths(draws.first_z, first_mu, INPUT_MAX)
+class _Links(NamedTuple):
+    """What decides a follow-up's parent but the first-turn lengths, in arrival order."""
+
+    follow: list[int]
+    """The requests that are follow-ups (if they find a parent)."""
+    targets: list[int]
+    """Per request, the last one arrived by its arrival minus its drawn turn gap."""
+    new: list[int]
+    """Per request, the new tokens it adds to its parent's full blocks as a follow-up."""
+
+
+def _links(draws: _Draws, arrivals: np.ndarray, conv: Conversations) -> _Links:
     follow = draws.follow_u < conv.follow_up
     gaps = np.exp(np.log(conv.gap_median_s * S) + conv.gap_sigma * draws.gap_z)
     new = np.maximum(1, np.rint(np.exp(np.log(conv.new_median) + conv.new_sigma * draws.new_z)))
     new = new.astype(np.int64)
-    targets = (np.searchsorted(arrivals, arrivals - gaps, side="right") - 1).tolist()
-    # the walk below is sequential (a turn continued is taken): plain lists, not numpy scalars
-    inputs = first.tolist()
+    targets = np.searchsorted(arrivals, arrivals - gaps, side="right") - 1
+    return _Links(np.nonzero(follow)[0].tolist(), targets.tolist(), new.tolist())
+
+
+def _turns(draws: _Draws, arrivals: np.ndarray, first_mu: float, conv: Conversations) -> _Turns:
+    """Input lengths and parents, in arrival order (a parent always arrived earlier)."""
+    first = _lengths(draws.first_z, first_mu, INPUT_MAX)
+    return _walk(first, _links(draws, arrivals, conv), conv.search_back)
+
+
+def _walk(first: np.ndarray, links: _Links, search_back: int) -> _Turns:
+    """:func:`_turns` from the first-turn lengths ``first``: each follow-up in arrival order
+    takes its parent (on plain Python ints: the same values, without numpy's per-element
+    cost)."""
+    inputs: list[int] = first.tolist()
+    full: list[int] = (first // BLOCK_TOKENS * BLOCK_TOKENS).tolist()  # in a prompt's full blocks
     parent = [-1] * len(inputs)
     continued = [False] * len(inputs)
-    full = [x // BLOCK_TOKENS * BLOCK_TOKENS for x in inputs]  # tokens in full blocks
-    added = new.tolist()
-    back = conv.search_back
-    for i in np.nonzero(follow)[0].tolist():
+    targets, more = links.targets, links.new
+    for i in links.follow:
         j = targets[i]
-        stop = j - back if j - back > -1 else -1
+        stop = j - search_back if j - search_back > -1 else -1
         while j > stop:  # the nearest earlier turn, not yet continued, that leaves room
-            if not continued[j] and full[j] + added[i] <= INPUT_MAX:
+            if not continued[j] and full[j] + more[i] <= INPUT_MAX:
                 break
             j -= 1
         if j > stop:
             continued[j] = True
             parent[i] = j
-            inputs[i] = x = full[j] + added[i]
-            full[i] = x // BLOCK_TOKENS * BLOCK_TOKENS
+            inputs[i] = full[j] + more[i]
+            full[i] = inputs[i] // BLOCK_TOKENS * BLOCK_TOKENS
     return _Turns(np.array(inputs, dtype=np.int64), np.array(parent, dtype=np.int64))
 
 
@@ -211,10 +233,12 @@ def _first_turn_location(conv: Conversations) -> float:
     ref = _Draws.of(n, 12_4, 1)
     arrivals = np.cumsum(ref.interval) * (S / 10.0)
     kept = arrivals >= arrivals[0] + conv.history_s * S
+    links = _links(ref, arrivals, conv)  # the same at every location
     lo, hi = np.log(1.0), np.log(float(INPUT_MAX))
     for _ in range(40):
         mu = (lo + hi) / 2
-        m = _turns(ref, arrivals, mu, conv).inputs[kept].mean()
+        first = _lengths(ref.first_z, mu, INPUT_MAX)
+        m = _walk(first, links, conv.search_back).inputs[kept].mean()
         lo, hi = (mu, hi) if m < INPUT_MEAN else (lo, mu)
     return (lo + hi) / 2
 
