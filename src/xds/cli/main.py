@@ -1242,8 +1242,7 @@ def _replay_fault(spec: str):
         if key in ("repair", "duration") and values[key] * 1e9 < 0.5:  # 0 would mean never
             never = "a link that stays down" if key == "duration" else "a server never repaired"
             raise click.UsageError(
-                f"--fault {spec}: {key} must be above 0 s, got {value!r} (leave it out for "
-                f"{never})"
+                f"--fault {spec}: {key} must be above 0 s, got {value!r} (leave it out for {never})"
             )
     needed = {"node": {"at", "server"}, "memory": {"at", "dp"}}.get(kind, {"at", "prefill_te"})
     if missing := needed - values.keys():
