@@ -38,6 +38,7 @@ a :class:`~xds.errors.ProtocolError` naming the policy, the layer and the expert
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import numbers
 import operator
@@ -347,6 +348,9 @@ class XdsGreedy:
         fits = _Fit(layout)
         chosen: list[int] = []
         per_replica = counts / copies[:, None]  # always from the original counts (A12)
+        if counts.shape[1] == 1:
+            chosen = self._one_slice(counts[:, 0], copies, fits, budget)
+            budget = 0  # (chosen above)
         for _ in range(budget):
             hottest = per_replica.max(axis=0)
             if not hottest.any():
@@ -375,6 +379,34 @@ class XdsGreedy:
         total = counts.sum(axis=1)
         order = sorted(chosen, key=lambda e: (-total[e], e))  # by total load (SPEC 7.3)
         return _place(order, copies, total, layout)
+
+    @staticmethod
+    def _one_slice(counts: np.ndarray, copies: np.ndarray, fits: _Fit, budget: int) -> list[int]:
+        """The selection above for a single time slice, where it reduces to: the hottest
+        replica's expert, the lowest id among ties that can take one more (each tied
+        candidate's score is the tie's load; a lone one's is all there is to choose), kept
+        in a heap rather than scanned per replica. Modifies ``copies``."""
+        heap = [(-c, e) for e, c in enumerate((counts / copies).tolist())]
+        heapq.heapify(heap)
+        chosen: list[int] = []
+        for _ in range(budget):
+            top = heap[0][0]
+            if not top < 0:
+                break  # no load left to split: a replica would balance nothing
+            tied = []
+            while heap and heap[0][0] == top:
+                tied.append(heapq.heappop(heap)[1])  # ascending expert ids
+            ok = [c for c in tied if fits.can_add(c)]
+            if not ok:
+                break  # no candidate can take another replica
+            best = ok[0]
+            fits.add(best)
+            copies[best] += 1
+            chosen.append(best)
+            for e in tied:
+                load = counts[e] / copies[e] if e == best else -top
+                heapq.heappush(heap, (-load, e))
+        return chosen
 
 
 class DeepSeekEPLB:
