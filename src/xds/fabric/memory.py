@@ -17,6 +17,7 @@ counts move (same protocol, same timing; ARCHITECTURE.md "Payload modes").
 
 from __future__ import annotations
 
+import mmap
 import struct
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -88,19 +89,21 @@ class DieMemory:
         self.app_bytes = app_bytes
         self.ring_slots = ring_slots
         self.slot_bytes = slot_bytes
-        self._app: bytearray | None = None
+        self._app: mmap.mmap | None = None
         self._slots: dict[tuple[int, int], bytearray] = {}
         self._meta: dict[tuple[int, int, int], MetaField] = {}
 
     # -- regions -----------------------------------------------------------------------------
     @property
     def app(self) -> memoryview:
-        """The application region (bytes mode only)."""
+        """The application region (bytes mode only): anonymous memory, zero-filled by the
+        OS page by page as it is first touched, so a die costs host memory (and time to
+        clear it) only for the bytes a run writes, not for the whole region."""
         self._require_bytes("the application region")
         if self._app is None:
             try:
-                self._app = bytearray(self.app_bytes)
-            except MemoryError:
+                self._app = mmap.mmap(-1, self.app_bytes)
+            except (MemoryError, OSError):
                 raise ConfigError(
                     f"bytes mode holds each die's application region in host memory, and "
                     f"{self.app_bytes:,} bytes do not fit: a smaller app_bytes, or "
