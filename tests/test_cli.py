@@ -272,8 +272,8 @@ def test_replay_injects_node_and_link_faults(capsys):
         ("bogus:at=1", "unknown fault kind 'bogus'"),
         ("node:at=1,at=2,server=1", "at is given twice"),
         ("node:at=-1,server=0", "at must be in 0..1e+06"),
-        ("link_down:at=1,prefill_te=0,duration=0", "above 0 s, got '0' (leave it out for a link"),
-        ("node:at=1,server=1,repair=0", "above 0 s, got '0' (leave it out for a server never"),
+        ("link_down:at=1,prefill_te=0,duration=0", "at least 1 ns, got '0' s (leave it out for a"),
+        ("node:at=1,server=1,repair=4e-10", "least 1 ns, got '4e-10' s (leave it out for a server"),
     ):
         assert main(["replay", "--synthetic", "20", "--fault", spec]) == 2
         err = capsys.readouterr().err
@@ -420,8 +420,10 @@ def test_a_quick_reproduce_run_says_so_in_its_json():
     from xds.reproduce import Result, Row
 
     rows = [Row("iteration_ms", 93.0, 81.6, "ms", "approx", 0.1)]
-    assert Result("peak-decode", 1.0, rows, quick=True).to_json_object()["quick"] is True
-    assert "quick" not in Result("peak-decode", 1.0, rows).to_json_object()
+    quick = Result("peak-decode", 1.0, rows, quick=True).to_json_object()
+    assert quick["quick"] is True and quick["rows"][0]["ok"] is None  # not judged
+    full = Result("peak-decode", 1.0, rows).to_json_object()
+    assert "quick" not in full and full["rows"][0]["ok"] is False
 
 
 def test_a_quick_reproduce_table_is_not_judged(monkeypatch, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import msgspec
 import numpy as np
@@ -119,6 +121,19 @@ def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_e
         with pytest.raises(ConfigError, match=r"must take one argument, the KVMove") as err:
             replay(nothing_moves, SMALL, kv_mover=mover)  # type: ignore[arg-type]
         assert err.value.field == "kv_mover"
+
+    def with_context(fn):  # a decorator that supplies the first argument
+        @functools.wraps(fn)
+        async def mover(move):
+            await fn("ctx", move)
+
+        return mover
+
+    @with_context
+    async def decorated(ctx, move):
+        await xds.sleep_until_ns(move.book(move.part_bytes))
+
+    assert replay(WL, SMALL, kv_mover=decorated).summary.completed == len(WL)
 
     async def forgets_to_wait(move: KVMove) -> None:
         move.book(move.part_bytes)

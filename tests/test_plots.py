@@ -37,10 +37,12 @@ def test_replay_figure_draws_the_records_against_the_sla():
     (ttft, tpot), (over, load) = np.asarray(fig.axes).reshape(2, 2)
     x, y = ttft.lines[0].get_data()
     assert x.tolist() == [0.5, 1.0, 3.0] and y.tolist() == pytest.approx([1 / 3, 2 / 3, 1.0])
-    assert ttft.get_legend().get_texts()[0].get_text() == "SLA 2 s: 66.7% under"
+    # shares of all four requests, the failed one over the SLA (as goodput counts it)
+    assert ttft.get_legend().get_texts()[0].get_text() == "SLA 2 s: 50.0% of the 4 requests under"
     x, _ = tpot.lines[0].get_data()
-    assert x.tolist() == pytest.approx([20.0, 50.0])  # the one-token request has no TPOT
-    assert tpot.get_legend().get_texts()[0].get_text() == "SLA 30 ms: 50.0% under"
+    assert x.tolist() == pytest.approx([20.0, 50.0])  # the one-token request has no TPOT...
+    label = tpot.get_legend().get_texts()[0].get_text()
+    assert label == "SLA 30 ms: 50.0% of the 4 requests under"  # ...and none to miss
     labels = [t.get_text() for t in over.get_legend().get_texts()]
     assert "failed (1; drawn at the top)" in labels
     assert over.collections[1].get_offsets().tolist() == [[2.0, 3.0]]  # at its arrival, top
@@ -56,7 +58,7 @@ def test_capacity_figure_marks_the_rates_that_missed_and_the_rate_found():
     points = (_point(2, 20, 300), _point(4, 25, 800), _point(8, 40, 9_000, ("mean TPOT",)))
     res = CapacityResult(points[1], points, False, "mean TPOT", "mean", SLA(), 0.9)
     fig = plots.capacity_figure({"a": res, "b": res}, knob="rate scale")
-    tpot, ttft = fig.axes
+    tpot, ttft, goodput = fig.axes
     assert tpot.get_xlabel() == "rate scale" and ttft.get_yscale() == "log"
     met, missed, star = tpot.collections[:3]
     assert met.get_offsets().tolist() == [[2, 20], [4, 25]]
@@ -64,6 +66,24 @@ def test_capacity_figure_marks_the_rates_that_missed_and_the_rate_found():
     assert star.get_offsets().tolist() == [[4, 25]]
     labels = [t.get_text() for t in tpot.get_legend().get_texts()]
     assert labels == ["a", "b", "SLA 35 ms"]  # one SLA line for searches sharing it
+    assert [t.get_text() for t in goodput.get_legend().get_texts()] == ["a", "b"]  # no target
+
+
+def test_a_goodput_search_draws_its_target_not_bounds_on_the_means():
+    points = (_point(2, 20, 300), _point(4, 25, 800, ("goodput 80% < 90%",)))
+    res = CapacityResult(points[0], points, False, "goodput", "goodput", SLA(), 0.9)
+    tpot, ttft, goodput = plots.capacity_figure(res).axes
+    assert tpot.get_legend() is None and ttft.get_legend() is None  # nothing judged there
+    assert [t.get_text() for t in goodput.get_legend().get_texts()] == ["target 90%"]
+
+
+def test_a_search_where_nothing_completed_still_draws():
+    nothing = _point(1, float("nan"), float("nan"), ("no request completed",))
+    res = CapacityResult(None, (nothing,), False, "", "mean", SLA(float("inf"), float("inf")), 0.9)
+    fig = plots.capacity_figure(res)
+    assert fig.axes[1].get_yscale() == "linear"  # no positive TTFT to put on a log axis
+    fig = plots.replay_figure([RECORDS[2]])  # one request, failed
+    assert "no completed request" in [t.get_text() for t in fig.axes[0].texts]
 
 
 @pytest.mark.parametrize("suffix", [".png", ".svg", ".pdf"])
@@ -82,6 +102,13 @@ def test_a_plot_path_is_checked_before_anything_runs(tmp_path, capsys):
     assert err.value.field == "plot"
     with pytest.raises(ConfigError, match="does not exist"):
         plots.check_path(tmp_path / "missing" / "out.png")
+    (tmp_path / "dir.png").mkdir()
+    with pytest.raises(ConfigError, match="exists and is not a file"):
+        plots.check_path(tmp_path / "dir.png")
+    with pytest.raises(ConfigError, match="cannot write in /proc"):
+        plots.check_path("/proc/xds.png")
+    assert plots.check_path(tmp_path / "OUT.PNG").name == "OUT.PNG"
+    assert [f.name for f in tmp_path.iterdir()] == ["dir.png"]  # the write probe is gone
     assert main(["replay", "--synthetic", "5", "--plot", str(tmp_path / "out.txt")]) == 2
     assert main(["capacity", "--plot", str(tmp_path / "no" / "c.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -48,18 +48,32 @@ def require_matplotlib() -> None:
 
 
 def check_path(path: str | Path) -> Path:
-    """``path`` as a Path whose suffix :func:`save` writes and whose folder exists (checked
-    before a long run, not after it); else ConfigError."""
+    """``path`` as a Path :func:`save` can write: a suffix it knows, in an existing folder,
+    not a directory, and writable (tried by creating and removing a probe file there), so a
+    long run does not end in a failed save; else ConfigError."""
+    import os
+    import tempfile
+
     p = Path(path)
     if p.suffix.lower() not in FORMATS:
         raise ConfigError(
-            f"{str(path)!r}: a plot is written as {', '.join(FORMATS)} (by the file's suffix)",
+            f"a plot is written as {', '.join(FORMATS)} (by the file's suffix), got "
+            f"{p.suffix or 'no suffix'!r}",
             field="plot",
         )
-    if not p.absolute().parent.is_dir():
+    folder = p.absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(f"folder {folder} does not exist", field="plot")
+    if p.exists() and not p.is_file():
+        raise ConfigError("exists and is not a file", field="plot")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".xds-plot-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
         raise ConfigError(
-            f"{str(path)!r}: folder {p.absolute().parent} does not exist", field="plot"
-        )
+            f"cannot write in {folder} ({exc.strerror or exc})", field="plot"
+        ) from None
     return p
 
 
@@ -74,15 +88,21 @@ def _figure(rows: int, cols: int, title: str) -> tuple[Figure, np.ndarray]:
     return fig, axes
 
 
-def _cdf(ax: Axes, values: np.ndarray, limit: float, unit: str, what: str) -> None:
-    """Empirical CDF of ``values`` with the SLA ``limit`` (skipped when infinite)."""
+def _cdf(ax: Axes, values: np.ndarray, under: int, total: int, limit: float, unit: str, what: str):
+    """Empirical CDF of the completed requests' ``values`` with the SLA ``limit`` (skipped
+    when infinite), labelled with the share of all ``total`` requests under it (``under``:
+    failed requests count as over, as goodput counts them)."""
     if values.size:
         x = np.sort(values)
         ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", color=_MET)
-    if np.isfinite(limit):
-        share = float(np.mean(values < limit)) if values.size else float("nan")
+    else:
+        ax.text(0.5, 0.5, "no completed request", transform=ax.transAxes, ha="center")
+    if np.isfinite(limit) and total:
         ax.axvline(
-            limit, color=_MISSED, linestyle="--", label=f"SLA {limit:g} {unit}: {share:.1%} under"
+            limit,
+            color=_MISSED,
+            linestyle="--",
+            label=f"SLA {limit:g} {unit}: {under / total:.1%} of the {total:,} requests under",
         )
         ax.legend(loc="lower right")
     ax.set_xlabel(f"{what} ({unit})")
@@ -127,8 +147,11 @@ def replay_figure(
     fig, ax = _figure(2, 2, title)
     ttft = np.array([r.ttft_ns / 1e9 for r in done])
     tpot = np.array([r.tpot_ns / 1e6 for r in done if r.output_tokens > 1])
-    _cdf(ax[0, 0], ttft, sla.ttft_ms / 1e3, "s", "TTFT")
-    _cdf(ax[0, 1], tpot, sla.tpot_ms, "ms", "TPOT")
+    n = len(records)  # the shares under the SLA are of every request, as goodput's are
+    fast = sum(r.ttft_ns / 1e6 < sla.ttft_ms for r in done)
+    steady = sum(r.tpot_ns / 1e6 < sla.tpot_ms for r in done)  # one token: no TPOT to miss
+    _cdf(ax[0, 0], ttft, fast, n, sla.ttft_ms / 1e3, "s", "TTFT")
+    _cdf(ax[0, 1], tpot, steady, n, sla.tpot_ms, "ms", "TPOT")
     over = ax[1, 0]
     over.scatter([r.arrival_ns / 1e9 for r in done], ttft, s=6, color=_MET, label="completed")
     if failed:
@@ -163,44 +186,51 @@ def capacity_figure(
     title: str = "",
     knob: str = "rate (req/s)",
 ) -> Figure:
-    """Mean TPOT and mean TTFT over the steady window at every rate a search tried (filled:
-    met the SLA; hollow: missed it; a star: the rate found) with the SLA's bounds, against
-    ``knob`` (what the search varied: a rate, or a trace's rate scale). Several searches by
-    name (e.g. deployments compared on one workload) share the axes."""
+    """Mean TPOT, mean TTFT and goodput over the steady window at every rate a search tried
+    (filled: met its criterion; hollow: missed it; a star: the rate found), against ``knob``
+    (what the search varied: a rate, or a trace's rate scale), with what was judged: the SLA's
+    bounds on the means (criterion ``"mean"``) or the goodput target (``"goodput"``). Several
+    searches by name (e.g. deployments compared on one workload) share the axes."""
     from .serve.capacity import CapacityResult
 
     named = {"": results} if isinstance(results, CapacityResult) else dict(results)
-    fig, ax = _figure(1, 2, title)
+    fig, ax = _figure(1, 3, title)
+    panels = (
+        (ax[0, 0], "tpot_ms", "mean TPOT (ms)"),
+        (ax[0, 1], "ttft_ms", "mean TTFT (ms)"),
+        (ax[0, 2], "goodput", "goodput (share of requests within the SLA)"),
+    )
     for i, (name, res) in enumerate(named.items()):
         color = f"C{i}"
         points = sorted(res.points, key=lambda p: p.scale)
         scale = np.array([p.scale for p in points])
         met = np.array([p.meets for p in points], dtype=bool)
-        for a, key in ((ax[0, 0], "tpot_ms"), (ax[0, 1], "ttft_ms")):
-            value = np.array([getattr(p, key) for p in points])
+        for a, key, _ in panels:
+            value = np.array([getattr(p, key) for p in points], dtype=np.float64)
             a.plot(scale, value, color=color, label=name or None, zorder=1)
             a.scatter(scale[met], value[met], color=color, zorder=2)
             a.scatter(scale[~met], value[~met], facecolors="none", edgecolors=color, zorder=2)
             if res.found is not None:
-                a.scatter(
-                    [res.found.scale],
-                    [getattr(res.found, key)],
-                    marker="*",
-                    s=160,
-                    color=color,
-                    zorder=3,
-                )
-    for a, what, limits in (
-        (ax[0, 0], "mean TPOT (ms)", {r.sla.tpot_ms for r in named.values()}),
-        (ax[0, 1], "mean TTFT (ms)", {r.sla.ttft_ms for r in named.values()}),
-    ):
+                star = [getattr(res.found, key)]
+                a.scatter([res.found.scale], star, marker="*", s=160, color=color, zorder=3)
+    mean = [r for r in named.values() if r.criterion == "mean"]
+    bounds = (
+        {r.sla.tpot_ms for r in mean},
+        {r.sla.ttft_ms for r in mean},
+        {r.goodput_target for r in named.values() if r.criterion == "goodput"},
+    )
+    for (a, key, what), limits in zip(panels, bounds, strict=True):
         for limit in sorted(x for x in limits if np.isfinite(x)):
-            a.axhline(limit, color="0.3", linestyle="--", label=f"SLA {limit:g} ms")
+            label = f"target {limit:.0%}" if key == "goodput" else f"SLA {limit:g} ms"
+            a.axhline(limit, color="0.3", linestyle="--", label=label)
         a.set_xlabel(knob)
         a.set_ylabel(what)
-        a.legend(loc="upper left")
+        if a.get_legend_handles_labels()[1]:
+            a.legend(loc="best")
         a.grid(alpha=0.3)
-    ax[0, 1].set_yscale("log")
+    ttft = [p.ttft_ms for r in named.values() for p in r.points]
+    if any(np.isfinite(t) and t > 0 for t in ttft):  # (a log axis needs a positive value)
+        ax[0, 1].set_yscale("log")
     return fig
 
 

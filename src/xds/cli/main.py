@@ -866,13 +866,21 @@ def _check_plot(plot_path: str | None) -> None:
         raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
 
 
-def _save_plot(fig, plot_path: str) -> None:
+def _save_plot(draw, plot_path: str | None, *, quiet: bool) -> None:
+    """Draw (``draw()`` builds the figure) and save ``--plot``, once the results have been
+    printed: a failure to save leaves them on screen."""
+    if plot_path is None:
+        return
     from xds import plots
 
     try:
-        plots.save(fig, plot_path)
-    except OSError as exc:
-        raise click.UsageError(f"--plot {plot_path}: {exc.strerror or exc}") from None
+        plots.save(draw(), plot_path)
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(
+            f"--plot {plot_path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    if not quiet:
+        console.print(f"plotted to {escape(plot_path)}")
 
 
 def _cell(value: float) -> str:
@@ -1075,11 +1083,13 @@ def replay(
                 "unfired": result.unfired_faults,
             }
         _write_out(out_dir, result.records, s, as_csv, outcome)
-    if plot_path is not None:
+
+    def draw():
         from xds.plots import replay_figure
 
         title = f"{workload.source} on {deployment} (seed {seed})"
-        _save_plot(replay_figure(result.records, sla=s.sla, title=title), plot_path)
+        return replay_figure(result.records, sla=s.sla, title=title)
+
     for spec, fault in zip(fault_specs, faults, strict=True):
         if any(fault is u for u in result.unfired_faults):
             click.echo(
@@ -1089,6 +1099,7 @@ def replay(
             )
     if as_json:
         print(msgspec.json.encode(s).decode())
+        _save_plot(draw, plot_path, quiet=True)
         return
     spares = f" + {cfg.spare_chips} spare" if cfg.spare_chips else ""
     table = Table(title=f"replay: {workload.source} on {deployment} ({result.chips} chips{spares})")
@@ -1197,9 +1208,8 @@ def replay(
         totals.add_row("link probes", ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
     if out_dir is not None:
         totals.add_row("written to", escape(out_dir))
-    if plot_path is not None:
-        totals.add_row("plotted to", escape(plot_path))
     console.print(totals)
+    _save_plot(draw, plot_path, quiet=False)
 
 
 def _no_fault_twice(specs: tuple[str, ...], faults: Sequence[object], given: Sequence[object] = ()):
@@ -1242,7 +1252,8 @@ def _replay_fault(spec: str):
         if key in ("repair", "duration") and values[key] * 1e9 < 0.5:  # 0 would mean never
             never = "a link that stays down" if key == "duration" else "a server never repaired"
             raise click.UsageError(
-                f"--fault {spec}: {key} must be above 0 s, got {value!r} (leave it out for {never})"
+                f"--fault {spec}: {key} must be at least 1 ns, got {value!r} s (leave it out "
+                f"for {never})"
             )
     needed = {"node": {"at", "server"}, "memory": {"at", "dp"}}.get(kind, {"at", "prefill_te"})
     if missing := needed - values.keys():
@@ -1591,15 +1602,18 @@ def capacity(
                 + ("--window" if trace is None else "a longer trace, or --span")
                 + ")"
             )
-    if plot_path is not None:
+
+    def draw():
         from xds.plots import capacity_figure
 
         named: dict[str, Any] = {}
         for name, _, res in found:  # a deployment given twice is drawn twice
             named[name if name not in named else f"{name} ({len(named) + 1})"] = res
         title = f"capacity search: {what} within the SLA (seed {seed})"
-        _save_plot(capacity_figure(named, title=title, knob=knob), plot_path)
+        return capacity_figure(named, title=title, knob=knob)
+
     if as_json or len(found) < 2:
+        _save_plot(draw, plot_path, quiet=as_json)
         return
     compare = Table(title=f"capacity compared: {what} within the SLA")
     for col in (
@@ -1646,6 +1660,7 @@ def capacity(
             "search cap" if res.capped else _bounds(res.binding),
         )
     console.print(compare)
+    _save_plot(draw, plot_path, quiet=False)
 
 
 @app.command()

@@ -59,24 +59,26 @@ class Result(msgspec.Struct):
 
     def to_json_object(self) -> dict[str, object]:
         """The ``--json`` object of ARCHITECTURE.md (target, wall_s, rows), with ``quick``
-        set for a ``--quick`` run (whose rows a script must not take for the paper's)."""
+        set for a ``--quick`` run (whose rows a script must not take for the paper's; their
+        ``ok`` is null)."""
         out: dict[str, object] = {
             "target": self.target,
             "wall_s": round(self.wall_s, 3),
-            "rows": [_row_json(r) for r in self.rows],
+            "rows": [_row_json(r, judged=not self.quick) for r in self.rows],
         }
         if self.quick:
             out["quick"] = True
         return out
 
 
-def _row_json(row: Row) -> dict[str, object]:
-    """A row's JSON object with its verdict ``ok``; ``shown`` only where the number alone
-    would mislead."""
+def _row_json(row: Row, *, judged: bool = True) -> dict[str, object]:
+    """A row's JSON object with its verdict ``ok`` (null for a ``--quick`` run, whose
+    smaller configuration is not judged); ``shown`` only where the number alone would
+    mislead."""
     out = msgspec.to_builtins(row)
     if not row.shown:
         del out["shown"]
-    out["ok"] = row.ok  # the verdict the table prints, so scripts need not redo it
+    out["ok"] = row.ok if judged else None  # the verdict the table prints
     return out
 
 

@@ -22,14 +22,19 @@ def policy_name(policy: object) -> str:
 
 def binds(fn: object, n: int) -> bool | None:
     """Whether ``fn`` can be called with ``n`` positional arguments; None when its signature
-    cannot be read (a builtin)."""
-    try:
-        inspect.signature(fn).bind(*range(n))  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    except ValueError:
-        return None
-    return True
+    cannot be read (a builtin). A decorated function is judged by the wrapped function's
+    signature or, failing that, by the wrapper's own (a decorator may change the arguments)."""
+    answer: bool | None = False
+    for follow in (True, False):
+        try:
+            inspect.signature(fn, follow_wrapped=follow).bind(*range(n))  # type: ignore[arg-type]
+        except TypeError:
+            continue
+        except ValueError:
+            answer = None
+            continue
+        return True
+    return answer
 
 
 def require_callable(
