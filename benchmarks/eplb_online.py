@@ -15,7 +15,9 @@ import time
 import numpy as np
 
 import xds
+from xds.errors import ConfigError
 from xds.serve.decode import DecodeConfig, DecodeInstance, measure_comm
+from xds.serve.eplb import policy
 from xds.serve.eplb.online import OnlineEPLBConfig
 from xds.units import S
 
@@ -25,8 +27,17 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--policy", default="xds-greedy")
     args = parser.parse_args()
+    if not 0 < args.window_s < 86_400:  # (nan fails this too)
+        parser.error(f"--window-s must be in (0, 86400) seconds, got {args.window_s}")
+    configs = []
     for name in ("none", args.policy):
-        cfg = DecodeConfig(eplb=OnlineEPLBConfig(policy=name, window_ns=round(args.window_s * S)))
+        try:
+            policy(name)  # known (or registered)
+            eplb = OnlineEPLBConfig(policy=name, window_ns=round(args.window_s * S))
+        except ConfigError as exc:
+            parser.error(f"--policy {name}: {exc}")
+        configs.append((name, DecodeConfig(eplb=eplb)))
+    for name, cfg in configs:
         comm = measure_comm(cfg, cfg.batch_per_die * (1 + cfg.mtp_config.k))
         comm_mtp = measure_comm(cfg, cfg.batch_per_die)
 
