@@ -178,6 +178,8 @@ def test_committed_tokens_read_ahead_are_tokens_per_step(k, acceptance, steps):
     for n in steps:  # the reader's blocks fall anywhere: the same draws, the same tokens
         assert committed_tokens(cfg, draws, n) == tokens_per_step(cfg, direct, n).tolist()
     assert streams.uniforms("mtp") is draws  # one reader per stream: a restart goes on
+    taken = draws.take(3)  # a view of the read-ahead block, which later refills must not see
+    assert not taken.flags.writeable
 
 
 @settings(max_examples=100, deadline=None)

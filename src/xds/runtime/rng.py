@@ -77,10 +77,11 @@ class UniformDraws:
         """Where the next take starts in :attr:`_ahead`."""
 
     def take(self, n: int) -> np.ndarray:
-        """The next ``n`` draws (a view of the read-ahead block: read them, do not write)."""
+        """The next ``n`` draws (a read-only view of the read-ahead block)."""
         if self._next + n > len(self._ahead):
             fresh = self._generator.random(max(n, self._block))
             self._ahead = np.concatenate([self._ahead[self._next :], fresh])
+            self._ahead.flags.writeable = False  # so are the views taken from it
             self._next = 0
         draws = self._ahead[self._next : self._next + n]
         self._next += n
