@@ -130,3 +130,32 @@ def test_cli_replay_and_capacity_draw_their_results(tmp_path, capsys):
     argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "8"]
     assert main([*argv, "--bisections", "0", "--json", "--plot", str(svg)]) == 0
     assert b"rate (req/s)" in svg.read_bytes()  # text stays text in an SVG
+
+
+def test_decode_figure_shows_each_kernel_per_iteration_and_every_iteration():
+    from xds.serve.decode import DecodeResult
+    from xds.serve.decode_model import Breakdown
+
+    bd = Breakdown(attention=6 * MS, combine=3 * MS, experts=3 * MS)  # over 3 iterations
+    res = DecodeResult(3, 14 * MS, 100, 10, 4.7e6, 1.9, bd, 1.5, [4 * MS, 5 * MS, 5 * MS])
+    kernels, over = plots.decode_figure(res, title="tiny").axes
+    widths = {
+        t.get_text(): b.get_width()
+        for t, b in zip(kernels.get_yticklabels(), kernels.patches, strict=True)
+    }
+    assert widths["attention"] == 2.0 and widths["combine"] == widths["experts"] == 1.0
+    assert widths["gating"] == 0.0 and len(widths) == len(Breakdown.__struct_fields__)
+    assert " 2.00 ms (50%)" in [t.get_text() for t in kernels.texts]
+    assert over.lines[0].get_ydata().tolist() == [4.0, 5.0, 5.0]
+
+
+def test_cli_decode_draws_its_run(tmp_path, capsys):
+    dep = tmp_path / "dep.toml"
+    dep.write_text(
+        "dies = 32\nbatch_per_die = 2\ninput_tokens = 256\noutput_tokens = 4\n"
+        "shared_expert_dies = 0\n"
+    )
+    pdf = tmp_path / "decode.pdf"
+    assert main(["decode", "--deployment", str(dep), "--plot", str(pdf)]) == 0
+    assert pdf.read_bytes().startswith(b"%PDF") and "plotted to" in capsys.readouterr().out
+    assert main(["decode", "--plot", str(tmp_path / "x.gif")]) == 2  # before the run

@@ -1,12 +1,14 @@
-"""Figures of a replay and of a capacity search (``xds replay --plot``, ``xds capacity --plot``).
+"""Figures of a replay, a capacity search and a decode run (``--plot`` on ``xds replay``,
+``xds capacity`` and ``xds decode``).
 
 :func:`replay_figure` shows where a replay's latency went: the TTFT and TPOT distributions
 against the SLA, each request's TTFT by arrival time (a queue building up in front of prefill
 shows as a ramp), and how many requests wait for prefill and decode over time.
-:func:`capacity_figure` shows a capacity search: mean TPOT and mean TTFT at every rate tried,
-the SLA and the rate found. :func:`save` writes either one as PNG, SVG or PDF, the same bytes
-for the same figure (no dates, fixed SVG ids), so a plot can sit beside results under version
-control.
+:func:`capacity_figure` shows a capacity search: mean TPOT, mean TTFT and goodput at every
+rate tried, what was judged and the rate found. :func:`decode_figure` shows a colocated decode
+run: each kernel's time per iteration (Figure 20 style) and the iteration time over the run.
+:func:`save` writes any of them as PNG, SVG or PDF, the same bytes for the same figure (no
+dates, fixed SVG ids), so a plot can sit beside results under version control.
 
 Needs matplotlib (``pip install 'xds-sim[plot]'``); everything else in xds runs without it.
 Figures are built with matplotlib's object API (no pyplot, no global figure state), so they can
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .serve.capacity import CapacityResult
+    from .serve.decode import DecodeResult
 
 FORMATS = (".png", ".svg", ".pdf")
 """File types :func:`save` writes, by suffix."""
@@ -231,6 +234,32 @@ def capacity_figure(
     ttft = [p.ttft_ms for r in named.values() for p in r.points]
     if any(np.isfinite(t) and t > 0 for t in ttft):  # (a log axis needs a positive value)
         ax[0, 1].set_yscale("log")
+    return fig
+
+
+def decode_figure(result: DecodeResult, *, title: str = "") -> Figure:
+    """A colocated decode run (``xds decode``): each kernel's time per iteration, Figure 20
+    style (the kernels of the slowest die as the iteration charges them), and every
+    iteration's time over the run (its tail shows sequences finishing; online EPLB shows as
+    steps down)."""
+    fig, ax = _figure(1, 2, title)
+    bd, n = result.breakdown, max(result.iterations, 1)
+    names = list(bd.__struct_fields__)
+    per_iteration = [getattr(bd, k) / n / 1e6 for k in names]
+    total = sum(per_iteration) or 1.0
+    kernels = ax[0, 0]
+    kernels.barh(names, per_iteration, color=_MET)
+    for y, ms in enumerate(per_iteration):
+        kernels.text(ms, y, f" {ms:.2f} ms ({ms / total:.0%})", va="center", fontsize=8)
+    kernels.invert_yaxis()  # in the breakdown's order, top down
+    kernels.set_xlabel("ms per iteration")
+    kernels.set_xlim(0, max(per_iteration, default=0) * 1.35 or 1)
+    kernels.grid(alpha=0.3, axis="x")
+    over = ax[0, 1]
+    over.plot(np.arange(1, len(result.iteration_ns) + 1), np.array(result.iteration_ns) / 1e6)
+    over.set_xlabel("iteration")
+    over.set_ylabel("iteration time (ms)")
+    over.grid(alpha=0.3)
     return fig
 
 

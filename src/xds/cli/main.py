@@ -58,6 +58,45 @@ _servers_option = click.option(
 )
 
 
+_plot_option = click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    metavar="FILE.png|.svg|.pdf",
+    help="Also draw the results into this file (needs matplotlib: pip install 'xds-sim[plot]').",
+)
+
+
+def _check_plot(plot_path: str | None) -> None:
+    """Fail before a long run, not after it, if ``--plot`` cannot be drawn or written."""
+    if plot_path is None:
+        return
+    from xds import plots
+
+    try:
+        plots.require_matplotlib()
+        plots.check_path(plot_path)
+    except ConfigError as exc:
+        raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
+
+
+def _save_plot(draw, plot_path: str | None, *, quiet: bool) -> None:
+    """Draw (``draw()`` builds the figure) and save ``--plot``, once the results have been
+    printed: a failure to save leaves them on screen."""
+    if plot_path is None:
+        return
+    from xds import plots
+
+    try:
+        plots.save(draw(), plot_path)
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(
+            f"--plot {plot_path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    if not quiet:
+        console.print(f"plotted to {escape(plot_path)}")
+
+
 POLICY_SLOTS = (
     "decode_routing",
     "prefill_placement",
@@ -412,7 +451,15 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
 )
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_json: bool) -> None:
+@_plot_option
+def decode(
+    deployment: str,
+    iterations: int | None,
+    tier: str,
+    seed: int,
+    as_json: bool,
+    plot_path: str | None = None,
+) -> None:
     """Run a colocated decode deployment and print its serving numbers."""
     import msgspec
 
@@ -420,7 +467,15 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
     from xds.serve.presets import decode_config
 
     cfg = decode_config(deployment)
+    _check_plot(plot_path)
     res = measure(cfg, iterations=iterations, seed=seed, tier=tier)
+
+    def draw():
+        from xds.plots import decode_figure
+
+        title = f"decode: {deployment} ({cfg.dies} dies, batch {cfg.batch_per_die}, seed {seed})"
+        return decode_figure(res, title=title)
+
     chips = cfg.dies / 2
     total = res.tokens / (res.elapsed_ns / 1e9)
     tpot_ms = res.mean_iteration_ns / 1e6 / res.mean_tokens_per_step
@@ -431,6 +486,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
             "tokens_per_s_per_chip": total / chips,
         }
         print(msgspec.json.encode(msgspec.structs.asdict(res) | headline).decode())
+        _save_plot(draw, plot_path, quiet=True)
         return
     table = Table(
         title=f"decode: {deployment} ({cfg.dies} dies, batch {cfg.batch_per_die}, {tier} tier)"
@@ -461,6 +517,7 @@ def decode(deployment: str, iterations: int | None, tier: str, seed: int, as_jso
         f"{cfg.scheduler_gap_ns / 1e6:g} ms scheduler gap"
     )
     console.print(kernels)
+    _save_plot(draw, plot_path, quiet=False)
 
 
 @app.command("ma-decode")
@@ -842,45 +899,6 @@ def _write_out(out_dir: str, records, summary, as_csv: bool, faults: dict | None
                 (path / name).unlink(missing_ok=True)
     except OSError as exc:
         raise click.UsageError(f"--out {out_dir}: {exc.strerror or exc}") from None
-
-
-_plot_option = click.option(
-    "--plot",
-    "plot_path",
-    default=None,
-    metavar="FILE.png|.svg|.pdf",
-    help="Also draw the results into this file (needs matplotlib: pip install 'xds-sim[plot]').",
-)
-
-
-def _check_plot(plot_path: str | None) -> None:
-    """Fail before a long run, not after it, if ``--plot`` cannot be drawn or written."""
-    if plot_path is None:
-        return
-    from xds import plots
-
-    try:
-        plots.require_matplotlib()
-        plots.check_path(plot_path)
-    except ConfigError as exc:
-        raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
-
-
-def _save_plot(draw, plot_path: str | None, *, quiet: bool) -> None:
-    """Draw (``draw()`` builds the figure) and save ``--plot``, once the results have been
-    printed: a failure to save leaves them on screen."""
-    if plot_path is None:
-        return
-    from xds import plots
-
-    try:
-        plots.save(draw(), plot_path)
-    except (OSError, ValueError) as exc:
-        raise click.UsageError(
-            f"--plot {plot_path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from None
-    if not quiet:
-        console.print(f"plotted to {escape(plot_path)}")
 
 
 def _cell(value: float) -> str:
