@@ -103,7 +103,15 @@ class SLA(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def met_by(self, record: RequestRecord) -> bool:
         """A completed request's TTFT and TPOT are both under the targets (goodput counts it)."""
-        return record.ttft_ns / 1e6 < self.ttft_ms and record.tpot_ns / 1e6 < self.tpot_ms
+        return self.ttft_met_by(record) and self.tpot_met_by(record)
+
+    def ttft_met_by(self, record: RequestRecord) -> bool:
+        """A completed request's TTFT is under the target."""
+        return record.ttft_ns / 1e6 < self.ttft_ms
+
+    def tpot_met_by(self, record: RequestRecord) -> bool:
+        """A completed request's TPOT is under the target (one output token: no TPOT to miss)."""
+        return record.tpot_ns / 1e6 < self.tpot_ms
 
 
 class DecodeStats(msgspec.Struct):

@@ -343,14 +343,22 @@ class XdsGreedy:
         counts = load_counts(counts)
         budget = _check(counts, layout, budget)
         counts = counts.astype(np.float64)
-        n_e = counts.shape[0]
-        copies = np.ones(n_e)
+        copies = np.ones(counts.shape[0])
         fits = _Fit(layout)
+        select = self._one_slice if counts.shape[1] == 1 else self._by_slices
+        chosen = select(counts, copies, fits, budget)
+        total = counts.sum(axis=1)
+        order = sorted(chosen, key=lambda e: (-total[e], e))  # by total load (SPEC 7.3)
+        return _place(order, copies, total, layout)
+
+    @staticmethod
+    def _by_slices(counts: np.ndarray, copies: np.ndarray, fits: _Fit, budget: int) -> list[int]:
+        """Up to ``budget`` redundant replicas, one at a time: among the experts that are the
+        hottest in some slice, the one whose extra replica leaves the lowest sum over slices
+        of the hottest per-replica load (ties to the lowest id). Modifies ``copies``."""
+        n_e = counts.shape[0]
         chosen: list[int] = []
         per_replica = counts / copies[:, None]  # always from the original counts (A12)
-        if counts.shape[1] == 1:
-            chosen = self._one_slice(counts[:, 0], copies, fits, budget)
-            budget = 0  # (chosen above)
         for _ in range(budget):
             hottest = per_replica.max(axis=0)
             if not hottest.any():
@@ -376,17 +384,15 @@ class XdsGreedy:
             copies[best] += 1
             per_replica[best] = counts[best] / copies[best]
             chosen.append(best)
-        total = counts.sum(axis=1)
-        order = sorted(chosen, key=lambda e: (-total[e], e))  # by total load (SPEC 7.3)
-        return _place(order, copies, total, layout)
+        return chosen
 
     @staticmethod
     def _one_slice(counts: np.ndarray, copies: np.ndarray, fits: _Fit, budget: int) -> list[int]:
-        """The selection above for a single time slice, where it reduces to: the hottest
+        """:meth:`_by_slices` for a single time slice, where it reduces to: the hottest
         replica's expert, the lowest id among ties that can take one more (each tied
         candidate's score is the tie's load; a lone one's is all there is to choose), kept
         in a heap rather than scanned per replica. Modifies ``copies``."""
-        heap = [(-c, e) for e, c in enumerate((counts / copies).tolist())]
+        heap = [(-c, e) for e, c in enumerate((counts[:, 0] / copies).tolist())]
         heapq.heapify(heap)
         chosen: list[int] = []
         for _ in range(budget):
@@ -404,7 +410,7 @@ class XdsGreedy:
             copies[best] += 1
             chosen.append(best)
             for e in tied:
-                load = counts[e] / copies[e] if e == best else -top
+                load = counts[e, 0] / copies[e] if e == best else -top
                 heapq.heappush(heap, (-load, e))
         return chosen
 
