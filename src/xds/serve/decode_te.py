@@ -306,13 +306,26 @@ class _LiveBatch:
         self.moved = True
 
     def _set_steps(self) -> None:
-        self.steps = [-(-(s // n) // 256) for s, n in zip(self.sums, self.seqs, strict=True)]
-        self._next = [(256 * st + 1) * n for st, n in zip(self.steps, self.seqs, strict=True)]
+        """Every group's step, afresh."""
+        self.steps = [0] * len(self.seqs)
+        self._next = [0] * len(self.seqs)
+        for g in range(len(self.seqs)):
+            self._step(g)
 
     def _step(self, g: int) -> None:
-        """:meth:`_set_steps` of group ``g`` alone."""
+        """Group ``g``'s step: its mean context rounded up to 256 tokens, and the context sum
+        at which that moves up."""
         self.steps[g] = step = -(-(self.sums[g] // self.seqs[g]) // 256)
         self._next[g] = (256 * step + 1) * self.seqs[g]
+
+    def _restep(self) -> None:
+        """Step the groups whose context crossed their next step (every other group's step
+        stands: contexts only grow between joins and leaves)."""
+        up = list(itertools.compress(itertools.count(), map(operator.ge, self.sums, self._next)))
+        for g in up:
+            self._step(g)
+        if up:
+            self.moved = True
 
     def still_in(self, slot_req: np.ndarray) -> list[int]:
         """The positions of the sequences still in their slots (others were dropped)."""
@@ -345,9 +358,7 @@ class _LiveBatch:
             sums[group[j]] += n
             if tokens is not None:
                 tokens[j].extend([t] * n)
-        if any(map(operator.ge, sums, self._next)):
-            self._set_steps()
-            self.moved = True
+        self._restep()
         return self._left(gone, remaining)
 
     def _commit_all(self, drawn: list[int], t: int, remaining: np.ndarray) -> list[int]:
@@ -372,12 +383,7 @@ class _LiveBatch:
             reps = [[t] * n for n in range(max(drawn, default=0) + 1)]
             for times, n in zip(self.tokens, drawn, strict=True):
                 times += reps[n]
-        # the groups whose step moved up (every other group's stands: contexts only grew)
-        up = list(itertools.compress(itertools.count(), map(operator.ge, self.sums, self._next)))
-        for g in up:
-            self._step(g)
-        if up:
-            self.moved = True
+        self._restep()
         return self._left(gone, remaining)
 
     def _left(self, gone: list[int], remaining: np.ndarray) -> list[int]:
