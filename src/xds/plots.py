@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ConfigError
+from .outputs import check_output_path
 from .trace.metrics import SLA, RequestRecord
 
 if TYPE_CHECKING:
@@ -54,30 +55,7 @@ def check_path(path: str | Path) -> Path:
     """``path`` as a Path :func:`save` can write: a suffix it knows, in an existing folder,
     not a directory, and writable (tried by creating and removing a probe file there), so a
     long run does not end in a failed save; else ConfigError."""
-    import os
-    import tempfile
-
-    p = Path(path)
-    if p.suffix.lower() not in FORMATS:
-        raise ConfigError(
-            f"a plot is written as {', '.join(FORMATS)} (by the file's suffix), got "
-            f"{p.suffix or 'no suffix'!r}",
-            field="plot",
-        )
-    folder = p.absolute().parent
-    if not folder.is_dir():
-        raise ConfigError(f"folder {folder} does not exist", field="plot")
-    if p.exists() and not p.is_file():
-        raise ConfigError("exists and is not a file", field="plot")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".xds-plot-check-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write in {folder} ({exc.strerror or exc})", field="plot"
-        ) from None
-    return p
+    return check_output_path(path, FORMATS, field="plot", what="a plot")
 
 
 def _figure(rows: int, cols: int, title: str) -> tuple[Figure, np.ndarray]:

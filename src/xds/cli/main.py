@@ -97,6 +97,42 @@ def _save_plot(draw, plot_path: str | None, *, quiet: bool) -> None:
         console.print(f"plotted to {escape(plot_path)}")
 
 
+_timeline_option = click.option(
+    "--timeline",
+    "timeline_path",
+    default=None,
+    metavar="FILE.json|.json.gz",
+    help="Also write the replay's timeline (every request's phases, TE occupancy, faults) in "
+    "the Trace Event Format: open it in ui.perfetto.dev or chrome://tracing.",
+)
+
+
+def _check_timeline(timeline_path: str | None) -> None:
+    """Fail before the replay, not after it, if ``--timeline`` cannot be written."""
+    if timeline_path is None:
+        return
+    from xds.trace import timeline
+
+    try:
+        timeline.check_path(timeline_path)
+    except ConfigError as exc:
+        raise click.UsageError(f"--timeline {timeline_path}: {exc.message}") from None
+
+
+def _save_timeline(build, timeline_path: str | None, *, quiet: bool) -> None:
+    """Build (``build()``) and write ``--timeline`` once the results have been printed."""
+    if timeline_path is None:
+        return
+    from xds.trace import timeline
+
+    try:
+        timeline.save(build(), timeline_path)
+    except OSError as exc:
+        raise click.UsageError(f"--timeline {timeline_path}: {exc.strerror or exc}") from None
+    if not quiet:
+        console.print(f"timeline written to {escape(timeline_path)} (open it in ui.perfetto.dev)")
+
+
 POLICY_SLOTS = (
     "decode_routing",
     "prefill_placement",
@@ -983,6 +1019,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
     "scheduled fault end); requests still in flight then fail with a reason.",
 )
 @_plot_option
+@_timeline_option
 @_policy_option
 def replay(
     trace: str | None,
@@ -1008,6 +1045,7 @@ def replay(
     recovery: str | None = None,
     serve_limit_s: float = 86_400.0,
     plot_path: str | None = None,
+    timeline_path: str | None = None,
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
@@ -1047,6 +1085,7 @@ def replay(
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
     _check_plot(plot_path)
+    _check_timeline(timeline_path)
     if trace is None:
         workload = _built_in(
             synthetic_n, rate, seed, unique_prompts, cfg.prefill.prefix_block_tokens
@@ -1108,6 +1147,11 @@ def replay(
         title = f"{workload.source} on {deployment} (seed {seed})"
         return replay_figure(result.records, sla=s.sla, title=title)
 
+    def build_timeline():
+        from xds.serve.timeline import replay_timeline
+
+        return replay_timeline(result, title=f"{workload.source} on {deployment} (seed {seed})")
+
     for spec, fault in zip(fault_specs, faults, strict=True):
         if any(fault is u for u in result.unfired_faults):
             click.echo(
@@ -1118,6 +1162,7 @@ def replay(
     if as_json:
         print(msgspec.json.encode(s).decode())
         _save_plot(draw, plot_path, quiet=True)
+        _save_timeline(build_timeline, timeline_path, quiet=True)
         return
     spares = f" + {cfg.spare_chips} spare" if cfg.spare_chips else ""
     table = Table(title=f"replay: {workload.source} on {deployment} ({result.chips} chips{spares})")
@@ -1228,6 +1273,7 @@ def replay(
         totals.add_row("written to", escape(out_dir))
     console.print(totals)
     _save_plot(draw, plot_path, quiet=False)
+    _save_timeline(build_timeline, timeline_path, quiet=False)
 
 
 def _no_fault_twice(specs: tuple[str, ...], faults: Sequence[object], given: Sequence[object] = ()):

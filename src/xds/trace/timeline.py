@@ -1,0 +1,301 @@
+"""A replay's timeline in the Trace Event Format: open it in Perfetto (ui.perfetto.dev) or
+``chrome://tracing`` to see where each request spent its time and how full each TE was.
+
+:func:`chrome_trace` builds it from the per-request records (and optional :class:`Mark`
+spans, e.g. a replay's faults and recoveries, :func:`xds.serve.timeline.replay_timeline`);
+:func:`save` writes it as JSON, or gzipped JSON for a ``.json.gz`` path, the same bytes for
+the same records. Tracks:
+
+* **requests**: one slice per request, from arrival to its end, with the request's numbers
+  as arguments (tokens, cached tokens, placements, TTFT, TPOT, outcome and reason), split
+  into its phases: ``queued`` (arrival until the prefill step holding it started),
+  ``prefill`` (until its first token), ``decode admission`` (until the Decode DP posted the
+  RECV: the KV waits on the Prefill side), ``KV transfer`` (until the KV landed) and
+  ``decode`` (until the last token). A failed request's slice ends where it failed (at its
+  arrival if that is all that is known), with the reason. Requests share lanes: a request
+  takes the lowest lane free at its arrival, so there are as many lanes as requests were
+  ever in the system at once. A counter tracks the requests in the system.
+* **prefill**: per Prefill TE, the requests queued for it and the ones in a prefill step;
+* **decode**: per Decode TE, the requests awaiting admission, in KV transfer and decoding;
+* **events**: the marks (faults, failovers, restarts), when given.
+
+Times are virtual: the trace's microseconds are the replay's nanoseconds / 1000.
+"""
+
+from __future__ import annotations
+
+import gzip
+import heapq
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import ConfigError
+from ..outputs import check_output_path
+from .metrics import RequestRecord
+
+SUFFIXES = (".json", ".json.gz")
+"""What :func:`save` writes, by the file's name."""
+
+_REQUESTS, _PREFILL, _DECODE, _EVENTS = 1, 2, 3, 4
+_PHASES = ("queued", "prefill", "decode admission", "KV transfer", "decode")
+
+
+class Mark(msgspec.Struct, frozen=True):
+    """Something that happened to the deployment, drawn on the events track: a span from
+    ``start_ns`` to ``end_ns`` (an instant if ``end_ns`` is ``start_ns`` or -1)."""
+
+    name: str
+    start_ns: int
+    end_ns: int = -1
+    args: dict[str, Any] = {}
+
+
+def _us(ns: int) -> float:
+    return ns / 1000
+
+
+def _te(placement: str) -> str:
+    """The TE of a placement (``"P1/DP3x8"`` -> ``"P1"``); empty if not placed."""
+    return placement.partition("/")[0]
+
+
+def _bounds(r: RequestRecord) -> tuple[list[int], int]:
+    """The request's phase boundaries (arrival, then the end of each phase it reached) and
+    its end. Boundaries never go backwards and never pass the end."""
+    a = r.arrival_ns
+    known = [a]
+    if r.first_token_ns >= 0:
+        prefill_start = a + r.queue_ns
+        ends = [prefill_start, r.first_token_ns]
+        if r.decode_placement or (r.outcome == "completed" and r.output_tokens > 1):
+            admitted = r.first_token_ns + r.decode_wait_ns
+            ends += [admitted, admitted + r.kv_transfer_ns]
+            if r.finish_ns >= 0:
+                ends.append(r.finish_ns)
+        for t in ends:
+            known.append(max(known[-1], t))
+    elif r.queue_ns > 0:  # failed in the queue, after waiting this long
+        known.append(a + r.queue_ns)
+    end = max(r.finish_ns, known[-1]) if r.finish_ns >= 0 else known[-1]
+    return [min(t, end) for t in known], end
+
+
+def _request_args(r: RequestRecord) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "request": r.request_id,
+        "input_tokens": r.input_tokens,
+        "output_tokens": r.output_tokens,
+        "cached_tokens": r.cached_tokens,
+        "outcome": r.outcome,
+    }
+    if r.reason:
+        args["reason"] = r.reason
+    if r.prefill_placement:
+        args["prefill"] = r.prefill_placement
+    if r.decode_placement:
+        args["decode"] = r.decode_placement
+    if r.outcome == "completed":
+        args["ttft_ms"] = round(r.ttft_ns / 1e6, 3)
+        if r.output_tokens > 1:
+            args["tpot_ms"] = round(r.tpot_ns / 1e6, 3)
+    if r.source_line:
+        args["source_line"] = r.source_line
+    return args
+
+
+def _meta(pid: int, name: str, sort: int, tid: int = 0, thread: str = "") -> list[dict]:
+    if thread:
+        return [
+            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": thread}}
+        ]
+    return [
+        {"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}},
+        {
+            "ph": "M",
+            "pid": pid,
+            "tid": 0,
+            "name": "process_sort_index",
+            "args": {"sort_index": sort},
+        },
+    ]
+
+
+class _Counters:
+    """Counter tracks from +1/-1 changes: one sample per track and instant, with every series
+    of the track as it stands after all of that instant's changes."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._changes: list[tuple[int, str, str, int]] = []
+        self._series: dict[str, list[str]] = {}
+
+    def track(self, name: str, series: Sequence[str]) -> None:
+        self._series.setdefault(name, list(series))
+
+    def span(self, track: str, series: str, start: int, end: int) -> None:
+        if end > start:
+            self._changes += [(start, track, series, 1), (end, track, series, -1)]
+
+    def events(self) -> list[dict]:
+        values = {name: dict.fromkeys(series, 0) for name, series in self._series.items()}
+        out: list[dict] = []
+        changes = sorted(self._changes, key=lambda c: (c[0], c[1]))
+        i = 0
+        while i < len(changes):
+            t, track = changes[i][:2]
+            while i < len(changes) and changes[i][:2] == (t, track):
+                values[track][changes[i][2]] += changes[i][3]
+                i += 1
+            out.append(
+                {
+                    "ph": "C",
+                    "pid": self.pid,
+                    "tid": 0,
+                    "name": track,
+                    "ts": _us(t),
+                    "args": dict(values[track]),
+                }
+            )
+        return out
+
+
+def chrome_trace(
+    records: Sequence[RequestRecord], *, marks: Iterable[Mark] = (), title: str = ""
+) -> dict[str, Any]:
+    """The records (one per request, any order) as a Trace Event Format object (module
+    docstring): ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``."""
+    events: list[dict] = []
+    events += _meta(_REQUESTS, "requests", 0)
+    events += _meta(_PREFILL, "prefill", 1)
+    events += _meta(_DECODE, "decode", 2)
+    in_system = _Counters(_REQUESTS)
+    in_system.track("requests in system", ["requests"])
+    prefill, decode = _Counters(_PREFILL), _Counters(_DECODE)
+    free: list[int] = []  # lanes free now, lowest first
+    busy: list[tuple[int, int]] = []  # (end, lane) of the lanes in use
+    lanes = 0
+    for i, r in enumerate(records):
+        if not isinstance(r, RequestRecord):
+            raise ConfigError(
+                f"records[{i}] is a {type(r).__name__}, not a RequestRecord", field="records"
+            )
+    for r in sorted(records, key=lambda r: (r.arrival_ns, r.request_id)):
+        bounds, end = _bounds(r)
+        a = r.arrival_ns
+        while busy and busy[0][0] <= a:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            lane = heapq.heappop(free)
+        else:
+            lane, lanes = lanes, lanes + 1
+            events += _meta(_REQUESTS, "", 0, tid=lane + 1, thread=f"lane {lane}")
+        heapq.heappush(busy, (end, lane))
+        tid = lane + 1
+        failed = r.outcome != "completed"
+        events.append(
+            {
+                "ph": "X",
+                "pid": _REQUESTS,
+                "tid": tid,
+                "ts": _us(a),
+                "dur": _us(end - a),
+                "name": f"request {r.request_id}" + (" (failed)" if failed else ""),
+                "cat": "request",
+                "args": _request_args(r),
+            }
+        )
+        for phase, start, stop in zip(_PHASES, bounds, bounds[1:], strict=False):
+            if stop > start:
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": _REQUESTS,
+                        "tid": tid,
+                        "ts": _us(start),
+                        "dur": _us(stop - start),
+                        "name": phase,
+                        "cat": "phase",
+                    }
+                )
+        if failed:
+            events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "pid": _REQUESTS,
+                    "tid": tid,
+                    "ts": _us(end),
+                    "name": "failed",
+                    "cat": "request",
+                    "args": {"reason": r.reason},
+                }
+            )
+        in_system.span("requests in system", "requests", a, end)
+        p_te, d_te = _te(r.prefill_placement), _te(r.decode_placement)
+        if p_te and len(bounds) >= 3:
+            prefill.track(p_te, ["queued", "prefilling"])
+            prefill.span(p_te, "queued", bounds[0], bounds[1])
+            prefill.span(p_te, "prefilling", bounds[1], bounds[2])
+        if d_te and len(bounds) >= 5:
+            decode.track(d_te, ["awaiting admission", "KV transfer", "decoding"])
+            decode.span(d_te, "awaiting admission", bounds[2], bounds[3])
+            decode.span(d_te, "KV transfer", bounds[3], bounds[4])
+            if len(bounds) >= 6:
+                decode.span(d_te, "decoding", bounds[4], bounds[5])
+    mark_events: list[dict] = []
+    for m in marks:
+        if m.end_ns > m.start_ns:
+            mark_events.append(
+                {
+                    "ph": "X",
+                    "pid": _EVENTS,
+                    "tid": 1,
+                    "ts": _us(m.start_ns),
+                    "dur": _us(m.end_ns - m.start_ns),
+                    "name": m.name,
+                    "cat": "event",
+                    "args": m.args,
+                }
+            )
+        else:
+            mark_events.append(
+                {
+                    "ph": "i",
+                    "s": "g",
+                    "pid": _EVENTS,
+                    "tid": 1,
+                    "ts": _us(m.start_ns),
+                    "name": m.name,
+                    "cat": "event",
+                    "args": m.args,
+                }
+            )
+    if mark_events:
+        events += _meta(_EVENTS, "events", 3)
+        events += mark_events
+    events += in_system.events() + prefill.events() + decode.events()
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"generator": "xds", "title": title, "requests": len(records)},
+    }
+
+
+def save(trace: dict[str, Any], path: str | Path) -> Path:
+    """Write ``trace`` (:func:`chrome_trace`) as JSON, gzipped for a ``.json.gz`` path: the
+    same bytes for the same trace (the gzip header carries no name and no time)."""
+    p = check_output_path(path, SUFFIXES, field="timeline", what="a timeline")
+    data = msgspec.json.encode(trace)
+    if p.name.lower().endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6, mtime=0)
+    p.write_bytes(data)
+    return p
+
+
+def check_path(path: str | Path) -> Path:
+    """``path`` as :func:`save` can write it (checked before a run, so a long run does not end
+    in a failed save); else ConfigError."""
+    return check_output_path(path, SUFFIXES, field="timeline", what="a timeline")

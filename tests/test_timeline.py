@@ -1,0 +1,218 @@
+"""A replay's timeline in the Trace Event Format (``xds replay --timeline``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.serve.decode import DecodeConfig
+from xds.serve.jitter import JitterConfig
+from xds.serve.prefill import PrefillConfig
+from xds.serve.recovery import NodeFault, RecoveryConfig
+from xds.serve.replay import PDConfig, replay
+from xds.serve.timeline import replay_marks, replay_timeline
+from xds.trace import timeline
+from xds.trace.metrics import RequestRecord
+from xds.trace.timeline import Mark, chrome_trace
+from xds.trace.workload import Request, Workload
+from xds.units import MS, S
+
+CFG = PDConfig(
+    prefill=PrefillConfig(tes=3, long_pool_tes=0),
+    decode=DecodeConfig(
+        dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
+    ),
+    recovery=RecoveryConfig(detect_ns=500 * MS, decode_restart_ns=4 * S, prefill_restart_ns=2 * S),
+)
+"""A small deployment on 8 servers: Prefill TEs on servers 0-5, the Decode TE on 6-7."""
+WL = Workload(tuple(Request(i, i * 200 * MS, 1500, 40) for i in range(80)))  # 16 s
+
+
+def _done(rid, arrival, *, queue, first, wait, kv, finish, out=10, te="P0", dte="D0"):
+    return RequestRecord(
+        rid, arrival, 1000, out, first_token_ns=first, finish_ns=finish, queue_ns=queue,
+        decode_wait_ns=wait, kv_transfer_ns=kv, prefill_placement=f"{te}/DP0",
+        decode_placement=f"{dte}/DP1" if out > 1 else "",
+    )  # fmt: skip
+
+
+RECORDS = [
+    # arrival 0: queued 1 us, prefill to 10 us, admission wait 2 us, KV 3 us, decode to 40 us
+    _done(0, 0, queue=1_000, first=10_000, wait=2_000, kv=3_000, finish=40_000),
+    # one output token: prefill's token is the whole output
+    _done(1, 5_000, queue=0, first=8_000, wait=0, kv=0, finish=8_000, out=1, te="P1"),
+    # failed in the queue after 4 us (a restart): no placement
+    RequestRecord(
+        2, 6_000, 1000, 10, outcome="failed", reason="restart", finish_ns=10_000, queue_ns=4_000
+    ),
+    # over the context limit: failed at arrival, nothing else known
+    RequestRecord(3, 9_000, 200_000, 10, outcome="failed", reason="too long"),
+    # arrives after request 1 ended: takes its lane back
+    _done(4, 20_000, queue=0, first=25_000, wait=0, kv=1_000, finish=30_000),
+]
+
+
+def _events(trace, ph=None, **match):
+    return [
+        e
+        for e in trace["traceEvents"]
+        if (ph is None or e["ph"] == ph) and all(e.get(k) == v for k, v in match.items())
+    ]
+
+
+def test_each_request_is_one_slice_split_into_its_phases():
+    trace = chrome_trace(list(reversed(RECORDS)), title="t")  # any order
+    assert trace["otherData"] == {"generator": "xds", "title": "t", "requests": 5}
+    slices = {e["args"]["request"]: e for e in _events(trace, "X", cat="request")}
+    assert sorted(slices) == [0, 1, 2, 3, 4]
+    r0 = slices[0]
+    assert (r0["ts"], r0["dur"], r0["name"]) == (0.0, 40.0, "request 0")
+    assert r0["args"] == {
+        "request": 0, "input_tokens": 1000, "output_tokens": 10, "cached_tokens": 0,
+        "outcome": "completed", "prefill": "P0/DP0", "decode": "D0/DP1", "ttft_ms": 0.01,
+        "tpot_ms": round(30_000 / 9 / 1e6, 3),
+    }  # fmt: skip
+    phases = [(e["name"], e["ts"], e["dur"]) for e in _events(trace, "X", cat="phase", tid=1)]
+    assert phases[:5] == [
+        ("queued", 0.0, 1.0),
+        ("prefill", 1.0, 9.0),
+        ("decode admission", 10.0, 2.0),
+        ("KV transfer", 12.0, 3.0),
+        ("decode", 15.0, 25.0),
+    ]
+    # the single-token request: no queue, prefill only, and no decode phases or tpot
+    tid1 = slices[1]["tid"]
+    assert [e["name"] for e in _events(trace, "X", cat="phase", tid=tid1)][:1] == ["prefill"]
+    assert "tpot_ms" not in slices[1]["args"] and slices[1]["dur"] == 3.0
+    # failed in the queue: the slice ends where it failed, marked with the reason
+    assert (slices[2]["name"], slices[2]["dur"]) == ("request 2 (failed)", 4.0)
+    assert slices[2]["args"]["reason"] == "restart" and "ttft_ms" not in slices[2]["args"]
+    (instant,) = _events(trace, "i", tid=slices[2]["tid"], ts=10.0)
+    assert instant["args"] == {"reason": "restart"}
+    # failed at arrival: a zero-length slice and the failed instant
+    assert (slices[3]["ts"], slices[3]["dur"]) == (9.0, 0.0)
+    assert _events(trace, "i", tid=slices[3]["tid"], ts=9.0, name="failed")
+
+
+def test_requests_share_lanes_lowest_free_first():
+    trace = chrome_trace(RECORDS)
+    lane = {e["args"]["request"]: e["tid"] for e in _events(trace, "X", cat="request")}
+    # 0 holds lane 1 to 40 us; 1 (5-8 us) lane 2; 2 (6-10) lane 3; 3 (9) takes lane 2, free
+    # since 8; 4 (20) takes lane 2 again: the lowest free
+    assert lane == {0: 1, 1: 2, 2: 3, 3: 2, 4: 2}
+    names = [e["args"]["name"] for e in _events(trace, "M", name="thread_name")]
+    assert names == ["lane 0", "lane 1", "lane 2"]
+
+
+def test_counters_follow_the_phases():
+    trace = chrome_trace(RECORDS)
+    p0 = [(e["ts"], e["args"]) for e in _events(trace, "C", name="P0")]
+    assert p0 == [
+        (0.0, {"queued": 1, "prefilling": 0}),
+        (1.0, {"queued": 0, "prefilling": 1}),
+        (10.0, {"queued": 0, "prefilling": 0}),
+        (20.0, {"queued": 0, "prefilling": 1}),
+        (25.0, {"queued": 0, "prefilling": 0}),
+    ]
+    d0 = [(e["ts"], tuple(e["args"].values())) for e in _events(trace, "C", name="D0")]
+    # (awaiting admission, KV transfer, decoding)
+    assert d0 == [
+        (10.0, (1, 0, 0)),
+        (12.0, (0, 1, 0)),
+        (15.0, (0, 0, 1)),
+        (25.0, (0, 1, 1)),
+        (26.0, (0, 0, 2)),
+        (30.0, (0, 0, 1)),
+        (40.0, (0, 0, 0)),
+    ]
+    in_system = {e["ts"]: e["args"]["requests"] for e in _events(trace, "C", pid=1)}
+    assert in_system == {0.0: 1, 5.0: 2, 6.0: 3, 8.0: 2, 10.0: 1, 20.0: 2, 30.0: 1, 40.0: 0}
+
+
+def test_marks_are_spans_or_instants():
+    marks = [Mark("failover P1", 2_000, 7_000, {"te": "P1"}), Mark("memory fault", 3_000)]
+    trace = chrome_trace(RECORDS, marks=marks)
+    (span,) = _events(trace, "X", cat="event")
+    assert (span["name"], span["ts"], span["dur"], span["args"]) == (
+        "failover P1",
+        2.0,
+        5.0,
+        {"te": "P1"},
+    )
+    (instant,) = _events(trace, "i", cat="event")
+    assert (instant["name"], instant["s"]) == ("memory fault", "g")
+    assert not _events(chrome_trace(RECORDS), pid=4)  # no events track without marks
+
+
+def test_a_replays_faults_are_on_its_timeline():
+    res = replay(WL, CFG, faults=[NodeFault(at_ns=3 * S, server=2)])
+    (restart,) = res.restarts
+    (mark,) = replay_marks(res)
+    assert (mark.name, mark.start_ns, mark.end_ns) == (
+        "restart the world",
+        restart.started_ns,
+        restart.prefill_up_ns,
+    )
+    trace = replay_timeline(res, title="fault")
+    slices = _events(trace, "X", cat="request")
+    assert len(slices) == len(WL) == len({e["args"]["request"] for e in slices})
+    failed = [e for e in slices if e["args"]["outcome"] == "failed"]
+    assert failed and all(e["name"].endswith("(failed)") for e in failed)
+    assert len(_events(trace, "i", name="failed")) == len(failed)
+    for e in slices:  # phases tile each completed request's slice
+        if e["args"]["outcome"] == "completed":
+            parts = _events(trace, "X", cat="phase", tid=e["tid"])
+            inside = [p for p in parts if e["ts"] <= p["ts"] < e["ts"] + e["dur"]]
+            assert sum(p["dur"] for p in inside) == pytest.approx(e["dur"], abs=1e-3)
+
+
+def test_bad_records_and_paths_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"records\[1\] is a dict") as err:
+        chrome_trace([RECORDS[0], {"request_id": 1}])
+    assert err.value.field == "records"
+    with pytest.raises(ConfigError, match=r"written as \.json, \.json\.gz"):
+        timeline.check_path(tmp_path / "t.txt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        timeline.check_path(tmp_path / "no" / "t.json")
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(ConfigError, match="not a file"):
+        timeline.check_path(tmp_path / "d.json")
+    assert timeline.check_path(tmp_path / "T.JSON.GZ").name == "T.JSON.GZ"
+
+
+def test_cli_writes_the_same_timeline_every_time(tmp_path, capsys):
+    args = ["replay", "--synthetic", "12", "--rate", "4", "--timeline"]
+    assert main([*args, str(tmp_path / "a.json.gz")]) == 0
+    assert "timeline written to" in capsys.readouterr().out
+    assert main([*args, str(tmp_path / "b.json.gz"), "--json"]) == 0
+    assert (tmp_path / "a.json.gz").read_bytes() == (tmp_path / "b.json.gz").read_bytes()
+    trace = json.loads(gzip.decompress((tmp_path / "a.json.gz").read_bytes()))
+    assert len(_events(trace, "X", cat="request")) == 12
+    assert main([*args, str(tmp_path / "c.json")]) == 0
+    assert json.loads((tmp_path / "c.json").read_bytes()) == trace
+    # a bad path is refused before the replay runs, in one line
+    capsys.readouterr()
+    assert main([*args, str(tmp_path / "t.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xds: error: --timeline") and "\n" not in err
+    assert "written as .json, .json.gz" in err
+
+
+def test_a_timeline_is_written_after_the_results(tmp_path, capsys, monkeypatch):
+    def fail(trace, path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(timeline, "save", fail)
+    assert main(["replay", "--synthetic", "6", "--timeline", str(tmp_path / "t.json")]) == 2
+    out = capsys.readouterr()
+    assert "TTFT" in out.out and "Permission denied" in out.err
+
+
+def test_timestamps_are_microseconds_of_virtual_time():
+    r = _done(0, 1_500 * MS, queue=0, first=1_600 * MS, wait=0, kv=0, finish=1_700 * MS)
+    (s,) = _events(chrome_trace([r]), "X", cat="request")
+    assert (s["ts"], s["dur"]) == (1_500_000.0, 200_000.0)
