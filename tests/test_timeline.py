@@ -51,6 +51,18 @@ RECORDS = [
     ),
     # over the context limit: failed at arrival, nothing else known
     RequestRecord(3, 9_000, 200_000, 10, outcome="failed", reason="too long"),
+    # failed after its first token, before a Decode DP took it (a transfer failure)
+    RequestRecord(
+        5,
+        50_000,
+        1000,
+        10,
+        outcome="failed",
+        reason="transfer",
+        first_token_ns=52_000,
+        finish_ns=56_000,
+        prefill_placement="P1/DP2",
+    ),
     # arrives after request 1 ended: takes its lane back
     _done(4, 20_000, queue=0, first=25_000, wait=0, kv=1_000, finish=30_000),
 ]
@@ -66,9 +78,9 @@ def _events(trace, ph=None, **match):
 
 def test_each_request_is_one_slice_split_into_its_phases():
     trace = chrome_trace(list(reversed(RECORDS)), title="t")  # any order
-    assert trace["otherData"] == {"generator": "xds", "title": "t", "requests": 5}
+    assert trace["otherData"] == {"generator": "xds", "title": "t", "requests": 6}
     slices = {e["args"]["request"]: e for e in _events(trace, "X", cat="request")}
-    assert sorted(slices) == [0, 1, 2, 3, 4]
+    assert sorted(slices) == [0, 1, 2, 3, 4, 5]
     r0 = slices[0]
     assert (r0["ts"], r0["dur"], r0["name"]) == (0.0, 40.0, "request 0")
     assert r0["args"] == {
@@ -96,6 +108,10 @@ def test_each_request_is_one_slice_split_into_its_phases():
     # failed at arrival: a zero-length slice and the failed instant
     assert (slices[3]["ts"], slices[3]["dur"]) == (9.0, 0.0)
     assert _events(trace, "i", tid=slices[3]["tid"], ts=9.0, name="failed")
+    # failed between its first token and decode: it waited for admission until then
+    tail = [(e["name"], e["ts"], e["dur"]) for e in _events(trace, "X", cat="phase", tid=1)][5:]
+    assert tail == [("prefill", 50.0, 2.0), ("decode admission", 52.0, 4.0)]
+    assert slices[5]["dur"] == 6.0 and slices[5]["args"]["reason"] == "transfer"
 
 
 def test_requests_share_lanes_lowest_free_first():
@@ -103,7 +119,8 @@ def test_requests_share_lanes_lowest_free_first():
     lane = {e["args"]["request"]: e["tid"] for e in _events(trace, "X", cat="request")}
     # 0 holds lane 1 to 40 us; 1 (5-8 us) lane 2; 2 (6-10) lane 3; 3 (9) takes lane 2, free
     # since 8; 4 (20) takes lane 2 again: the lowest free
-    assert lane == {0: 1, 1: 2, 2: 3, 3: 2, 4: 2}
+    # 5 (50 us) finds every lane free: lane 0 again
+    assert lane == {0: 1, 1: 2, 2: 3, 3: 2, 4: 2, 5: 1}
     names = [e["args"]["name"] for e in _events(trace, "M", name="thread_name")]
     assert names == ["lane 0", "lane 1", "lane 2"]
 
@@ -130,7 +147,9 @@ def test_counters_follow_the_phases():
         (40.0, (0, 0, 0)),
     ]
     in_system = {e["ts"]: e["args"]["requests"] for e in _events(trace, "C", pid=1)}
-    assert in_system == {0.0: 1, 5.0: 2, 6.0: 3, 8.0: 2, 10.0: 1, 20.0: 2, 30.0: 1, 40.0: 0}
+    assert in_system == {
+        0.0: 1, 5.0: 2, 6.0: 3, 8.0: 2, 10.0: 1, 20.0: 2, 30.0: 1, 40.0: 0, 50.0: 1, 56.0: 0
+    }  # fmt: skip
 
 
 def test_marks_are_spans_or_instants():

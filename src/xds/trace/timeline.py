@@ -12,7 +12,9 @@ the same records. Tracks:
   ``prefill`` (until its first token), ``decode admission`` (until the Decode DP posted the
   RECV: the KV waits on the Prefill side), ``KV transfer`` (until the KV landed) and
   ``decode`` (until the last token). A failed request's slice ends where it failed (at its
-  arrival if that is all that is known), with the reason. Requests share lanes: a request
+  arrival if that is all that is known), with the reason; its last phase runs until then
+  (a request that failed between its first token and a Decode DP taking it spends that time
+  in ``decode admission``). Requests share lanes: a request
   takes the lowest lane free at its arrival, so there are as many lanes as requests were
   ever in the system at once. A counter tracks the requests in the system.
 * **prefill**: per Prefill TE, the requests queued for it and the ones in a prefill step;
@@ -75,6 +77,8 @@ def _bounds(r: RequestRecord) -> tuple[list[int], int]:
             ends += [admitted, admitted + r.kv_transfer_ns]
             if r.finish_ns >= 0:
                 ends.append(r.finish_ns)
+        elif r.finish_ns > r.first_token_ns:  # failed before a Decode DP took it: it waited
+            ends.append(r.finish_ns)  # for admission (or its transfer) until then
         for t in ends:
             known.append(max(known[-1], t))
     elif r.queue_ns > 0:  # failed in the queue, after waiting this long
