@@ -286,6 +286,27 @@ def test_fourth_review_deployment_files_and_api_misuse_are_one_clear_error(tmp_p
         xds.run(zero)
     assert err.value.field == "max_iterations"
 
+    async def numpy_counts():  # numpy integers are integers
+        cfg = DecodeConfig(dies=32, batch_per_die=1, shared_expert_dies=0, output_tokens=3)
+        comm = CommCosts(2, 10_000, 10_000)
+        comm_mtp = CommCosts(1, 10_000, 10_000)
+        inst = DecodeInstance(cfg, comm, comm_mtp)
+        return await inst.serve(np.int64(16), max_iterations=np.int64(1))
+
+    assert xds.run(numpy_counts).iterations == 1
+
+
+def test_an_ma_instance_checks_its_arguments():
+    from xds.serve.ma_config import MADecodeConfig
+    from xds.serve.ma_decode import MADecodeInstance
+
+    with pytest.raises(ConfigError, match="must be an MADecodeConfig, got dict") as err:
+        MADecodeInstance({"domains": 3})  # type: ignore[arg-type]
+    assert err.value.field == "config"
+    with pytest.raises(ConfigError, match="must be an AECurve, got str") as err:
+        MADecodeInstance(MADecodeConfig(), "x")  # type: ignore[arg-type]
+    assert err.value.field == "curve"
+
 
 def test_an_ma_instance_measures_its_own_curve_when_given_none():
     from xds.serve.ma_config import MADecodeConfig

@@ -141,3 +141,7 @@ def test_reference_of_a_run_seed_matches_the_run_stream():
         reference_tokens(cfg)
     with pytest.raises(TypeError):
         reference_tokens(cfg, 7)  # type: ignore[misc]  # which seed? it must say
+
+
+def test_a_run_closes_its_streams(streams_left_open):
+    assert streams_left_open(lambda: _run(DataflowConfig(requests=4))) == []

@@ -416,3 +416,7 @@ def test_asyncio_and_trio_give_the_same_run(small_curve):
     a, t = go("asyncio"), go("trio")
     assert [d.iteration_ns for d in a.domains] == [d.iteration_ns for d in t.domains]
     assert a.stream_busy == t.stream_busy
+
+
+def test_serving_closes_the_pools_streams(small_curve, streams_left_open):
+    assert streams_left_open(lambda: _serve(SMALL, small_curve, max_iterations=2)) == []

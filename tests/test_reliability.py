@@ -515,3 +515,7 @@ def test_an_unrecoverable_code_escalates_even_during_a_rollback():
         res = _run(cfg, backend=backend)
         assert res.stopped == "DP 2 failed with HBM_ECC in iteration 4"
         _check_one_outcome_each(cfg, res)
+
+
+def test_a_run_closes_its_streams(streams_left_open):
+    assert streams_left_open(lambda: _run(SMALL)) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import numpy as np
 import pytest
@@ -110,6 +112,117 @@ def test_ranks_that_disagree_on_the_event_id_are_a_protocol_error(tier):
 
     err = _single(main)
     assert isinstance(err, ProtocolError) and "disagree" in str(err)
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_combine_refuses_another_ranks_handle(tier):
+    async def main():
+        g = _group(tier)
+        handles: dict[int, object] = {}
+        all_in = anyio.Event()
+
+        async def rank(r: int) -> None:
+            handles[r] = await g.dispatch(np.int64(r), _x(r), _idx(r), event_id=1)
+            if len(handles) == 4:
+                all_in.set()
+            await all_in.wait()
+            h = handles[(r + 1) % 4]  # the neighbour's, as a swapped loop variable would
+            await g.combine(r, h, np.zeros((h.n_recv, K, H), np.float32), np.ones((3, K)), 2)
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+
+    err = _single(main)
+    assert isinstance(err, ConfigError) and err.field == "handle"
+    said = re.search(r"handle is rank (\d)'s dispatch output, not rank (\d)'s", str(err))
+    assert said and (int(said[1]) - int(said[2])) % 4 == 1
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_combine_refuses_a_handle_from_another_group(tier):
+    async def main():
+        g, other = _group(tier), _group(tier)
+
+        async def rank(r: int) -> None:
+            await g.dispatch(r, _x(r), _idx(r), event_id=1)
+            h = await other.dispatch(r, _x(r), _idx(r), event_id=1)
+            await g.combine(r, h, np.zeros((h.n_recv, K, H), np.float32), np.ones((3, K)), 2)
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+
+    err = _single(main)
+    assert isinstance(err, ConfigError) and err.field == "handle"
+    assert "another group" in str(err)
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_a_rank_joining_one_exchange_twice_is_a_protocol_error(tier):
+    async def main():
+        g = _group(tier)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(g.dispatch, 0, _x(0), _idx(0), 1)
+            for r in range(4):
+                tg.start_soon(g.dispatch, r, _x(r), _idx(r), 1)
+
+    err = _single(main)
+    assert isinstance(err, ProtocolError) and "joined dispatch eventID 1 twice" in str(err)
+
+
+def test_groups_check_their_constructor_arguments():
+    fabric, emap = UBFabric(POD), ExpertMap(8, 4)
+    cfg = EPConfig(hidden=H, top_k=K, max_tokens_per_rank=8)
+    for args, field in (
+        (("fabric", [0, 1, 2, 3], emap, cfg), "fabric"),
+        ((fabric, [0, 1, 2, 3], 8, cfg), "expert_map"),
+        ((fabric, [0, 1, 2, 3], emap, {"hidden": H}), "config"),
+        ((fabric, "0123", emap, cfg), "ranks"),
+        ((fabric, [0, 1, 2.0, 3], emap, cfg), "ranks"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            EPGroup(*args)
+        assert err.value.field == field
+    assert EPGroup(fabric, np.arange(4), emap, cfg).ranks == [0, 1, 2, 3]
+    ae = AEConfig(hidden=H, top_k=K)
+    for args, field in (
+        (([], [4, 5, 6, 7], emap, ae), "attention"),
+        (([0], [], emap, ae), "experts"),
+        (([0], [4, 5, 6, 7], emap, AEConfig(hidden=H, top_k=9)), "config.top_k"),
+        (([0], [4, 5, 6, 7], "map", ae), "expert_map"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            AEGroup(fabric, *args)
+        assert err.value.field == field
+
+
+def test_dispatch_checks_replica_positions():
+    emap = ExpertMap(
+        8,
+        4,
+        replicas=[[e, 8 + e] if e < 4 else [e] for e in range(8)],
+        slots_rank=[e // 2 for e in range(8)] + [3, 2, 1, 0],
+    )
+
+    def fails(positions) -> ConfigError:
+        async def main():
+            g = EPGroup(
+                UBFabric(POD),
+                [0, 1, 2, 3],
+                emap,
+                EPConfig(hidden=H, top_k=K, max_tokens_per_rank=8),
+            )
+            await g.dispatch(0, _x(0), _idx(0), event_id=1, positions=positions)
+
+        with pytest.raises(ConfigError) as err:
+            xds.run(main)
+        return err.value
+
+    assert "shape (3,)" in str(fails(np.arange(2)))
+    assert "integers" in str(fails(np.array([0.0, 1.0, 2.0])))
+    assert ">= 0" in str(fails(np.array([0, -1, 2])))
+    assert fails(np.arange(2)).field == "positions"
 
 
 def test_a2e_checks_dies_indices_and_event_ids():

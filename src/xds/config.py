@@ -333,8 +333,12 @@ def require_instance(value: object, kind: type, field: str) -> None:
     """One ConfigError naming ``field`` unless ``value`` is a ``kind`` (an API argument of the
     wrong type fails at the call, not as an AttributeError deep inside)."""
     if not isinstance(value, kind):
+        name = kind.__name__
+        acronym = len(name) > 1 and name[:2].isupper()  # letters said by name: "an MA..."
+        article = "an" if name[0] in ("AEFHILMNORSX" if acronym else "AEIO") else "a"
         raise ConfigError(
-            f"must be a {kind.__name__}, got {type(value).__name__} {value!r:.40}", field=field
+            f"must be {article} {name}, got {type(value).__name__} {value!r:.40}",
+            field=field,
         )
 
 

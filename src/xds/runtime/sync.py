@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..config import require_int
 from .core import waiting_for
+
+T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
@@ -25,6 +29,29 @@ async def task_group_raising_single() -> AsyncIterator[anyio.abc.TaskGroup]:
         if len(leaves) == 1:
             raise leaves[0] from None
         raise
+
+
+class Streams:
+    """The memory object streams a component creates, closed together when it is done: an
+    end garbage-collected open makes anyio warn (``ResourceWarning``), and a test run with
+    ``-W error`` fail."""
+
+    def __init__(self) -> None:
+        self._ends: list[MemoryObjectSendStream[Any] | MemoryObjectReceiveStream[Any]] = []
+
+    def create(
+        self, kind: type[T], max_buffer_size: float = 0
+    ) -> tuple[MemoryObjectSendStream[T], MemoryObjectReceiveStream[T]]:
+        """A stream of ``kind`` items (``anyio.create_memory_object_stream``), kept to close."""
+        send, recv = anyio.create_memory_object_stream[kind](max_buffer_size)  # type: ignore[valid-type]
+        self._ends += (send, recv)
+        return send, recv
+
+    def close(self) -> None:
+        """Close every end created so far (once the tasks that use them are done)."""
+        for end in self._ends:
+            end.close()
+        self._ends.clear()
 
 
 def leaf_exceptions(group: BaseExceptionGroup) -> list[BaseException]:

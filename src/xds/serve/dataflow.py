@@ -42,6 +42,7 @@ from ..errors import ConfigError
 from ..model.reference_moe import ReferenceMoE, TinyMoE
 from ..runtime import Barrier, emit, now_ns, rng, sleep_ns
 from ..runtime.rng import RngStreams
+from ..runtime.sync import Streams
 from ..units import US
 
 
@@ -277,11 +278,11 @@ class Dataflow:
         self.duplicates_dropped = 0
         self.max_queue = {"inbox": 0, "link": 0}
         depth = cfg.queue_depth
-        self._expert_in = [
-            anyio.create_memory_object_stream[_Message](depth) for _ in range(cfg.expert_workers)
-        ]
+        self._streams = Streams()
+        """Every stream of the run (closed when it ends)."""
+        self._expert_in = [self._streams.create(_Message, depth) for _ in range(cfg.expert_workers)]
         self._attention_in = [
-            anyio.create_memory_object_stream[_Message](depth) for _ in range(cfg.attention_workers)
+            self._streams.create(_Message, depth) for _ in range(cfg.attention_workers)
         ]
         self._admission = list(range(cfg.requests))
         self._layer: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -293,8 +294,22 @@ class Dataflow:
 
     # -- the run ------------------------------------------------------------------------------
     async def run(self) -> DataflowResult:
-        cfg = self.config
         start = now_ns()
+        try:
+            await self._run()
+        finally:
+            self._streams.close()
+        return DataflowResult(
+            requests=[self.results[r] for r in sorted(self.results)],
+            elapsed_ns=now_ns() - start,
+            messages=self.messages,
+            duplicates_sent=self.duplicates_sent,
+            duplicates_dropped=self.duplicates_dropped,
+            max_queue=dict(self.max_queue),
+        )
+
+    async def _run(self) -> None:
+        cfg = self.config
         async with anyio.create_task_group() as tg:
             for j in range(cfg.expert_workers):
                 tg.start_soon(self._expert, j, name=f"expert-{j}")
@@ -307,7 +322,7 @@ class Dataflow:
                     )
             if cfg.mode == "dataflow":
                 for i in range(cfg.attention_workers):
-                    send, recv = anyio.create_memory_object_stream[_Sequence](float("inf"))
+                    send, recv = self._streams.create(_Sequence, float("inf"))
                     self._work.append(send)
                     tg.start_soon(self._attention_dataflow, i, recv, name=f"attention-{i}")
                     tg.start_soon(self._receiver, i, name=f"attention-{i}-inbox")
@@ -317,20 +332,12 @@ class Dataflow:
                     tg.start_soon(self._attention_sync, i, barrier, name=f"attention-{i}")
             await self._done.wait()
             tg.cancel_scope.cancel()
-        return DataflowResult(
-            requests=[self.results[r] for r in sorted(self.results)],
-            elapsed_ns=now_ns() - start,
-            messages=self.messages,
-            duplicates_sent=self.duplicates_sent,
-            duplicates_dropped=self.duplicates_dropped,
-            max_queue=dict(self.max_queue),
-        )
 
     def _link(
         self, tg, dst: MemoryObjectSendStream[_Message], name: str
     ) -> MemoryObjectSendStream[_Message]:
         """A bounded link: messages cross it in order after ``link_ns``, maybe twice."""
-        send, recv = anyio.create_memory_object_stream[_Message](self.config.queue_depth)
+        send, recv = self._streams.create(_Message, self.config.queue_depth)
         tg.start_soon(self._carry, recv, dst, name=name)
         return send
 

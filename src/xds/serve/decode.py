@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..config import require_instance
+from ..config import require_instance, require_int
 from ..docfields import document_fields
 from ..errors import ConfigError
 from ..hw import CloudMatrix384
@@ -177,23 +177,15 @@ class DecodeInstance:
         cfg = self.config
         n = cfg.dies
         check_batch_fits(cfg, self.kv[0].capacity)
-        if isinstance(n_requests, bool) or not isinstance(n_requests, int) or n_requests < 1:
-            raise ConfigError(f"must be a positive integer, got {n_requests!r}", field="n_requests")
+        n_requests = require_int(n_requests, "n_requests", low=1)
         if n_requests > n * cfg.batch_per_die:
             raise ConfigError(
                 f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "
                 "admitted before decode starts",
                 field="requests",
             )
-        if max_iterations is not None and (
-            isinstance(max_iterations, bool)
-            or not isinstance(max_iterations, int)
-            or max_iterations < 1
-        ):
-            raise ConfigError(
-                f"must be a positive integer (or None), got {max_iterations!r}",
-                field="max_iterations",
-            )
+        if max_iterations is not None:
+            max_iterations = require_int(max_iterations, "max_iterations", low=1)
         inbox = [
             anyio.create_memory_object_stream[int](max_buffer_size=float("inf")) for _ in range(n)
         ]

@@ -44,14 +44,14 @@ import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..config import require_int
+from ..config import require_instance, require_int
 from ..docfields import document_fields
 from ..errors import ProtocolError
 from ..fabric.xccl.moe import ExpertMap
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
 from ..runtime.nested import run_nested
-from ..runtime.sync import task_group_raising_single
+from ..runtime.sync import Streams, task_group_raising_single
 from .decode_model import KernelTimes
 from .ma_config import AECosts, MADecodeConfig, measure_ae
 from .mtp import tokens_per_step
@@ -146,13 +146,13 @@ class MoEPool:
         self.gen = rng("ma-decode/expert-routing")
         self.stats = {name: StreamStats() for name in STREAMS}
         self.state = "running"
-        inboxes = [
-            anyio.create_memory_object_stream[MoEBatch](math.inf) for _ in range(config.domains)
-        ]
+        self.streams = Streams()
+        """Every stream of the pool (closed when the instance has served)."""
+        inboxes = [self.streams.create(MoEBatch, math.inf) for _ in range(config.domains)]
         self._inbox_send = [s for s, _ in inboxes]
         self._inbox_recv = [r for _, r in inboxes]
-        self._to_moe = anyio.create_memory_object_stream[MoEBatch](config.queue_depth)
-        self._to_e2a = anyio.create_memory_object_stream[MoEBatch](config.queue_depth)
+        self._to_moe = self.streams.create(MoEBatch, config.queue_depth)
+        self._to_e2a = self.streams.create(MoEBatch, config.queue_depth)
         self._in_flight = 0
         """Batches whose A2E started and whose E2A has not delivered."""
         self._drained: anyio.Event | None = None
@@ -483,6 +483,9 @@ class MADecodeInstance:
         seed: int = 0,
         record: bool = False,
     ):
+        require_instance(config, MADecodeConfig, "config")
+        if curve is not None:
+            require_instance(curve, AECurve, "curve")
         self.config = config
         self.times = KernelTimes(
             config.spec,
@@ -521,19 +524,22 @@ class MADecodeInstance:
         self._served = True
         start = now_ns()
         runs = [DomainRun() for _ in range(cfg.domains)]
-        async with task_group_raising_single() as tg:  # one failure arrives as itself
-            tg.start_soon(self.pool.run, name="expert dies")
-            async with task_group_raising_single() as domains:
-                for d in range(cfg.domains):
-                    domains.start_soon(
-                        self._domain,
-                        d,
-                        runs[d],
-                        max_iterations,
-                        from_token,
-                        warmup,
-                        name=f"attention domain {d}",
-                    )
+        try:
+            async with task_group_raising_single() as tg:  # one failure arrives as itself
+                tg.start_soon(self.pool.run, name="expert dies")
+                async with task_group_raising_single() as domains:
+                    for d in range(cfg.domains):
+                        domains.start_soon(
+                            self._domain,
+                            d,
+                            runs[d],
+                            max_iterations,
+                            from_token,
+                            warmup,
+                            name=f"attention domain {d}",
+                        )
+        finally:
+            self.pool.streams.close()
         elapsed = now_ns() - start
         moe = self.pool.stats["moe"]
         return MADecodeResult(

@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from ...config import check_fields
+from ...config import check_fields, require_instance
 from ...docfields import document_fields
 from ...errors import ConfigError
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
@@ -70,6 +70,8 @@ class A2EHandle(msgspec.Struct):
     dest_die: np.ndarray  # [B, k'] expert-die index per (token, column), -1 if none
     start_ns: int
     end_ns: int
+    group: int = -1
+    """The group it came from (numbered as built, for E2A's check)."""
 
 
 class ExpertInput(msgspec.Struct):
@@ -108,6 +110,14 @@ class AEGroup:
         *,
         tier: str = "protocol",
     ):
+        require_instance(fabric, UBFabric, "fabric")
+        require_instance(expert_map, ExpertMap, "expert_map")
+        require_instance(config, AEConfig, "config")
+        attention, experts = args.dies(attention, "attention"), args.dies(experts, "experts")
+        if not attention or not experts:
+            raise ConfigError(
+                "needs at least one die", field="attention" if not attention else "experts"
+            )
         n, m = len(attention), len(experts)
         if expert_map.n_ranks != m:
             raise ConfigError(
@@ -126,6 +136,12 @@ class AEGroup:
         for name, dies in (("attention", attention), ("experts", experts)):
             if len(set(dies)) != len(dies):
                 raise ConfigError("a die is listed twice", field=name)
+        if config.top_k > expert_map.n_experts:
+            raise ConfigError(
+                f"top-{config.top_k} routing needs at least {config.top_k} experts; the expert "
+                f"map has {expert_map.n_experts}",
+                field="config.top_k",
+            )
         if config.n_shared > expert_map.n_experts - config.top_k:
             raise ConfigError(
                 f"{config.n_shared} shared-expert instances leave too few of the expert map's "
@@ -137,6 +153,7 @@ class AEGroup:
             fabric.pod.check_die(die)
             fabric._check_aivs(die, config.n_aiv, field="config.n_aiv")
         self.fabric = fabric
+        self._serial = args.group_serial()
         self.attention = list(attention)
         self.experts = list(experts)
         self.expert_map = expert_map
@@ -269,7 +286,7 @@ class AEGroup:
             await self.push.push(
                 "direct", me, event_id, blocks, self.experts, self.row_bytes, lanes=self._lanes
             )
-        return A2EHandle(att, n_tokens, dest, start, now_ns())
+        return A2EHandle(att, n_tokens, dest, start, now_ns(), self._serial)
 
     async def e2a(
         self, handle: A2EHandle, weights: np.ndarray | None, event_id: int
@@ -291,6 +308,11 @@ class AEGroup:
         if not isinstance(handle, A2EHandle):
             raise ConfigError(
                 f"handle must be what this die's a2e returned, got {type(handle).__name__}",
+                field="handle",
+            )
+        if handle.group != self._serial:
+            raise ConfigError(
+                "handle is another group's A2E output: run E2A on the group that ran the A2E",
                 field="handle",
             )
         event_id = args.event_id(event_id)

@@ -4,6 +4,8 @@ on the protocol and the collective tier (integers, dies, AIV counts, byte ranges
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ...errors import ConfigError
@@ -14,9 +16,11 @@ __all__ = [
     "aiv_count",
     "byte_range",
     "die",
+    "dies",
     "engine",
     "event_id",
     "expert_ids",
+    "group_serial",
     "index",
     "integer",
     "is_integer",
@@ -25,6 +29,14 @@ __all__ = [
 ]
 
 MAX_EVENT_ID = 2**64 - 1
+
+_SERIALS = itertools.count()
+
+
+def group_serial() -> int:
+    """A number for a new collective group, unique in this process: the handles its
+    operations return name their group, so a handle passed to another group is refused."""
+    return next(_SERIALS)
 
 
 def event_id(value: object) -> int:
@@ -39,6 +51,18 @@ def event_id(value: object) -> int:
             f"eventID must be an integer in 1..2**64-1, got {value}", field="event_id"
         )
     return value
+
+
+def dies(values: object, field: str) -> list[int]:
+    """A list of die numbers (a list, tuple, range or 1-D array of integers >= 0; each die's
+    range is the pod's to check); else ConfigError."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple, range)):
+        raise ConfigError(
+            f"must be a list of dies, got {type(values).__name__} {values!r:.40}", field=field
+        )
+    return [integer(v, field) for v in values]
 
 
 def index(value: object, n: int, field: str) -> int:

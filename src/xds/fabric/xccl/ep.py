@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from ...config import check_fields
+from ...config import check_fields, require_instance
 from ...docfields import document_fields
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
@@ -102,6 +102,10 @@ class DispatchOutput(msgspec.Struct):
     start_ns: int
     barrier_ns: int
     end_ns: int
+    rank: int = -1
+    """The rank whose dispatch returned this (combine takes it on that rank only)."""
+    group: int = -1
+    """The group it came from (numbered as built, for combine's check)."""
 
     @property
     def n_recv(self) -> int:
@@ -156,6 +160,10 @@ class EPGroup:
         *,
         tier: Tier = "protocol",
     ):
+        require_instance(fabric, UBFabric, "fabric")
+        require_instance(expert_map, ExpertMap, "expert_map")
+        require_instance(config, EPConfig, "config")
+        ranks = args.dies(ranks, "ranks")
         if len(ranks) != expert_map.n_ranks:
             raise ConfigError(
                 f"expert map has {expert_map.n_ranks} ranks but the group has {len(ranks)}",
@@ -181,6 +189,9 @@ class EPGroup:
         self.config = config
         self.tier: Tier = tier
         self.R = len(ranks)
+        self._serial = args.group_serial()
+        self._in_flight: set[tuple[int, int, int]] = set()
+        """(rank, phase, eventID) of the exchanges ranks are in now (a second join fails)."""
         self._blocks: dict[tuple[int, int, int, int], _Block] = {}
         self._pending: dict[tuple[int, int, int], int] = {}
         self._released: dict[tuple[int, int, int], anyio.Event] = {}
@@ -206,6 +217,7 @@ class EPGroup:
             self._completion,
             self._seen,
             self._joined,
+            self._in_flight,
         ):
             state.clear()
 
@@ -221,7 +233,7 @@ class EPGroup:
     ) -> DispatchOutput:
         """Dispatch this rank's tokens ``x`` ([B, H] float32, or B in size mode)."""
         cfg = self.config
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         event_id = args.event_id(event_id)
         bytes_mode = self.fabric.mode == "bytes"
         n_tokens, data = args.tokens(x, bytes_mode=bytes_mode, hidden=cfg.hidden)
@@ -295,11 +307,22 @@ class EPGroup:
         size mode. ``topk_weights`` are this rank's own tokens' gate weights [B, k].
         """
         cfg = self.config
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         event_id = args.event_id(event_id)
         if not isinstance(handle, DispatchOutput):
             raise ConfigError(
                 f"handle must be what this rank's dispatch returned, got {type(handle).__name__}",
+                field="handle",
+            )
+        if handle.group != self._serial:
+            raise ConfigError(
+                "handle is another group's dispatch output: combine on the group that dispatched",
+                field="handle",
+            )
+        if handle.rank != rank:
+            raise ConfigError(
+                f"handle is rank {handle.rank}'s dispatch output, not rank {rank}'s: each "
+                "rank combines with what its own dispatch returned",
                 field="handle",
             )
         bytes_mode = self.fabric.mode == "bytes"
@@ -420,8 +443,18 @@ class EPGroup:
         who = f"{_PHASE_NAMES[phase]} eventID {event_id} at rank {rank} (die {die})"
 
         async def body() -> tuple[list[_Block], int]:
+            joining = (rank, phase, event_id)
+            if joining in self._in_flight:
+                raise ProtocolError(
+                    f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} twice (it is "
+                    "still in the first)"
+                )
+            self._in_flight.add(joining)
             self._joined[(rank, phase)] = event_id
-            return await exchange(rank, event_id, phase, blocks, counts, row_bytes, costs)
+            try:
+                return await exchange(rank, event_id, phase, blocks, counts, row_bytes, costs)
+            finally:
+                self._in_flight.discard(joining)
 
         return await self._failures.run(die, who, body)
 
@@ -707,6 +740,8 @@ class EPGroup:
             start_ns=start,
             barrier_ns=barrier,
             end_ns=now_ns(),
+            rank=rank,
+            group=self._serial,
         )
 
     def _accumulate(
@@ -735,9 +770,9 @@ class EPGroup:
             y += np.where(expected[:, j, None], contrib, np.float32(0.0))
         return y
 
-    def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.R:
-            raise ConfigError(f"rank must be 0..{self.R - 1}, got {rank!r}", field="rank")
+    def _check_rank(self, rank: object) -> int:
+        """``rank`` as a plain int (numpy integers too) in 0..R-1; else ConfigError."""
+        return args.index(rank, self.R, "rank")
 
 
 class _Completion:

@@ -145,10 +145,28 @@ class ExpertMap:
             raise ConfigError(f"expert ids must be in -1..{self.n_experts - 1}", field="topk_idx")
         if positions is None:
             positions = np.arange(topk_idx.shape[0], dtype=np.int64)
+        else:
+            positions = _positions(positions, topk_idx.shape[0])
         safe = np.where(topk_idx >= 0, topk_idx, 0)
         pick = positions[:, None] % self.n_replicas[safe]
         phys = self._table[safe, pick]
         return np.where(topk_idx >= 0, phys, -1)
+
+
+def _positions(positions: object, n_tokens: int) -> np.ndarray:
+    """Token positions (which replica each token's copies go to) as ``n_tokens`` integers
+    >= 0; else ConfigError."""
+    arr = np.asarray(positions)
+    if arr.shape != (n_tokens,):
+        raise ConfigError(
+            f"must be one position per token, shape ({n_tokens},), got {arr.shape}",
+            field="positions",
+        )
+    if n_tokens and not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"positions must be integers, got {arr.dtype} values", field="positions")
+    if n_tokens and arr.min() < 0:
+        raise ConfigError(f"positions must be >= 0, got {int(arr.min())}", field="positions")
+    return arr.astype(np.int64)
 
 
 class Routed(msgspec.Struct, frozen=True):

@@ -37,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ...config import require_instance
 from ...runtime import emit, now_ns, rng, sleep_until_ns
+from ...runtime.sync import Streams
 from .config import (
     ExecutorCrash,
     ExecutorHang,
@@ -172,17 +173,24 @@ class ReliableDecode:
         cfg = self.config
         start = now_ns()
         self._prefill()
-        for send, recv in (anyio.create_memory_object_stream[_Run](1) for _ in range(cfg.dps)):
+        streams = Streams()
+        for send, recv in (streams.create(_Run, 1) for _ in range(cfg.dps)):
             self._run_send.append(send)
             self._run_recv.append(recv)
-        for send, recv in (anyio.create_memory_object_stream[_Reply](1) for _ in range(cfg.dps)):
+        for send, recv in (streams.create(_Reply, 1) for _ in range(cfg.dps)):
             self._reply_send.append(send)
             self._reply_recv.append(recv)
-        for send, recv in (
-            anyio.create_memory_object_stream[tuple[int, int]](float("inf")) for _ in range(cfg.dps)
-        ):
+        for send, recv in (streams.create(tuple, float("inf")) for _ in range(cfg.dps)):
             self._out_send.append(send)
             self._out_recv.append(recv)
+        try:
+            return await self._serve(start)
+        finally:
+            streams.close()
+            self.shell.streams.close()
+
+    async def _serve(self, start: int) -> ReliabilityResult:
+        cfg = self.config
         async with anyio.create_task_group() as outer:
             self._scope = outer.cancel_scope
             outer.start_soon(self._watchdog, name="watchdog")

@@ -19,6 +19,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
+from ...runtime.sync import Streams
 from .config import HeartbeatConfig
 
 
@@ -47,7 +48,9 @@ class TEShellHeartbeat:
         self.config = config
         self.dps = dps
         self._faulty = faulty
-        streams = [anyio.create_memory_object_stream[Ping](float("inf")) for _ in range(dps)]
+        self.streams = Streams()
+        """The ping streams (the engine closes them when its run ends)."""
+        streams = [self.streams.create(Ping, float("inf")) for _ in range(dps)]
         self._to_dp: list[MemoryObjectSendStream[Ping]] = [s for s, _ in streams]
         self.inbox: list[MemoryObjectReceiveStream[Ping]] = [r for _, r in streams]
         """Per DP master: the pings waiting for its loop."""
