@@ -17,7 +17,7 @@ from xds.serve.replay import PDConfig, replay
 from xds.serve.timeline import replay_marks, replay_timeline
 from xds.trace import timeline
 from xds.trace.metrics import RequestRecord
-from xds.trace.timeline import Mark, chrome_trace
+from xds.trace.timeline import Mark, Series, chrome_trace
 from xds.trace.workload import Request, Workload
 from xds.units import MS, S
 
@@ -182,11 +182,37 @@ def test_a_replays_faults_are_on_its_timeline():
     failed = [e for e in slices if e["args"]["outcome"] == "failed"]
     assert failed and all(e["name"].endswith("(failed)") for e in failed)
     assert len(_events(trace, "i", name="failed")) == len(failed)
+    # the Decode TE's iterations, on both sides of its restart, one log
+    (log,) = res.decode_iterations_log
+    assert log.te == "D0" and len(log.start_ns) == res.decode_iterations
+    assert log.start_ns == sorted(log.start_ns) and min(log.time_ns) > 0
+    assert min(log.start_ns) < 3 * S and max(log.start_ns) > restart.decode_up_ns
+    ends = [s + t for s, t in zip(log.start_ns, log.time_ns, strict=True)]
+    assert all(end <= start for end, start in zip(ends, log.start_ns[1:], strict=False))
+    assert sum(log.time_ns) / len(log.time_ns) / 1e6 == pytest.approx(
+        res.summary.decode.mean_iteration_ms
+    )
+    counters = _events(trace, "C", name="D0 iteration")
+    assert len(counters) == len(log.start_ns)
+    assert counters[0]["args"] == {"ms": log.time_ns[0] / 1e6, "sequences": log.sequences[0]}
     for e in slices:  # phases tile each completed request's slice
         if e["args"]["outcome"] == "completed":
             parts = _events(trace, "X", cat="phase", tid=e["tid"])
             inside = [p for p in parts if e["ts"] <= p["ts"] < e["ts"] + e["dur"]]
             assert sum(p["dur"] for p in inside) == pytest.approx(e["dur"], abs=1e-3)
+
+
+def test_series_are_counter_tracks():
+    series = Series("D0 iteration", "decode", [1_000, 3_000], {"ms": [0.5, 0.75]})
+    trace = chrome_trace(RECORDS, series=[series])
+    assert [(e["pid"], e["ts"], e["args"]) for e in _events(trace, "C", name="D0 iteration")] == [
+        (3, 1.0, {"ms": 0.5}),
+        (3, 3.0, {"ms": 0.75}),
+    ]
+    with pytest.raises(ConfigError, match="one value per time"):
+        chrome_trace(RECORDS, series=[Series("x", "decode", [1], {"ms": [1.0, 2.0]})])
+    with pytest.raises(ConfigError, match="process must be one of"):
+        chrome_trace(RECORDS, series=[Series("x", "gpu", [1], {"ms": [1.0]})])  # type: ignore[arg-type]
 
 
 def test_bad_records_and_paths_are_refused(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import overload
@@ -69,6 +70,41 @@ class DecodeLoad(msgspec.Struct):
         self.sequence_ns += other.sequence_ns
         self.die_ns += other.die_ns
         self.skew_ns += other.skew_ns
+
+
+class IterationLog:
+    """Every iteration a Decode TE completed: when it started, how long it took and how many
+    sequences it decoded (compact arrays; :meth:`record` makes the public form). One log
+    outlives the TE's restarts: an iteration lost to a fault is not in it."""
+
+    def __init__(self, te: str):
+        self.te = te
+        self.start_ns = array("q")
+        self.time_ns = array("q")
+        self.sequences = array("q")
+
+    def add(self, start_ns: int, time_ns: int, sequences: int) -> None:
+        self.start_ns.append(start_ns)
+        self.time_ns.append(time_ns)
+        self.sequences.append(sequences)
+
+    def record(self) -> DecodeIterations:
+        return DecodeIterations(
+            te=self.te,
+            start_ns=self.start_ns.tolist(),
+            time_ns=self.time_ns.tolist(),
+            sequences=self.sequences.tolist(),
+        )
+
+
+class DecodeIterations(msgspec.Struct, frozen=True):
+    """A Decode TE's iterations over a replay, in order (``ReplayResult.decode_iterations_log``):
+    each one's start, duration (including the scheduler gap and host jitter) and sequences."""
+
+    te: str
+    start_ns: list[int]
+    time_ns: list[int]
+    sequences: list[int]
 
 
 class CommGrid(Sequence[CommCosts]):
@@ -423,9 +459,13 @@ class DecodeTE:
         on_finish: Callable[[RequestRecord], None] | None = None,
         routing: DecodeRouting = lowest_kv,
         servers: list[int] | None = None,
+        iteration_log: IterationLog | None = None,
     ):
         self.config = config
         self.index = index
+        self.iteration_log = iteration_log or IterationLog(f"D{index}")
+        """Every iteration completed (shared with the TE that replaces this one after a
+        restart)."""
         self.grid = grid
         self.model = _ReplayDecodeModel(config, grid[0], index)
         n, limit = config.dies, config.batch_per_die
@@ -747,6 +787,7 @@ class DecodeTE:
             await sleep_ns(step)
             if epoch != self._epoch:  # a die failed meanwhile: this iteration is lost
                 continue
+            self.iteration_log.add(now_ns() - step, step, len(live.slots))
             load = self.load
             load.iterations += 1
             load.busy_ns += step

@@ -50,7 +50,7 @@ from ..trace.workload import Request, Workload, hash_problem
 from ..units import S, fmt_ns
 from .decode import CommCosts, DecodeConfig
 from .decode_model import decode_kv_capacity
-from .decode_te import DecodeLoad, DecodeTE, KVNoFit, comm_grid
+from .decode_te import DecodeIterations, DecodeLoad, DecodeTE, IterationLog, KVNoFit, comm_grid
 from .distflow import DistFlow, KVMover, TransferState
 from .failover import Failover
 from .jitter import JitterConfig
@@ -309,6 +309,9 @@ class ReplayResult(msgspec.Struct):
     unfired_faults: list[DistFlowFault | NodeFault | MemoryFault] = []
     """Faults given to the replay whose time never came: every request had finished first,
     so they struck nothing."""
+    decode_iterations_log: list[DecodeIterations] = []
+    """Per Decode TE, every iteration it completed: start, duration and sequences (what
+    ``xds replay --timeline`` draws as each Decode TE's iteration time)."""
 
     @property
     def prefill_busy(self) -> list[float]:
@@ -392,6 +395,8 @@ class Replay(Failover):
         self._grid = grid
         record = cfg.record_token_times
         self._record_tokens = len(workload) <= 5_000 if record is None else record
+        self.iteration_logs: dict[int, IterationLog] = {}
+        """Per Decode TE (by index), its iterations: one log across its restarts."""
         self.prefill: list[PrefillTE] = []
         self.decode: list[DecodeTE] = []
         self._prefill_cfg = cfg.prefill
@@ -453,6 +458,7 @@ class Replay(Failover):
             on_finish=self._ended,
             routing=self._decode_routing,
             servers=self.placement.decode[d],
+            iteration_log=self.iteration_logs.setdefault(d, IterationLog(f"D{d}")),
         )
         self._remask(te)
         return te
@@ -1235,6 +1241,7 @@ def replay(
         failovers=r.failovers,
         kv_masks=r.kv_masks,
         unfired_faults=r.unfired(faults),  # type: ignore[arg-type]
+        decode_iterations_log=[r.iteration_logs[d].record() for d in sorted(r.iteration_logs)],
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..trace.timeline import Mark, chrome_trace
+from ..trace.timeline import Mark, Series, chrome_trace
 from .probe import LinkVerdict
 from .replay import ReplayResult
 
@@ -50,6 +50,26 @@ def replay_marks(result: ReplayResult) -> list[Mark]:
     return marks
 
 
+def decode_series(result: ReplayResult) -> list[Series]:
+    """Per Decode TE, each iteration's time (ms, scheduler gap and jitter included) and the
+    sequences it decoded, at the iteration's start."""
+    return [
+        Series(
+            f"{log.te} iteration",
+            "decode",
+            log.start_ns,
+            {
+                "ms": [t / 1e6 for t in log.time_ns],
+                "sequences": [float(n) for n in log.sequences],
+            },
+        )
+        for log in result.decode_iterations_log
+    ]
+
+
 def replay_timeline(result: ReplayResult, *, title: str = "") -> dict[str, Any]:
-    """:func:`xds.trace.timeline.chrome_trace` of the replay's records, with its marks."""
-    return chrome_trace(result.records, marks=replay_marks(result), title=title)
+    """:func:`xds.trace.timeline.chrome_trace` of the replay's records, with its marks and
+    each Decode TE's iterations."""
+    return chrome_trace(
+        result.records, marks=replay_marks(result), series=decode_series(result), title=title
+    )

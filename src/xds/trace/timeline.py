@@ -30,7 +30,7 @@ import gzip
 import heapq
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -43,6 +43,17 @@ SUFFIXES = (".json", ".json.gz")
 
 _REQUESTS, _PREFILL, _DECODE, _EVENTS = 1, 2, 3, 4
 _PHASES = ("queued", "prefill", "decode admission", "KV transfer", "decode")
+
+
+class Series(msgspec.Struct, frozen=True):
+    """A counter track of the timeline: at each ``t_ns[i]`` the values ``values[k][i]`` (one
+    counter per key), drawn in ``process`` (``"requests"``, ``"prefill"`` or ``"decode"``),
+    e.g. a Decode TE's iteration times."""
+
+    name: str
+    process: Literal["requests", "prefill", "decode"]
+    t_ns: list[int]
+    values: dict[str, list[float]]
 
 
 class Mark(msgspec.Struct, frozen=True):
@@ -167,10 +178,15 @@ class _Counters:
 
 
 def chrome_trace(
-    records: Sequence[RequestRecord], *, marks: Iterable[Mark] = (), title: str = ""
+    records: Sequence[RequestRecord],
+    *,
+    marks: Iterable[Mark] = (),
+    series: Iterable[Series] = (),
+    title: str = "",
 ) -> dict[str, Any]:
     """The records (one per request, any order) as a Trace Event Format object (module
-    docstring): ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``."""
+    docstring): ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``,
+    with ``marks`` on the events track and ``series`` as counter tracks of their own."""
     events: list[dict] = []
     events += _meta(_REQUESTS, "requests", 0)
     events += _meta(_PREFILL, "prefill", 1)
@@ -281,6 +297,30 @@ def chrome_trace(
         events += _meta(_EVENTS, "events", 3)
         events += mark_events
     events += in_system.events() + prefill.events() + decode.events()
+    pids = {"requests": _REQUESTS, "prefill": _PREFILL, "decode": _DECODE}
+    for s in series:
+        if s.process not in pids:
+            raise ConfigError(
+                f"series {s.name!r}: process must be one of {', '.join(pids)}, got {s.process!r}",
+                field="series",
+            )
+        if any(len(v) != len(s.t_ns) for v in s.values.values()):
+            raise ConfigError(
+                f"series {s.name!r}: every value list needs one value per time ({len(s.t_ns)})",
+                field="series",
+            )
+        keys = list(s.values)
+        for i, t in enumerate(s.t_ns):
+            events.append(
+                {
+                    "ph": "C",
+                    "pid": pids[s.process],
+                    "tid": 0,
+                    "name": s.name,
+                    "ts": _us(t),
+                    "args": {k: s.values[k][i] for k in keys},
+                }
+            )
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
