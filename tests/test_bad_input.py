@@ -105,6 +105,15 @@ def test_a_bad_log_level_names_the_variable(monkeypatch, capsys):
         logs.configure_logging()
 
 
+def test_deployment_file_suffixes_are_case_blind(tmp_path, capsys):
+    from xds.cli.main import main
+
+    upper = tmp_path / "Small.TOML"
+    upper.write_text("[prefill]\ntes = 2\n")
+    assert main(["replay", "--synthetic", "3", "--deployment", str(upper), "--json"]) == 0
+    assert '"completed":3' in capsys.readouterr().out
+
+
 def test_replay_takes_a_config_not_a_preset_name():
     with pytest.raises(ConfigError, match=r"pd_config\('production-4p1d'\)"):
         replay(production_workload(3, rate_per_s=4.0), "production-4p1d")  # type: ignore[arg-type]
@@ -597,6 +606,8 @@ def test_decode_commands_name_the_other_command_and_a_missing_delay(capsys):
     assert "(it is an `xds ma-decode` deployment)" in err
     err = _one_line(capsys, ["ma-decode", "--deployment", "peak-decode"])
     assert "(it is an `xds decode` deployment)" in err
+    err = _one_line(capsys, ["decode", "--deployment", "production-4p1d"])
+    assert "(it is an `xds replay` deployment)" in err
     err = _one_line(capsys, ["dataflow", "--slow", "attention:0"])
     assert "the extra delay in us is missing" in err
 

@@ -36,16 +36,18 @@ def test_replay_figure_draws_the_records_against_the_sla():
     fig = plots.replay_figure(RECORDS, sla=SLA(ttft_ms=2_000, tpot_ms=30), title="tiny")
     (ttft, tpot), (over, load) = np.asarray(fig.axes).reshape(2, 2)
     x, y = ttft.lines[0].get_data()
-    assert x.tolist() == [0.5, 1.0, 3.0] and y.tolist() == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert x.tolist() == [0.5, 0.5, 1.0, 3.0]  # rising from 0 at the smallest
+    assert y.tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1.0])
     # shares of all four requests, the failed one over the SLA (as goodput counts it)
     assert ttft.get_legend().get_texts()[0].get_text() == "SLA 2 s: 50.0% of the 4 requests under"
     x, _ = tpot.lines[0].get_data()
-    assert x.tolist() == pytest.approx([20.0, 50.0])  # the one-token request has no TPOT...
+    assert x.tolist() == pytest.approx([20.0, 20.0, 50.0])  # the one-token request has no TPOT...
     label = tpot.get_legend().get_texts()[0].get_text()
     assert label == "SLA 30 ms: 50.0% of the 4 requests under"  # ...and none to miss
     labels = [t.get_text() for t in over.get_legend().get_texts()]
     assert "failed (1; drawn at the top)" in labels
-    assert over.collections[1].get_offsets().tolist() == [[2.0, 3.0]]  # at its arrival, top
+    # at its arrival, above every TTFT (3 s) and the SLA (2 s)
+    assert over.collections[1].get_offsets().tolist() == [[2.0, pytest.approx(3.3)]]
     assert max(load.lines[0].get_ydata()) == 2 and max(load.lines[1].get_ydata()) == 1
     assert fig.get_suptitle() == "tiny"
 
@@ -159,3 +161,14 @@ def test_cli_decode_draws_its_run(tmp_path, capsys):
     assert main(["decode", "--deployment", str(dep), "--plot", str(pdf)]) == 0
     assert pdf.read_bytes().startswith(b"%PDF") and "plotted to" in capsys.readouterr().out
     assert main(["decode", "--plot", str(tmp_path / "x.gif")]) == 2  # before the run
+
+
+def test_a_failure_is_drawn_above_the_sla_and_a_lone_request_shows():
+    fast = RequestRecord(0, 0, 100, 3, first_token_ns=30 * MS, finish_ns=70 * MS)
+    failed = RequestRecord(1, S, 200_000, 3, outcome="failed", reason="too long")
+    fig = plots.replay_figure([fast, failed], sla=SLA(ttft_ms=2_000, tpot_ms=35))
+    (ttft, _), (over, _) = np.asarray(fig.axes).reshape(2, 2)
+    ((_, y),) = over.collections[1].get_offsets().tolist()
+    assert y > 2.0  # above the 2 s SLA line, not at the fast request's 0.03 s
+    x, share = ttft.lines[0].get_data()  # one completed request: a visible rise to 1
+    assert x.tolist() == [0.03, 0.03] and share.tolist() == [0.0, 1.0]

@@ -678,3 +678,34 @@ def test_tied_timestamps_spread_over_their_step_in_order():
     assert untied.spread_ties(np.random.default_rng(1)) is untied
     one_stamp = t.Workload(w.requests[:3], "h")  # no step to spread over: left as it is
     assert one_stamp.spread_ties(np.random.default_rng(1)) is one_stamp
+
+
+def test_a_record_spanning_lines_is_named_by_its_first_line(tmp_path):
+    # quoted prompt text with line breaks (LF and CRLF), and a blank line between records
+    text = (
+        "arrived_at,num_prefill_tokens,num_decode_tokens,text\r\n"
+        '0,10,10,"a\r\nb\r\nc"\r\n'
+        "\r\n"
+        '1,20,10,"d\ne"\r\n'
+        "2,30,3,y\r\n"
+    )
+    p = tmp_path / "multi.csv"
+    p.write_bytes(text.encode())
+    w = t.load(p, "request-csv")
+    assert [r.source_line for r in w.requests] == [2, 6, 8]
+    p.write_bytes(text.replace("2,30,3", "2,x,3").encode())
+    with pytest.raises(TraceError) as err:
+        t.load(p, "request-csv")
+    assert err.value.line == 8
+
+
+def test_one_column_for_two_quantities_is_refused(tmp_path):
+    p = write(tmp_path, "same.csv", "t,n\n0,600\n1,700\n")
+    with pytest.raises(TraceError, match="'input' and 'output' both name column 'n'") as err:
+        t.load_generic(p, mapping={"arrival": "t", "input": "n", "output": "n"})
+    assert err.value.field == "output"
+    with pytest.raises(TraceError, match="both name 'n'") as err:
+        t.load_lengths(
+            p, input_column="n", output_column="n", rng=np.random.default_rng(0), rate_per_s=1
+        )
+    assert err.value.field == "output_column"

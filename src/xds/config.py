@@ -57,9 +57,9 @@ def _read(path: Path) -> Any:
             source=str(path),
         ) from None
     try:
-        if path.suffix == ".toml":
+        if path.suffix.lower() == ".toml":
             return tomllib.loads(text)
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json":
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse: {exc}", source=str(path)) from None
@@ -107,7 +107,7 @@ def in_file(exc: ConfigError, path: str | Path) -> ConfigError:
     """``exc`` about a field of the config file ``path``: naming the file, and the line that
     sets the field where a TOML file spells it simply."""
     p = Path(path)
-    line = _toml_line(p, exc.field) if p.suffix == ".toml" and exc.field else None
+    line = _toml_line(p, exc.field) if p.suffix.lower() == ".toml" and exc.field else None
     where = f" (line {line})" if line is not None else ""
     if line is None and exc.field and not _sets(p, exc.field):
         where = " (the default: the file does not set it)"

@@ -73,9 +73,10 @@ def _cdf(ax: Axes, values: np.ndarray, under: int, total: int, limit: float, uni
     """Empirical CDF of the completed requests' ``values`` with the SLA ``limit`` (skipped
     when infinite), labelled with the share of all ``total`` requests under it (``under``:
     failed requests count as over, as goodput counts them)."""
-    if values.size:
+    if values.size:  # from 0 at the smallest value (so a lone request shows as a rise)
         x = np.sort(values)
-        ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", color=_MET)
+        y = np.arange(0, x.size + 1) / x.size
+        ax.step(np.r_[x[0], x], y, where="post", color=_MET)
     else:
         ax.text(0.5, 0.5, "no completed request", transform=ax.transAxes, ha="center")
     if np.isfinite(limit) and total:
@@ -135,8 +136,9 @@ def replay_figure(
     _cdf(ax[0, 1], tpot, steady, n, sla.tpot_ms, "ms", "TPOT")
     over = ax[1, 0]
     over.scatter([r.arrival_ns / 1e9 for r in done], ttft, s=6, color=_MET, label="completed")
-    if failed:
-        top = float(ttft.max()) if ttft.size else 1.0
+    if failed:  # above every TTFT drawn and the SLA: a failure never looks fast
+        drawn = [*ttft.tolist(), *([sla.ttft_ms / 1e3] if np.isfinite(sla.ttft_ms) else [])]
+        top = 1.1 * max(drawn) if drawn and max(drawn) > 0 else 1.0
         over.scatter(
             [r.arrival_ns / 1e9 for r in failed],
             np.full(len(failed), top),

@@ -41,11 +41,15 @@ MA_PRESETS: dict[str, MADecodeConfig] = {
 def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
     if name_or_path in presets:
         return presets[name_or_path]
-    if Path(name_or_path).suffix in (".toml", ".json"):
+    if Path(name_or_path).suffix.lower() in (".toml", ".json"):
         return load_config(name_or_path, kind)
     close = difflib.get_close_matches(name_or_path, list(presets), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    for command, kind_presets in (("decode", PRESETS), ("ma-decode", MA_PRESETS)):
+    for command, kind_presets in (
+        ("decode", PRESETS),
+        ("ma-decode", MA_PRESETS),
+        ("replay", PD_PRESETS),
+    ):
         if presets is not kind_presets and name_or_path in kind_presets:
             hint = f" (it is an `xds {command}` deployment)"
     raise ConfigError(

@@ -331,6 +331,16 @@ def _csv_rows(
             csv.field_size_limit(limit)
 
 
+def _line_breaks(value: object) -> int:
+    """Line breaks (``\\r\\n``, ``\\n`` or ``\\r``) inside a CSV field's text (a list: the
+    fields past the header's)."""
+    if isinstance(value, list):
+        return sum(map(_line_breaks, value))
+    if not isinstance(value, str) or not ("\n" in value or "\r" in value):
+        return 0
+    return value.count("\n") + value.count("\r") - value.count("\r\n")
+
+
 def _checked_rows(
     p: Path, reader: csv.DictReader, required: list[str], also: Collection[str], skipped: int
 ) -> Iterator[tuple[int, dict[str, str]]]:
@@ -356,7 +366,9 @@ def _checked_rows(
                 field=col,
             )
     for row in reader:
-        line_no = reader.line_num + skipped  # the physical line (blank lines are skipped)
+        # the physical line the record starts on: the reader stands on its last line, below
+        # any line breaks inside its quoted fields (blank lines before it are skipped)
+        line_no = reader.line_num + skipped - sum(map(_line_breaks, row.values()))
         present = [v for v in row.values() if v is not None]
         if len(present) == 1 and isinstance(present[0], str) and not present[0].strip():
             continue  # a line of spaces only: blank, as the csv module skips empty ones
@@ -456,6 +468,12 @@ def load_lengths(
     require_instance(rng, np.random.Generator, "rng")
     require_positive(cv, "cv")
     limit = _check_limit(limit)
+    if input_column == output_column:
+        raise TraceError(
+            f"input_column and output_column both name {input_column!r}: each length needs "
+            "its own column",
+            field="output_column",
+        )
     p = _open(path)
     lengths = []
     lines = []
@@ -535,6 +553,16 @@ def load_generic(
             )
     records: Iterator[tuple[int, dict[str, Any]]]
     mapped = [mapping[k] for k in GENERIC_KEYS if k in mapping]
+    named_by: dict[str, str] = {}  # column -> the first key naming it
+    for key in (k for k in GENERIC_KEYS if k in mapping):
+        first = named_by.setdefault(mapping[key], key)
+        if first != key:
+            raise TraceError(
+                f"mapping: {first!r} and {key!r} both name column {mapping[key]!r} (each "
+                "quantity needs its own column)",
+                path=str(p),
+                field=key,
+            )
     from_json = p.suffix.lower() in (".jsonl", ".json", ".ndjson")
     # a CSV's header must have a mapped hashes column too (a row may leave it empty)
     records = _json_objects(p, set(mapped)) if from_json else _csv_rows(p, mapped, set(mapped))

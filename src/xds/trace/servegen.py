@@ -237,6 +237,11 @@ def _cdf(probs: np.ndarray) -> np.ndarray:
     return cdf
 
 
+def _number(x: object) -> bool:
+    """A plain int or float (``True`` is not a length or a probability)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 class _Lengths:
     """A client's input and output length distributions per 6 h window (parsed on first use)."""
 
@@ -291,8 +296,7 @@ class _Lengths:
         except (ValueError, SyntaxError, TypeError):
             raise TraceError("not a dict literal", path=str(self.path), field=where) from None
         if not isinstance(pmf, dict) or not all(
-            isinstance(v, (int, float)) and isinstance(q, (int, float)) and q >= 0
-            for v, q in pmf.items()
+            _number(v) and _number(q) and q >= 0 for v, q in pmf.items()
         ):
             raise TraceError(
                 "expected {length: probability >= 0}", path=str(self.path), field=where
@@ -300,7 +304,7 @@ class _Lengths:
         if not pmf:
             return np.zeros(0, np.int64), np.zeros(0)
         for v in pmf:
-            if not (v == int(v) and 1 <= v <= MAX_TOKENS):
+            if not (math.isfinite(v) and v == int(v) and 1 <= v <= MAX_TOKENS):
                 raise TraceError(
                     f"lengths are whole token counts in 1..{MAX_TOKENS:,}, got {v!r}",
                     path=str(self.path),

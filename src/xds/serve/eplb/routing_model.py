@@ -118,7 +118,7 @@ def load_counts(path: str | Path) -> np.ndarray:
         data = path.read_bytes()
     except OSError as err:
         raise TraceError(f"cannot read: {err.strerror or err}", path=str(path)) from None
-    if path.suffix == ".npy":
+    if path.suffix.lower() == ".npy":
         return _npy_counts(data, str(path))
     return _csv_counts(data, str(path))
 
