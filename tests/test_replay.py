@@ -756,7 +756,7 @@ def test_transfers_from_one_prefill_die_to_two_decode_tes_share_its_egress():
     from xds.serve.distflow import DistFlow
 
     pod = PodConfig()
-    egress: dict[int, int] = {}
+    egress: dict[int, list[tuple[int, int]]] = {}
 
     async def main():
         import anyio
@@ -782,6 +782,42 @@ def test_transfers_from_one_prefill_die_to_two_decode_tes_share_its_egress():
 
     first, second = sorted(run(main))
     assert second - first >= (1 << 30) / pod.ub.bandwidth * 1e9 * 0.99  # queued, not parallel
+
+
+def test_a_transfer_waiting_for_a_busy_decode_die_leaves_its_egress_to_others():
+    """Ports are held only while they carry bytes: a prefill die's transfer to an idle decode
+    die is not queued behind its own transfer waiting for a busy one."""
+    import anyio
+
+    from xds.hw import PodConfig
+    from xds.serve.distflow import DistFlow
+
+    pod = PodConfig()
+    ingress: dict[int, list[tuple[int, int]]] = {}
+    mb = 10**6
+
+    def flow(te: int) -> DistFlow:
+        return DistFlow(
+            te, tp=4, link=pod.ub, engines=pod.engines, prefill_dps=8, decode_dps=4,
+            ingress=ingress, egress={},
+        )  # fmt: skip
+
+    async def main():
+        f, g = flow(0), flow(1)
+        big = g.register(100, 0, 0, 400 * mb)  # another TE fills decode die 0
+        a = f.register(1, 0, 0, 40 * mb)  # P0/DP0 to decode die 0: waits for it
+        b = f.register(2, 0, 0, 40 * mb)  # P0/DP0 to idle decode die 1
+        async with anyio.create_task_group() as tg:
+            for fl, t, dp in ((g, big, 0), (f, a, 0), (f, b, 1)):
+                tg.start_soon(fl.recv, t, dp)
+                await anyio.sleep(0)
+        return big, a, b
+
+    big, a, b = run(main)
+    alone = 40 * mb / pod.ub.bandwidth * 1e9
+    assert b.done_ns - b.recv_ns < 1.2 * alone  # not behind a's wait (2 ms)
+    assert a.done_ns >= big.done_ns  # a still queues for decode die 0's ingress
+    assert a.done_ns - a.recv_ns >= 400 * mb / pod.ub.bandwidth * 1e9
 
 
 def test_replay_rejects_malformed_workloads_with_the_request_named():

@@ -13,9 +13,11 @@ Two tiers move the bytes:
 
 * ``closed-form`` (default, for long replays): each rank part pays the DMA start-up and then
   streams at the link bandwidth through two ports, the sending die's egress and the receiving
-  die's ingress, each a FIFO with a busy-until time, so transfers to the same decode die queue
-  behind one another. The link is UB inside the pod and RoCE from attached 910B prefill
-  servers (P104).
+  die's ingress: it takes the earliest time both are free for it, so transfers to the same
+  decode die queue behind one another, and a port is held only while it carries bytes (a
+  transfer waiting for a busy decode die does not hold up its prefill die's other
+  transfers). The link is UB inside the pod and RoCE from attached 910B prefill servers
+  (P104).
 * ``xccl``: every rank part is a real XCCL point-to-point send/receive (size mode) on a
   :class:`~xds.fabric.UBFabric` holding the deployment's dies, with the 8-step protocol, ring
   credits and port contention of :mod:`xds.fabric.xccl`. It costs a few events per 32 KiB
@@ -37,6 +39,7 @@ resume when the link comes back (closed form), or, moved by a mover of the user'
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import inspect
@@ -161,7 +164,8 @@ class KVMove:
     def book(self, part_bytes: Sequence[float] | np.ndarray | float) -> int:
         """Closed form: book each rank's ``part_bytes`` (one size per TP rank, or one size for
         every rank) through its prefill die's egress port and the decode die's ingress port
-        (the ports other transfers of this Decode TE share, FIFO). Returns the virtual time
+        (ports other transfers share: each part takes the earliest time both are free for
+        it). Returns the virtual time
         the last part lands: sleep until then to have moved them. Closed-form tier only (on
         the ``xccl`` tier the fabric's ports carry the bytes: :meth:`send`)."""
         if self.xccl is not None:
@@ -192,6 +196,40 @@ class KVMove:
         return lands
 
 
+def _bookings(ports: dict[int, list[tuple[int, int]]], port: int, now: int):
+    """``port``'s bookings (start, end) by start, without those already over at ``now``."""
+    booked = ports.setdefault(port, [])
+    if booked and booked[0][1] <= now:
+        booked[:] = [b for b in booked if b[1] > now]
+    return booked
+
+
+def _earliest_free(calendars: Sequence[list[tuple[int, int]]], ready: int, held: int) -> int:
+    """The earliest time from ``ready`` at which every calendar is free for ``held`` ns."""
+    t = ready
+    moved = True
+    while moved:
+        moved = False
+        for booked in calendars:
+            for start, end in booked:
+                if start >= t + held:
+                    break  # by start: the rest begin later still
+                if end > t:  # overlaps [t, t + held): try after it
+                    t, moved = end, True
+    return t
+
+
+def _cut(booked: list[tuple[int, int]], end: int, t: int) -> None:
+    """The booking ending at ``end`` stops at ``t`` (dropped if it had not begun)."""
+    for i, (start, stop) in enumerate(booked):
+        if stop == end:
+            if start < t:
+                booked[i] = (start, t)
+            else:
+                del booked[i]
+            return
+
+
 KVMover = Callable[[KVMove], Awaitable[None]]
 """A KV-transfer protocol of your own: ``async def mover(move: KVMove) -> None`` moves one
 transfer's bytes (on the ``xccl`` tier with :meth:`KVMove.send`; on the closed-form tier by
@@ -220,8 +258,8 @@ class DistFlow:
         engines: EngineSpec,
         prefill_dps: int,
         decode_dps: int,
-        ingress: dict[int, int] | None = None,
-        egress: dict[int, int] | None = None,
+        ingress: dict[int, list[tuple[int, int]]] | None = None,
+        egress: dict[int, list[tuple[int, int]]] | None = None,
         xccl: XCCL | None = None,
         prefill_die: Callable[[int, int], int] | None = None,
         decode_die: Callable[[int], int] | None = None,
@@ -237,10 +275,12 @@ class DistFlow:
         self.link = link
         self.engines = engines
         self.transfers: dict[int, Transfer] = {}
-        self._egress: dict[int, int] = egress if egress is not None else {}
-        """Prefill die (index within the TE) -> busy until; shared by the TE's instances."""
-        self._ingress: dict[int, int] = ingress if ingress is not None else {}
-        """Decode die -> busy until; shared by the instances of one Decode TE (same ports)."""
+        self._egress: dict[int, list[tuple[int, int]]] = egress if egress is not None else {}
+        """Prefill die (index within the TE) -> its bookings ahead (start, end), by start;
+        shared by the TE's instances."""
+        self._ingress: dict[int, list[tuple[int, int]]] = ingress if ingress is not None else {}
+        """Decode die -> its bookings ahead; shared by the instances of one Decode TE (same
+        ports)."""
         self.prefill_cq = [_channel() for _ in range(prefill_dps)]
         """Per Prefill DP: its completion queue (send, receive)."""
         self.decode_cq = [_channel() for _ in range(decode_dps)]
@@ -416,16 +456,21 @@ class DistFlow:
 
     def _book(self, srcs: list[int], decode_dp: int, parts: list[float]) -> list[int]:
         """Closed form: book ``parts[i]`` bytes from prefill die ``srcs[i]`` through its egress
-        port and the decode die's ingress port (FIFOs, after a DMA start-up); when each lands."""
+        port and the decode die's ingress port, in order, after a DMA start-up: each part takes
+        the earliest time both ports are free for it (a port is held only while it carries a
+        part: a transfer waiting for a busy decode die leaves its prefill die's egress to
+        others meanwhile); when each lands."""
         t0 = now_ns()
+        ready = t0 + self.engines.dma_startup_ns
+        ingress = _bookings(self._ingress, decode_dp, t0)
         ends = []
         for src, part in zip(srcs, parts, strict=True):
-            start = max(t0 + self.engines.dma_startup_ns, self._egress.get(src, 0))
-            start = max(start, self._ingress.get(decode_dp, 0))
-            end = start + self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
-            self._egress[src] = end
-            self._ingress[decode_dp] = end
-            ends.append(end)
+            egress = _bookings(self._egress, src, t0)
+            held = self.link.latency_ns + round(part / self.link.bandwidth * 1e9)
+            start = _earliest_free((egress, ingress), ready, held)
+            bisect.insort(egress, (start, start + held))
+            bisect.insort(ingress, (start, start + held))
+            ends.append(start + held)
         return ends
 
     def _unbook(
@@ -438,17 +483,15 @@ class DistFlow:
         bw = self.link.bandwidth
         left = []
         for src, part, end in zip(srcs, parts, ends, strict=True):
-            if self._egress.get(src) == end:
-                self._egress[src] = t
+            _cut(self._egress.get(src, []), end, t)
+            _cut(self._ingress.get(decode_dp, []), end, t)
             sending_ns = part / bw * 1e9
             left.append(max(0.0, min(sending_ns, end - self.link.latency_ns - t)) * bw / 1e9)
-        if ends and self._ingress.get(decode_dp) == max(ends):
-            self._ingress[decode_dp] = t
         return left
 
     def _through_ports(self, srcs: list[int], decode_dp: int, part: float) -> int:
         """Closed form: book ``part`` bytes from each prefill die in ``srcs`` through its
-        egress port and the decode die's ingress port (FIFOs); when the last part lands (TP
+        egress port and the decode die's ingress port (:meth:`_book`); when the last part lands (TP
         synchronisation)."""
         return max([now_ns(), *self._book(srcs, decode_dp, [part] * len(srcs))])
 

@@ -423,8 +423,8 @@ class Replay(Failover):
         self._inflight: dict[int, anyio.CancelScope] = {}
         """Request -> the scope of its task, while it has not ended."""
         self._ended_ids: set[int] = set()
-        self._ingress: list[dict[int, int]] = []
-        self._egress: list[dict[int, int]] = []
+        self._ingress: list[dict[int, list[tuple[int, int]]]] = []
+        self._egress: list[dict[int, list[tuple[int, int]]]] = []
 
     def _build_tes(self, prefill_tes: int) -> None:
         """Fresh Prefill and Decode TEs (at the start, and after a restart with
