@@ -1,7 +1,7 @@
 """How much a prefill placement policy matters with and without the leader's balancing.
 
 Compares the default placement (``least_work``) with a deliberately bad one (always the first
-group offered) on the built-in workload, with ``balance_split`` on (the default) and off:
+group offered) on the built-in workload, with ``balance_split`` on and off (the default):
 balancing evens each step out after placement, so it hides most of a placement's effect.
 
     python benchmarks/placement_vs_balancing.py [--requests N] [--rate R]

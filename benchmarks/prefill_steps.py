@@ -5,8 +5,8 @@
 Replays ``window`` seconds of the built-in production workload at ``rate`` requests/s and
 prints, over the four Prefill TEs: how busy they were, the share of their step time spent in
 sequence-parallel steps (one long prompt over all 8 DP groups), how many of the 8 groups held
-work in the batched steps (time-weighted; the leader spreads jobs over groups that would
-otherwise sit a lockstep step out, ``PrefillConfig.balance_split``), and the prefix-cache
+work in the batched steps (time-weighted; with ``PrefillConfig.balance_split`` on the leader
+spreads jobs over groups that would otherwise sit a lockstep step out), and the prefix-cache
 hits. No ``../shared`` needed.
 """
 

@@ -293,17 +293,18 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     )
     bigger = tmp_path / "bigger.toml"  # one more Prefill TE in front of the same decode
     bigger.write_text(toml.read_text().replace("tes = 2", "tes = 3"))
-    argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "8"]
+    argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "16"]
     assert main([*argv, "--deployment", str(bigger), "--bisections", "0", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(d["deployment"], d["chips"]) for d in lines] == [(str(toml), 48), (str(bigger), 64)]
     out = lines[0]
-    assert out["criterion"] == "mean" and out["found"]["scale"] == 4.0
-    assert [p["scale"] for p in out["points"]] == [4.0, 8.0]  # 8 missed: halved once
+    assert out["criterion"] == "mean" and out["found"]["scale"] == 8.0
+    assert [p["scale"] for p in out["points"]] == [8.0, 16.0]  # 16 missed: halved once
     assert out["binding"] == "; ".join(out["points"][1]["misses"])
-    more = lines[1]  # one more Prefill TE: never sustains less, and queues less at 8
+    more = lines[1]  # one more Prefill TE: never sustains less, and queues less at 16
     assert more["found"]["scale"] >= out["found"]["scale"]
-    assert more["points"][-1]["ttft_ms"] < out["points"][-1]["ttft_ms"]
+    at_16 = {p["scale"]: p for p in more["points"]}[16.0]
+    assert at_16["ttft_ms"] < out["points"][-1]["ttft_ms"]
     assert main([*argv, "--deployment", str(bigger), "--bisections", "0"]) == 0
     text = capsys.readouterr().out
     assert "capacity compared" in text and "req/s per chip" in text

@@ -129,15 +129,22 @@ def test_a_replay_with_probing_takes_a_downed_pair_out_of_service():
     from xds.serve.replay import DistFlowFault, replay
 
     cfg, wl = _replay_setup()
-    probed = msgspec.structs.replace(cfg, probe=ProbeConfig(period_ns=200 * MS, timeout_ns=50 * MS))
+    # the first request's prefill ends at 92 ms, before the probe times out: its transfer
+    # stalls on the downed link until the pair is declared failed
+    probed = msgspec.structs.replace(
+        cfg, probe=ProbeConfig(period_ns=200 * MS, timeout_ns=150 * MS)
+    )
     fault = DistFlowFault(at_ns=0, prefill_te=0, kind="link_down")
     res = replay(wl, probed, faults=[fault], event_log=True)
     failed = [x for x in res.records if x.outcome == "failed"]
-    assert failed and all("link down, found by link probing" in x.reason for x in failed)
+    stalled = [x for x in failed if "link down, found by link probing" in x.reason]
+    assert stalled and stalled[0].request_id == 0
+    # prefilled on P0 after the declaration: no pair left to move the KV
+    assert all(x in stalled or "every DistFlow pair from P0 failed" in x.reason for x in failed)
     assert res.summary.completed + len(failed) == 24
     (declared,) = res.events.select("distflow", "declared-failed")
     first_failure = min(r.sent_ns for r in res.probes if r.verdict is LinkVerdict.LINK_FAILURE)
-    assert declared.t_ns == first_failure + 50 * MS  # at the probe's timeout
+    assert declared.t_ns == first_failure + 150 * MS  # at the probe's timeout
     assert all(x.arrival_ns <= declared.t_ns for x in failed)  # later ones avoid P0
     assert {r.verdict for r in res.probes if r.pair == "P1-D0"} == {LinkVerdict.HEALTHY}
 

@@ -541,7 +541,7 @@ def test_decode_stats_say_how_full_and_how_even_the_decode_dies_were():
     assert d.mean_iteration_ms * d.iterations == pytest.approx(decoding / 1e6, abs=1e-3)
     # two sequences on two dies (lowest KV first), 8,000 and 2,000 tokens of context: while
     # both decode the busier holds 8,000+ of a 5,000+ mean; the short one finishes first
-    two = replay(_workload((0, 8000, 40), (0, 2000, 10)), SMALL)
+    two = replay(_workload((0, 8000, 40), (0, 2000, 40)), SMALL)
     d = two.summary.decode
     assert d is not None
     assert {r.decode_placement for r in two.records} == {"D0/DP0", "D0/DP1"}
@@ -908,7 +908,8 @@ def test_sequence_parallel_step_splits_a_long_request_over_every_group():
 
 
 def test_a_long_request_runs_sequence_parallel_alone_and_frees_every_share():
-    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    balanced = msgspec.structs.replace(SMALL.prefill, tes=1, balance_split=True)
+    one_te = msgspec.structs.replace(SMALL, prefill=balanced)
     wl = _workload((0, 40_000, 3), (0, 1_000, 3), (0, 1_000, 3))
     grid = comm_grid(one_te.decode)
 
@@ -944,9 +945,9 @@ def test_sequence_parallelism_off_keeps_a_long_request_in_one_group():
     slow, fast = replay(wl, off).records[0], replay(wl, on).records[0]
     assert slow.prefill_placement == "P0/DP0" and fast.prefill_placement == "P0/SP8"
     assert slow.ttft_ns > 5 * fast.ttft_ns
-    # without the SP threshold the leader's balancing still spreads a lone prompt over every
-    # group: the same split, in a batched step
-    spread = replay(wl, cfg(tes=1, sp_threshold=0)).records[0]
+    # without the SP threshold the leader's balancing (when on) still spreads a lone prompt
+    # over every group: the same split, in a batched step
+    spread = replay(wl, cfg(tes=1, sp_threshold=0, balance_split=True)).records[0]
     assert spread.prefill_placement == "P0/DP0x8"
     assert spread.ttft_ns == pytest.approx(fast.ttft_ns, rel=0.01)
 
@@ -1211,7 +1212,8 @@ def test_balancing_never_slows_a_step_and_conserves_kv(
 def test_the_job_executor_predicts_a_lone_prompts_balanced_step():
     """An idle TE predicts the first token of a lone prompt at the step it will run: spread
     over every group (within 5 %), not the much longer step of one group."""
-    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    balanced = msgspec.structs.replace(SMALL.prefill, tes=1, balance_split=True)
+    one_te = msgspec.structs.replace(SMALL, prefill=balanced)
     grid = comm_grid(one_te.decode)
 
     async def main():
@@ -1426,7 +1428,7 @@ def test_first_token_estimates_read_the_pool_as_it_stands(monkeypatch):
     seen = {"calls": 0, "queued": 0}
 
     def checked(self, new_tokens, now, input_tokens=None):
-        assert self._backlog == self.backlog_of(job.input_tokens for job, _ in self.pool)
+        assert self._backlog == self._pending(job for job, _ in self.pool)
         seen["calls"] += 1
         seen["queued"] = max(seen["queued"], len(self.pool))
         return original(self, new_tokens, now, input_tokens)
@@ -1595,12 +1597,12 @@ def test_the_first_token_estimate_runs_a_too_long_cached_prompt_sequence_paralle
     new, total = 2_000, one_group + 10_000  # few uncached tokens: batched by that count alone
     assert te._is_sp(new, total) and not te._is_sp(new, new)
     alone = te.predicted_first_token_ns(new, 0, total)
-    assert alone == te._predicted_step(new, sp=True)
-    assert te.predicted_first_token_ns(new, 0) > alone  # the old reading: batched, one group
-    # a prompt that fits one group is read as before, with or without its total
-    assert te.predicted_first_token_ns(new, 0, one_group // 2) == te.predicted_first_token_ns(
-        new, 0
-    )
+    assert alone == te._predicted_step(new, total - new, sp=True)  # the cached part attended
+    # a prompt that fits one group is batched; its cached context still costs attention
+    half = one_group // 2
+    batched = te.predicted_first_token_ns(new, 0, half)
+    assert batched == te._predicted_step(new, half - new, sp=False)
+    assert batched > te.predicted_first_token_ns(new, 0)
 
 
 def test_chips_count_whole_chips_per_te_and_the_pod_bounds_910c_dies_only():

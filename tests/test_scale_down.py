@@ -264,10 +264,14 @@ def test_a_repaired_server_rejoins_the_scaled_down_decode_te():
 
 def test_a_kv_transfer_to_a_dropped_dp_group_ends_cancelled():
     # the P0-D0 link is down while the fault is handled: transfers to the lost DP groups are
-    # stalled in flight when their requests fail
+    # stalled in flight when their requests fail (the balanced prefill steps' timing puts
+    # some there)
+    balanced = msgspec.structs.replace(
+        CFG, prefill=msgspec.structs.replace(CFG.prefill, balance_split=True)
+    )
     res = replay(
         WL,
-        CFG,
+        balanced,
         faults=[
             NodeFault(at_ns=AT, server=5),
             DistFlowFault(

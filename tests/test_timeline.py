@@ -7,29 +7,16 @@ import json
 
 import pytest
 
+from test_recovery import CFG, WL  # a small 8-server deployment and 80 requests
 from xds.cli.main import main
 from xds.errors import ConfigError
-from xds.serve.decode import DecodeConfig
-from xds.serve.jitter import JitterConfig
-from xds.serve.prefill import PrefillConfig
-from xds.serve.recovery import NodeFault, RecoveryConfig
-from xds.serve.replay import PDConfig, replay
+from xds.serve.recovery import NodeFault
+from xds.serve.replay import replay
 from xds.serve.timeline import replay_marks, replay_timeline
 from xds.trace import timeline
 from xds.trace.metrics import RequestRecord
 from xds.trace.timeline import Mark, Series, chrome_trace
-from xds.trace.workload import Request, Workload
 from xds.units import MS, S
-
-CFG = PDConfig(
-    prefill=PrefillConfig(tes=3, long_pool_tes=0),
-    decode=DecodeConfig(
-        dies=32, batch_per_die=4, shared_expert_dies=4, jitter=JitterConfig(enabled=False)
-    ),
-    recovery=RecoveryConfig(detect_ns=500 * MS, decode_restart_ns=4 * S, prefill_restart_ns=2 * S),
-)
-"""A small deployment on 8 servers: Prefill TEs on servers 0-5, the Decode TE on 6-7."""
-WL = Workload(tuple(Request(i, i * 200 * MS, 1500, 40) for i in range(80)))  # 16 s
 
 
 def _done(rid, arrival, *, queue, first, wait, kv, finish, out=10, te="P0", dte="D0"):

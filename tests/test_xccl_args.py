@@ -114,6 +114,13 @@ def test_ranks_that_disagree_on_the_event_id_are_a_protocol_error(tier):
     assert isinstance(err, ProtocolError) and "disagree" in str(err)
 
 
+async def _each_rank(rank) -> None:
+    """``rank(r)`` for the group's four ranks at once."""
+    async with anyio.create_task_group() as tg:
+        for r in range(4):
+            tg.start_soon(rank, r)
+
+
 @pytest.mark.parametrize("tier", ["protocol", "collective"])
 def test_combine_refuses_another_ranks_handle(tier):
     async def main():
@@ -129,9 +136,7 @@ def test_combine_refuses_another_ranks_handle(tier):
             h = handles[(r + 1) % 4]  # the neighbour's, as a swapped loop variable would
             await g.combine(r, h, np.zeros((h.n_recv, K, H), np.float32), np.ones((3, K)), 2)
 
-        async with anyio.create_task_group() as tg:
-            for r in range(4):
-                tg.start_soon(rank, r)
+        await _each_rank(rank)
 
     err = _single(main)
     assert isinstance(err, ConfigError) and err.field == "handle"
@@ -149,9 +154,7 @@ def test_combine_refuses_a_handle_from_another_group(tier):
             h = await other.dispatch(r, _x(r), _idx(r), event_id=1)
             await g.combine(r, h, np.zeros((h.n_recv, K, H), np.float32), np.ones((3, K)), 2)
 
-        async with anyio.create_task_group() as tg:
-            for r in range(4):
-                tg.start_soon(rank, r)
+        await _each_rank(rank)
 
     err = _single(main)
     assert isinstance(err, ConfigError) and err.field == "handle"

@@ -12,11 +12,12 @@ groups). That rule is :func:`least_work`; ``PrefillTE(placement=...)`` (or ``rep
 prefill_placement=...)``) plugs in another over the same :class:`GroupView` of each group that
 can take the job. DP groups run one step in lockstep (their
 MoE layers exchange tokens), so every kernel of a step lasts as long as on its slowest group.
-The leader therefore evens the step out (P058: a DP with a long batch holds the others back):
-while the slowest group's heaviest job can move a share of its work to a lighter group (one
-that can hold the KV share within its token budget, a share of at least one KV block), it is
+Each batched job runs on the one group it was assigned (SPEC 6.6). With ``balance_split``
+(off by default: an experiment beyond the paper) the leader evens the step out instead: while
+the slowest group's heaviest job can move a share of its work to a lighter group (one that
+can hold the KV share within its token budget, a share of at least one KV block), it is
 spread sequence-parallel over one more group, so a step with fewer jobs than groups can still
-use every group; the plan is kept if the step cost model finds it faster (``balance_split``).
+use every group; the plan is kept if the step cost model finds it faster.
 
 **Step cost.** Eager mode (SPEC 2.1): the host dispatches each operator, the device runs it
 when both it and its dispatch are ready (:meth:`~xds.serve.prefill_cost.PrefillCost.step_ns`,
@@ -93,11 +94,16 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     and combine run on the communication stream while the other half computes, whenever that
     is faster than one batch (small steps lose: twice the eager dispatches). [emulator choice]
     1 (off) by default: the paper does not say that prefill uses it, or how."""
-    balance_split: bool = True
-    """The leader evens out a batched step by spreading its heaviest jobs sequence-parallel
-    over more DP groups (idle or lighter ones) while that shortens the step's slowest group
-    (P058: lockstep groups otherwise wait for the one with the long batch). False: every
-    batched job stays on one group (groups without work sit the step out)."""
+    balance_split: bool = False
+    """True: the leader evens out a batched step by spreading its heaviest jobs
+    sequence-parallel over more DP groups (idle or lighter ones) while that shortens the
+    step's slowest group (lockstep groups otherwise wait for the one with the long batch).
+    [emulator choice] False (the default): every batched job stays on the one DP group the
+    leader assigned it (SPEC 6.6); the paper's scheduler balances by assigning, and P058 names
+    sequence parallelism among the costly alternatives it replaced. On, it is an experiment:
+    at light load it more than halves TTFT (idle groups join a lone prompt), and it lets
+    ``production-4p1d`` sustain 17 requests/s instead of 14 (``xds reproduce production``
+    with it on)."""
     hardware: Literal["910c", "910b"] = "910c"
     """910b: Prefill on attached scale-out servers; KV then moves over RoCE (P104)."""
     all_gather_ns: Annotated[int, Meta(ge=0)] = 5_000
@@ -212,8 +218,9 @@ and the DP groups that can take it this step (KV and token budget allow) -> the 
 group (its leader, which caches its hashes, is the group given a job least recently), and
 ``balance_split`` may spread a placed job over more groups afterwards."""
 
-Backlog = tuple[int, int, int]
-"""(longest batched prompt, batched tokens, ns of sequence-parallel steps) of a pool."""
+Backlog = tuple[tuple[int, int], int, int]
+"""(the batched prompt whose step alone is the longest, as (uncached, cached) tokens; the
+batched uncached tokens; ns of sequence-parallel steps) of a pool."""
 
 
 def least_work(job: PrefillJob, groups: Sequence[GroupView]) -> int:
@@ -253,14 +260,17 @@ class PrefillTE:
         self.pool: list[tuple[PrefillJob, anyio.Event]] = []
         self.queued_tokens = 0
         """Prompt tokens waiting or running: the load the Job Executor sees."""
-        self._predicted: dict[tuple[int, bool], int] = {}
+        self._predicted: dict[tuple[int, int, bool], int] = {}
         """Step predictions per prompt size: the Job Executor's hot path skips building the
         step-cost memo's key (a tuple of every group's pieces)."""
         self._predicted_shares: dict[int, int] = {}
         """:meth:`_predicted_spread` per share, for the same reason."""
-        self._backlog: Backlog = (0, 0, 0)
+        self._backlog: Backlog = ((0, 0), 0, 0)
         """The pool as the first-token estimate reads it (:meth:`backlog_of`), counted afresh
         at every step and added to as jobs join."""
+        self._uncached: dict[int, int] = {}
+        """Per pending request, its uncached tokens as estimated when it joined the pool (its
+        longest cached prefix on any group then)."""
         self._orphans: set[int] = set()
         """Requests cancelled during their step: their KV is freed when it ends."""
         self._wake = anyio.Event()
@@ -316,27 +326,42 @@ class PrefillTE:
         steps = -(-backlog // capacity)
         if self.config.balance_split:  # the leader spreads a step's work over every group
             share = -(-min(backlog, capacity) // self.config.dps_per_te)
-            step = max(self._predicted_step(longest, sp=True), self._predicted_spread(share))
+            step = max(self._predicted_step(*longest, sp=True), self._predicted_spread(share))
         else:
-            step = self._predicted_step(longest, sp=False)
+            step = self._predicted_step(*longest, sp=False)
         wait = steps * step if backlog else 0
         return max(now, self.step_end_ns) + wait + sp_ns
 
-    def backlog_of(self, prompts: Iterable[int]) -> Backlog:
-        """Prompts of these sizes as the first-token estimate reads them: (the longest that
-        runs batched, the tokens that run batched, the steps of those that run
+    def backlog_of(self, prompts: Iterable[tuple[int, int]]) -> Backlog:
+        """Prompts of these sizes, each (uncached tokens, input tokens), as the first-token
+        estimate reads them: (the one whose step alone is the longest among those that run
+        batched, the uncached tokens that run batched, the steps of those that run
         sequence-parallel alone)."""
-        backlog: Backlog = (0, 0, 0)
-        for tokens in prompts:
-            backlog = self._with(backlog, tokens)
+        backlog: Backlog = ((0, 0), 0, 0)
+        for new, total in prompts:
+            backlog = self._with(backlog, new, total)
         return backlog
 
+    def _pending(self, jobs: Iterable[PrefillJob]) -> Backlog:
+        """:meth:`backlog_of` the pending ``jobs``, each at the uncached tokens estimated when
+        it joined the pool."""
+        return self.backlog_of(
+            (self._uncached.get(j.request_id, j.input_tokens), j.input_tokens) for j in jobs
+        )
+
     def _with(self, backlog: Backlog, tokens: int, input_tokens: int | None = None) -> Backlog:
-        """``backlog`` plus a prompt of ``tokens`` uncached tokens (``input_tokens`` in all)."""
+        """``backlog`` plus a prompt of ``tokens`` uncached tokens (``input_tokens`` in all;
+        the cached rest is attention context its step still reads)."""
         longest, batched, sp_ns = backlog
-        if self._is_sp(tokens, tokens if input_tokens is None else input_tokens):  # alone
-            return longest, batched, sp_ns + self._predicted_step(tokens, sp=True)
-        return max(longest, tokens), batched + tokens, sp_ns
+        total = tokens if input_tokens is None else input_tokens
+        cached = max(0, total - tokens)
+        if self._is_sp(tokens, total):  # alone
+            return longest, batched, sp_ns + self._predicted_step(tokens, cached, sp=True)
+        if self._predicted_step(tokens, cached, sp=False) > self._predicted_step(
+            *longest, sp=False
+        ):
+            longest = (tokens, cached)
+        return longest, batched + tokens, sp_ns
 
     def _is_sp(self, new_tokens: int, input_tokens: int = 0) -> bool:
         """Whether a prompt runs sequence-parallel: more uncached tokens than ``sp_threshold``,
@@ -349,16 +374,21 @@ class PrefillTE:
     def _sp_possible(self) -> bool:
         return bool(self.config.sp_threshold) and self.config.dps_per_te > 1
 
-    def _predicted_step(self, tokens: int, *, sp: bool) -> int:
-        """A step of one ``tokens``-token prompt, alone on a group or sequence-parallel over
-        every group (in 256-token steps; remembered per size)."""
+    def _predicted_step(self, tokens: int, cached: int = 0, *, sp: bool) -> int:
+        """A step of one prompt of ``tokens`` uncached tokens after ``cached`` cached ones,
+        alone on a group or sequence-parallel over every group (both in 256-token steps, the
+        cached ones rounded down; remembered per size; 0 for an empty prompt)."""
+        if tokens <= 0:
+            return 0
         tokens = -(-tokens // 256) * 256
-        hit = self._predicted.get((tokens, sp))
+        cached = cached // 256 * 256
+        key = (tokens, cached, sp)
+        hit = self._predicted.get(key)
         if hit is None:
             if len(self._predicted) >= 8_192:
                 self._predicted.clear()
-            hit = self._predicted[(tokens, sp)] = self.cost.step_ns(
-                self.cost.sp_step(tokens, 0) if sp else [[(tokens, 0)]]
+            hit = self._predicted[key] = self.cost.step_ns(
+                self.cost.sp_step(tokens, cached) if sp else [[(tokens, cached)]]
             )
         return hit
 
@@ -380,7 +410,9 @@ class PrefillTE:
         when the step ends (nobody is left to hand it on)."""
         done = anyio.Event()
         self.pool.append((job, done))
-        self._backlog = self._with(self._backlog, job.input_tokens)
+        new = max(1, job.input_tokens - self.cached_tokens(job.prefix_hashes))
+        self._uncached[job.request_id] = new
+        self._backlog = self._with(self._backlog, new, job.input_tokens)
         self.queued_tokens += job.input_tokens
         self._wake.set()
         try:
@@ -397,7 +429,8 @@ class PrefillTE:
         if entry in self.pool:  # still waiting: it leaves the pool
             self.pool.remove(entry)
             self.queued_tokens -= job.input_tokens
-            self._backlog = self.backlog_of(j.input_tokens for j, _ in self.pool)
+            self._uncached.pop(job.request_id, None)
+            self._backlog = self._pending(j for j, _ in self.pool)
         else:  # in the running step: free its KV when the step ends
             self._orphans.add(job.request_id)
 
@@ -488,7 +521,9 @@ class PrefillTE:
             groups[best].append(job)
             placed.append((job, ev))
         self.pool = keep
-        self._backlog = self.backlog_of(j.input_tokens for j, _ in keep)
+        for job, _ in placed:
+            self._uncached.pop(job.request_id, None)
+        self._backlog = self._pending(j for j, _ in keep)
         if cfg.balance_split and placed and not sp_step:
             self._balance(groups)
         return groups, placed
