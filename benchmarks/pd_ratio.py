@@ -8,8 +8,8 @@ This runs the same search (highest rate with mean TPOT <= 35 ms and mean TTFT <=
 more Prefill TEs of the same shape in front of the same Decode TE, and prints, per ratio, the
 rate found, its TPOT, TTFT, decode sequences per die, prefill busy share, which bound stopped
 it, and the rate per chip. ``--microbatches 2`` turns on the prefill two-batch overlap
-(``PrefillConfig.microbatches``, P052). No ``../shared`` needed; each ratio takes about a
-minute.
+(``PrefillConfig.microbatches``, P052). No ``../shared`` needed; each ratio takes about two
+minutes.
 """
 
 from __future__ import annotations
