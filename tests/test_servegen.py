@@ -140,6 +140,8 @@ def test_sampled_requests_have_no_trace_line_and_lengths_within_the_bound(tmp_pa
         ({"input_tokens": "{1e999: 0.5, 10: 0.5}", "output_tokens": "{3: 1.0}"}, "got inf"),
         ({"input_tokens": "{True: 1.0}", "output_tokens": "{3: 1.0}"}, "length: probability"),
         ({"input_tokens": "{4: True}", "output_tokens": "{3: 1.0}"}, "length: probability"),
+        ({"input_tokens": "{1%s: 1.0}" % ("0" * 400), "output_tokens": "{3: 1}"}, "token counts"),
+        ({"input_tokens": "{4: 1%s}" % ("0" * 400), "output_tokens": "{3: 1}"}, "in 0..1"),
     ],
 )
 def test_a_length_table_that_is_not_a_distribution_of_token_counts_is_refused(

@@ -11,11 +11,19 @@ from pathlib import Path
 from .errors import ConfigError
 
 
-def check_output_path(path: str | Path, suffixes: Sequence[str], *, field: str, what: str) -> Path:
+def check_output_path(
+    path: str | Path,
+    suffixes: Sequence[str],
+    *,
+    field: str,
+    what: str,
+    folder_made_later: bool = False,
+) -> Path:
     """``path`` as a Path a writer can use: one of ``suffixes`` (lower case, e.g. ``".png"``
     or ``".json.gz"``), in an existing folder, not a directory, and writable (tried by creating
     and removing a probe file there); else ConfigError naming ``field``. ``what`` says what is
-    written, for the message ("a plot")."""
+    written, for the message ("a plot"). ``folder_made_later``: the folder is one the run
+    creates before writing (``--out``), checked on its own: only the suffix is checked here."""
     p = Path(path)
     name = p.name.lower()
     if not any(name.endswith(s) and len(name) > len(s) for s in suffixes):
@@ -25,6 +33,8 @@ def check_output_path(path: str | Path, suffixes: Sequence[str], *, field: str, 
             f"{got or 'no suffix'!r}",
             field=field,
         )
+    if folder_made_later:
+        return p
     folder = p.absolute().parent
     if not folder.is_dir():
         raise ConfigError(f"folder {folder} does not exist", field=field)

@@ -51,11 +51,14 @@ def require_matplotlib() -> None:
         ) from None
 
 
-def check_path(path: str | Path) -> Path:
+def check_path(path: str | Path, *, folder_made_later: bool = False) -> Path:
     """``path`` as a Path :func:`save` can write: a suffix it knows, in an existing folder,
     not a directory, and writable (tried by creating and removing a probe file there), so a
-    long run does not end in a failed save; else ConfigError."""
-    return check_output_path(path, FORMATS, field="plot", what="a plot")
+    long run does not end in a failed save; else ConfigError. ``folder_made_later``: only the
+    suffix (the folder is an ``--out`` directory the run creates first)."""
+    return check_output_path(
+        path, FORMATS, field="plot", what="a plot", folder_made_later=folder_made_later
+    )
 
 
 def _figure(rows: int, cols: int, title: str) -> tuple[Figure, np.ndarray]:

@@ -67,15 +67,26 @@ _plot_option = click.option(
 )
 
 
-def _check_plot(plot_path: str | None) -> None:
+def _in_out_dir(path: str, option: str, out_dir: str | None) -> bool:
+    """Whether ``path`` goes into the ``--out`` directory (which the run creates before it
+    writes figures; a name of its own results there is refused: it would replace them)."""
+    if out_dir is None or Path(path).absolute().parent != Path(out_dir).absolute():
+        return False
+    if Path(path).name in OUTPUT_FILES:
+        raise click.UsageError(f"{option} {path}: --out writes {Path(path).name} there")
+    return not Path(out_dir).exists()
+
+
+def _check_plot(plot_path: str | None, out_dir: str | None = None) -> None:
     """Fail before a long run, not after it, if ``--plot`` cannot be drawn or written."""
     if plot_path is None:
         return
     from xds import plots
 
+    later = _in_out_dir(plot_path, "--plot", out_dir)
     try:
         plots.require_matplotlib()
-        plots.check_path(plot_path)
+        plots.check_path(plot_path, folder_made_later=later)
     except ConfigError as exc:
         raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
 
@@ -107,14 +118,15 @@ _timeline_option = click.option(
 )
 
 
-def _check_timeline(timeline_path: str | None) -> None:
+def _check_timeline(timeline_path: str | None, out_dir: str | None = None) -> None:
     """Fail before the replay, not after it, if ``--timeline`` cannot be written."""
     if timeline_path is None:
         return
     from xds.trace import timeline
 
+    later = _in_out_dir(timeline_path, "--timeline", out_dir)
     try:
-        timeline.check_path(timeline_path)
+        timeline.check_path(timeline_path, folder_made_later=later)
     except ConfigError as exc:
         raise click.UsageError(f"--timeline {timeline_path}: {exc.message}") from None
 
@@ -1084,8 +1096,8 @@ def replay(
         check_distflow_faults(cfg, faults)
     if out_dir is not None:  # after the deployment: a bad file leaves no directory behind
         _check_out_dir(out_dir)
-    _check_plot(plot_path)
-    _check_timeline(timeline_path)
+    _check_plot(plot_path, out_dir)
+    _check_timeline(timeline_path, out_dir)
     if trace is None:
         workload = _built_in(
             synthetic_n, rate, seed, unique_prompts, cfg.prefill.prefix_block_tokens

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ..trace.metrics import RequestRecord
     from .decode_te import DecodeTE
     from .distflow import DistFlow, Transfer
-    from .prefill import PrefillTE
+    from .prefill import PrefillJob, PrefillTE
     from .replay import PDConfig
 
 
@@ -61,6 +61,7 @@ class Where:
         "decode_dp",
         "decode_te",
         "flow",
+        "job",
         "prefill_dp",
         "prefill_te",
         "transfer",
@@ -69,6 +70,8 @@ class Where:
 
     def __init__(self) -> None:
         self.prefill_te: PrefillTE | None = None
+        self.job: PrefillJob | None = None
+        """The request's prefill job while it is with a Prefill TE (its step start)."""
         self.prefill_dp = -1
         self.decode_te: DecodeTE | None = None
         self.decode_dp = -1

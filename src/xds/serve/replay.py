@@ -596,7 +596,8 @@ class Replay(Failover):
         rid = req.request_id
         where = self._where_of(rid)
         where.prefill_te = te
-        job = await te.prefill(PrefillJob(rid, req.input_tokens, req.prefix_hashes, req.arrival_ns))
+        where.job = PrefillJob(rid, req.input_tokens, req.prefix_hashes, req.arrival_ns)
+        job = await te.prefill(where.job)
         if rid in self._ended_ids:  # failed by a failover while its cancel was in flight
             return
         where.prefill_dp = job.dp
@@ -829,6 +830,7 @@ class Replay(Failover):
             rec = self.records.get(req.request_id) or self._record(req)
             if req.request_id not in self._ended_ids:
                 rec.outcome, rec.reason, rec.finish_ns = "failed", reason, at_ns
+                self._note_prefill(rec)
                 self._ended(rec)  # progress hears of it too
         return [self.records[r.request_id] for r in self.workload.requests]
 
@@ -875,7 +877,20 @@ class Replay(Failover):
     def _fail(self, rec: RequestRecord, reason: str) -> None:
         rec.outcome, rec.reason = "failed", reason
         rec.finish_ns = now_ns()
+        self._note_prefill(rec)
         self._ended(rec)
+
+    def _note_prefill(self, rec: RequestRecord) -> None:
+        """A request failing (at ``rec.finish_ns``) before its first token: its record says
+        which Prefill TE had it (``P1``) and how long it queued there (until its step started,
+        or until it failed)."""
+        where = self._where.get(rec.request_id)
+        if rec.first_token_ns >= 0 or where is None or where.prefill_te is None:
+            return
+        rec.prefill_placement = rec.prefill_placement or f"P{where.prefill_te.index}"
+        job = where.job
+        started = job.start_ns if job is not None and job.start_ns >= 0 else rec.finish_ns
+        rec.queue_ns = max(0, started - rec.arrival_ns)
 
     def inject_node_fault(self, fault: NodeFault) -> None:
         """Fault injection (SPEC 11.2 stage 1): an NPU fault on a server; the engine restarts

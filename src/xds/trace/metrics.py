@@ -43,7 +43,8 @@ class RequestRecord(msgspec.Struct):
     prefill_placement: str = ""
     decode_placement: str = ""
     queue_ns: int = 0
-    """Prefill queueing: from arrival until the prefill step holding the prompt started."""
+    """Prefill queueing: from arrival until the prefill step holding the prompt started (for a
+    request that failed before its first token, until it failed if no step had started)."""
     kv_transfer_ns: int = 0
     """From the Decode DP's RECV until the KV landed."""
     cached_tokens: int = 0

@@ -296,15 +296,15 @@ class _Lengths:
         except (ValueError, SyntaxError, TypeError):
             raise TraceError("not a dict literal", path=str(self.path), field=where) from None
         if not isinstance(pmf, dict) or not all(
-            _number(v) and _number(q) and q >= 0 for v, q in pmf.items()
+            _number(v) and _number(q) and 0 <= q <= 1 for v, q in pmf.items()
         ):
             raise TraceError(
-                "expected {length: probability >= 0}", path=str(self.path), field=where
+                "expected {length: probability in 0..1}", path=str(self.path), field=where
             )
         if not pmf:
             return np.zeros(0, np.int64), np.zeros(0)
         for v in pmf:
-            if not (math.isfinite(v) and v == int(v) and 1 <= v <= MAX_TOKENS):
+            if not (1 <= v <= MAX_TOKENS and v == int(v)):  # (inf, nan and huge ints fail)
                 raise TraceError(
                     f"lengths are whole token counts in 1..{MAX_TOKENS:,}, got {v!r}",
                     path=str(self.path),

@@ -13,8 +13,8 @@ the same records. Tracks:
   RECV: the KV waits on the Prefill side), ``KV transfer`` (until the KV landed) and
   ``decode`` (until the last token). A failed request's slice ends where it failed (at its
   arrival if that is all that is known), with the reason; its last phase runs until then
-  (a request that failed between its first token and a Decode DP taking it spends that time
-  in ``decode admission``). Requests share lanes: a request
+  (``queued`` or ``prefill`` before its first token; after it ``decode admission``, or ``KV
+  transfer`` once the Decode DP had posted the RECV). Requests share lanes: a request
   takes the lowest lane free at its arrival, so there are as many lanes as requests were
   ever in the system at once. A counter tracks the requests in the system.
 * **prefill**: per Prefill TE, the requests queued for it and the ones in a prefill step;
@@ -76,25 +76,32 @@ def _te(placement: str) -> str:
 
 
 def _bounds(r: RequestRecord) -> tuple[list[int], int]:
-    """The request's phase boundaries (arrival, then the end of each phase it reached) and
-    its end. Boundaries never go backwards and never pass the end."""
-    a = r.arrival_ns
-    known = [a]
-    if r.first_token_ns >= 0:
-        prefill_start = a + r.queue_ns
-        ends = [prefill_start, r.first_token_ns]
+    """The request's phase boundaries (arrival, then the end of each phase it reached, in
+    :data:`_PHASES` order) and its end. Boundaries never go backwards and never pass the end.
+    A failed request's last phase runs until it failed: ``queued`` or ``prefill`` before its
+    first token (by whether a step had started, ``queue_ns``), after it ``decode admission``,
+    or ``KV transfer`` once the Decode DP had posted the RECV."""
+    a, ft, finish = r.arrival_ns, r.first_token_ns, r.finish_ns
+    if ft >= 0:
+        ends = [a + r.queue_ns, ft]
+        admitted = ft + r.decode_wait_ns
         if r.decode_placement or (r.outcome == "completed" and r.output_tokens > 1):
-            admitted = r.first_token_ns + r.decode_wait_ns
             ends += [admitted, admitted + r.kv_transfer_ns]
-            if r.finish_ns >= 0:
-                ends.append(r.finish_ns)
-        elif r.finish_ns > r.first_token_ns:  # failed before a Decode DP took it: it waited
-            ends.append(r.finish_ns)  # for admission (or its transfer) until then
-        for t in ends:
-            known.append(max(known[-1], t))
-    elif r.queue_ns > 0:  # failed in the queue, after waiting this long
-        known.append(a + r.queue_ns)
-    end = max(r.finish_ns, known[-1]) if r.finish_ns >= 0 else known[-1]
+            if finish >= 0:
+                ends.append(finish)
+        elif finish > ft:  # failed before a Decode DP took it in
+            if r.kv_transfer_ns or r.decode_wait_ns:  # the RECV was posted: in transfer
+                ends += [admitted, finish]
+            else:
+                ends.append(finish)  # still waiting for admission
+    elif r.queue_ns or r.prefill_placement:  # failed with a Prefill TE: queued, maybe more
+        ends = [a + r.queue_ns] + ([finish] if finish > a + r.queue_ns else [])
+    else:
+        ends = []  # failed on arrival
+    known = [a]
+    for t in ends:
+        known.append(max(known[-1], t))
+    end = max(finish, known[-1]) if finish >= 0 else known[-1]
     return [min(t, end) for t in known], end
 
 
@@ -255,10 +262,11 @@ def chrome_trace(
             )
         in_system.span("requests in system", "requests", a, end)
         p_te, d_te = _te(r.prefill_placement), _te(r.decode_placement)
-        if p_te and len(bounds) >= 3:
+        if p_te and len(bounds) >= 2:
             prefill.track(p_te, ["queued", "prefilling"])
             prefill.span(p_te, "queued", bounds[0], bounds[1])
-            prefill.span(p_te, "prefilling", bounds[1], bounds[2])
+            if len(bounds) >= 3:
+                prefill.span(p_te, "prefilling", bounds[1], bounds[2])
         if d_te and len(bounds) >= 5:
             decode.track(d_te, ["awaiting admission", "KV transfer", "decoding"])
             decode.span(d_te, "awaiting admission", bounds[2], bounds[3])
@@ -266,13 +274,20 @@ def chrome_trace(
             if len(bounds) >= 6:
                 decode.span(d_te, "decoding", bounds[4], bounds[5])
     mark_events: list[dict] = []
-    for m in marks:
-        if m.end_ns > m.start_ns:
+    mark_lanes: list[int] = []  # when each lane of the events track is free again
+    for m in sorted(marks, key=lambda m: (m.start_ns, m.name)):
+        if m.end_ns > m.start_ns:  # a span: the lowest lane free at its start (spans overlap)
+            lane = next((i for i, free in enumerate(mark_lanes) if free <= m.start_ns), None)
+            if lane is None:
+                lane = len(mark_lanes)
+                mark_lanes.append(0)
+                mark_events += _meta(_EVENTS, "", 0, tid=lane + 1, thread=f"lane {lane}")
+            mark_lanes[lane] = m.end_ns
             mark_events.append(
                 {
                     "ph": "X",
                     "pid": _EVENTS,
-                    "tid": 1,
+                    "tid": lane + 1,
                     "ts": _us(m.start_ns),
                     "dur": _us(m.end_ns - m.start_ns),
                     "name": m.name,
@@ -339,7 +354,10 @@ def save(trace: dict[str, Any], path: str | Path) -> Path:
     return p
 
 
-def check_path(path: str | Path) -> Path:
+def check_path(path: str | Path, *, folder_made_later: bool = False) -> Path:
     """``path`` as :func:`save` can write it (checked before a run, so a long run does not end
-    in a failed save); else ConfigError."""
-    return check_output_path(path, SUFFIXES, field="timeline", what="a timeline")
+    in a failed save); else ConfigError. ``folder_made_later``: only the suffix (the folder is
+    an ``--out`` directory the run creates first)."""
+    return check_output_path(
+        path, SUFFIXES, field="timeline", what="a timeline", folder_made_later=folder_made_later
+    )
