@@ -17,7 +17,7 @@ from xds.errors import ConfigError
 from xds.runtime import now_ns, run, sleep_ns
 from xds.serve.decode import DecodeConfig
 from xds.serve.decode_model import CommCosts
-from xds.serve.decode_te import comm_grid, interpolate
+from xds.serve.decode_te import DecodeTE, comm_grid, interpolate
 from xds.serve.distflow import TransferState
 from xds.serve.jitter import JitterConfig
 from xds.serve.prefill import PrefillConfig, PrefixCache
@@ -1665,3 +1665,36 @@ def test_the_prefix_cache_block_must_match_the_traces_hash_block():
     # a workload without hashes does not care
     plain = Workload((Request(0, 0, 1_000, 4),))
     assert replay(plain, small).records[0].outcome == "completed"
+
+
+def test_a_max_output_reservation_holds_more_decode_kv_than_the_oracle(monkeypatch):
+    """``reserve_output_tokens`` (SPEC 6.3's max_output_tokens): the DP master reserves the
+    prompt plus the cap, not the request's own output, so a die holds fewer sequences; an
+    output over the cap fails at arrival."""
+
+    def cfg(reserve: int, blocks: int) -> PDConfig:
+        decode = msgspec.structs.replace(
+            SMALL.decode, reserve_output_tokens=reserve, kv_blocks_per_die=blocks
+        )
+        return msgspec.structs.replace(SMALL, decode=decode)
+
+    wl = _workload((0, 1_000, 10), (0, 1_000, 300))
+    # 1,010 tokens need 8 blocks of 128, 1,300 need 11; the prompt plus a 2,000-token cap, 24
+    oracle = replay(wl, cfg(0, 16))
+    assert [r.outcome for r in oracle.records] == ["completed", "completed"]
+    capped = replay(wl, cfg(2_000, 16)).records
+    assert {r.reason for r in capped} == {"sequence of 3000 tokens exceeds a decode DP's KV"}
+    roomy = replay(wl, cfg(200, 64)).records
+    assert roomy[0].outcome == "completed"
+    assert roomy[1].reason == "output 300 tokens exceeds max_output_tokens 200"
+
+    seen: dict[int, int] = {}
+    original = DecodeTE.reserve
+
+    async def watched(self, dp, record):
+        await original(self, dp, record)
+        seen[record.request_id] = self.kv[dp].held(record.request_id)
+
+    monkeypatch.setattr(DecodeTE, "reserve", watched)
+    replay(_workload((0, 1_000, 10)), cfg(2_000, 64))
+    assert seen == {0: 24}  # ceil((1,000 + 2,000) / 128) blocks, not ceil(1,010 / 128) = 8

@@ -87,6 +87,14 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_tokens: int = 128
     kv_blocks_per_die: int = 0
     """0: derived from HBM left after the weights held by a die."""
+    reserve_output_tokens: int = 0
+    """PD replay: the output KV reserved for each request. 0 (the default, [emulator
+    choice]): its own output length, read from the trace (an oracle the real system does not
+    have; admission never overcommits, so KV never runs out mid-decode). N: SPEC 6.3's
+    ``ESTIMATE_OUTPUT_KV(max_output_tokens)`` with a ``max_output_tokens`` of N (DeepSeek-R1
+    serves up to 32K, SPEC 12.4): the TE-shell routes with N tokens' blocks and the DP master
+    reserves the prompt plus N, so fewer sequences fit a die; a request whose output is longer
+    than N fails at arrival (the cap would have cut it)."""
     eplb: OnlineEPLBConfig | None = None
     """Skewed, drifting routing with online expert balancing (None: uniform routing)."""
 
@@ -113,6 +121,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ("scheduler_gap_ns", self.scheduler_gap_ns >= 0, "must be >= 0"),
             ("block_tokens", self.block_tokens >= 1, "must be >= 1"),
             ("kv_blocks_per_die", self.kv_blocks_per_die >= 0, "must be >= 0"),
+            ("reserve_output_tokens", self.reserve_output_tokens >= 0, "must be >= 0"),
         ]
         for name, ok, rule in checks:
             if not ok:

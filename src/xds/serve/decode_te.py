@@ -553,8 +553,13 @@ class DecodeTE:
             if head and self._held:  # the next one in line may fit too
                 self._held[0].set()
 
+    def reserved_output(self, record: RequestRecord) -> int:
+        """The output tokens whose KV this TE reserves for ``record``
+        (:attr:`DecodeConfig.reserve_output_tokens`)."""
+        return self.config.reserve_output_tokens or record.output_tokens
+
     def _try_route(self, record: RequestRecord) -> int | None:
-        tokens = record.input_tokens + record.output_tokens
+        tokens = record.input_tokens + self.reserved_output(record)
         too_small = [
             dp
             for dp in sorted(self._masked_dps)
@@ -567,7 +572,7 @@ class DecodeTE:
             )
         dp = self.router.route(
             record.request_id,
-            record.output_tokens,
+            self.reserved_output(record),
             exclude=too_small,
             input_tokens=record.input_tokens,
         )
@@ -584,9 +589,9 @@ class DecodeTE:
         return fresh
 
     async def reserve(self, dp: int, record: RequestRecord) -> None:
-        """The DP master reserves the whole sequence's KV blocks; the RECV is deferred until
-        they fit (P101)."""
-        tokens = record.input_tokens + record.output_tokens
+        """The DP master reserves the whole sequence's KV blocks (the prompt and the output
+        reservation, :meth:`reserved_output`); the RECV is deferred until they fit (P101)."""
+        tokens = record.input_tokens + self.reserved_output(record)
         while not self.kv[dp].can_admit(tokens):
             if not self.kv[dp].could_ever_admit(tokens):  # a memory fault masked too much
                 raise KVNoFit(

@@ -555,9 +555,13 @@ class Replay(Failover):
             else:
                 where = f"a prefill DP's KV (room for {limit} prompt tokens)"
             return f"input {req.input_tokens} tokens exceeds {where}"
+        cap = self.config.decode.reserve_output_tokens
+        if cap and req.output_tokens > cap:
+            return f"output {req.output_tokens} tokens exceeds max_output_tokens {cap}"
         dkv = self.decode[0].kv[0]
-        if req.output_tokens > 1 and dkv.blocks_for(total) > dkv.capacity:  # 1: never decoded
-            return f"sequence of {total} tokens exceeds a decode DP's KV"
+        reserved = req.input_tokens + (cap or req.output_tokens)
+        if req.output_tokens > 1 and dkv.blocks_for(reserved) > dkv.capacity:  # 1: no decode
+            return f"sequence of {reserved} tokens exceeds a decode DP's KV"
         return ""
 
     def _ended(self, record: RequestRecord) -> None:
