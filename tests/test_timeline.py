@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -176,15 +177,16 @@ def test_a_replays_faults_are_on_its_timeline():
     assert len(_events(trace, "i", name="failed")) == len(failed)
     # the Decode TE's iterations, on both sides of its restart, one log
     (log,) = res.decode_iterations_log
-    assert log.te == "D0" and len(log.start_ns) == res.decode_iterations
-    assert (np.diff(log.start_ns) > 0).all() and log.time_ns.min() > 0
-    assert min(log.start_ns) < 3 * S and max(log.start_ns) > restart.decode_up_ns
-    assert ((log.start_ns + log.time_ns)[:-1] <= log.start_ns[1:]).all()  # one at a time
-    assert log.time_ns.mean() / 1e6 == pytest.approx(res.summary.decode.mean_iteration_ms)
+    assert log.te == "D0" and msgspec.json.decode(msgspec.json.encode(log), type=type(log)) == log
+    start, took, seqs = (np.array(v) for v in (log.start_ns, log.time_ns, log.sequences))
+    assert len(start) == res.decode_iterations and took.min() > 0 and seqs.min() > 0
+    assert (np.diff(start) > 0).all() and ((start + took)[:-1] <= start[1:]).all()  # in turn
+    assert start.min() < 3 * S and start.max() > restart.decode_up_ns
+    assert took.mean() / 1e6 == pytest.approx(res.summary.decode.mean_iteration_ms)
     counters = _events(trace, "C", name="D0 iteration")
-    assert len(counters) == len(log.start_ns)
-    assert counters[0]["args"] == {"ms": log.time_ns[0] / 1e6, "sequences": log.sequences[0]}
-    assert counters[0]["ts"] == log.start_ns[0] / 1000
+    assert len(counters) == len(start)
+    assert counters[0]["args"] == {"ms": took[0] / 1e6, "sequences": seqs[0]}
+    assert counters[0]["ts"] == start[0] / 1000
     # every request a Prefill TE had, failed ones too (queued or mid-step when the world
     # restarted), has its time in phases that tile its slice
     held = [e for e in slices if "prefill" in e["args"]]
@@ -268,4 +270,31 @@ def test_a_timeline_may_go_into_the_out_directory_but_not_over_its_results(tmp_p
     capsys.readouterr()
     assert main([*args, str(out / "summary.json")]) == 2
     assert "--out writes summary.json there" in capsys.readouterr().err
+    assert main([*args, str(tmp_path / "x" / ".." / "res" / "summary.json")]) == 2  # same dir
     assert main([*args, str(tmp_path / "new" / "t.json")]) == 2  # a folder nothing creates
+
+
+def test_a_request_failing_with_its_kv_in_transfer_shows_the_transfer():
+    from xds.serve.replay import DistFlowFault
+
+    # P0's link stalls from 2 s, so its transfers are still on the wire when the world
+    # restarts after a fault at 3 s
+    stall = DistFlowFault(at_ns=2 * S, prefill_te=0, kind="link_down", duration_ns=3 * S)
+    res = replay(WL, CFG, faults=[stall, NodeFault(at_ns=3 * S, server=2)])
+    stuck = [
+        r
+        for r in res.records
+        if r.outcome == "failed" and r.first_token_ns >= 0 and not r.decode_placement
+    ]
+    assert stuck and all(r.kv_transfer_ns > 0 for r in stuck)
+    trace = chrome_trace(res.records)
+    for r in stuck:
+        (s,) = [
+            e for e in _events(trace, "X", cat="request") if e["args"]["request"] == r.request_id
+        ]
+        phases = [
+            (p["name"], p["ts"] + p["dur"])
+            for p in _events(trace, "X", cat="phase", tid=s["tid"])
+            if s["ts"] <= p["ts"] < s["ts"] + s["dur"]
+        ]
+        assert phases[-1] == ("KV transfer", pytest.approx(r.finish_ns / 1000))

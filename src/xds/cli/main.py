@@ -70,7 +70,7 @@ _plot_option = click.option(
 def _in_out_dir(path: str, option: str, out_dir: str | None) -> bool:
     """Whether ``path`` goes into the ``--out`` directory (which the run creates before it
     writes figures; a name of its own results there is refused: it would replace them)."""
-    if out_dir is None or Path(path).absolute().parent != Path(out_dir).absolute():
+    if out_dir is None or Path(path).resolve().parent != Path(out_dir).resolve():
         return False
     if Path(path).name in OUTPUT_FILES:
         raise click.UsageError(f"{option} {path}: --out writes {Path(path).name} there")

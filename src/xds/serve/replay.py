@@ -834,7 +834,7 @@ class Replay(Failover):
             rec = self.records.get(req.request_id) or self._record(req)
             if req.request_id not in self._ended_ids:
                 rec.outcome, rec.reason, rec.finish_ns = "failed", reason, at_ns
-                self._note_prefill(rec)
+                self._note_progress(rec)
                 self._ended(rec)  # progress hears of it too
         return [self.records[r.request_id] for r in self.workload.requests]
 
@@ -881,15 +881,23 @@ class Replay(Failover):
     def _fail(self, rec: RequestRecord, reason: str) -> None:
         rec.outcome, rec.reason = "failed", reason
         rec.finish_ns = now_ns()
-        self._note_prefill(rec)
+        self._note_progress(rec)
         self._ended(rec)
 
-    def _note_prefill(self, rec: RequestRecord) -> None:
-        """A request failing (at ``rec.finish_ns``) before its first token: its record says
-        which Prefill TE had it (``P1``) and how long it queued there (until its step started,
-        or until it failed)."""
+    def _note_progress(self, rec: RequestRecord) -> None:
+        """How far a failing request (at ``rec.finish_ns``) got, on its record: before its
+        first token, which Prefill TE had it (``P1``) and how long it queued there (until its
+        step started, or until it failed); with its KV in transfer, the transfer time until it
+        failed."""
         where = self._where.get(rec.request_id)
-        if rec.first_token_ns >= 0 or where is None or where.prefill_te is None:
+        if where is None:
+            return
+        transfer = where.transfer
+        if rec.first_token_ns >= 0:
+            if transfer is not None and transfer.recv_ns >= 0 and not rec.kv_transfer_ns:
+                rec.kv_transfer_ns = max(0, rec.finish_ns - transfer.recv_ns)
+            return
+        if where.prefill_te is None:
             return
         rec.prefill_placement = rec.prefill_placement or f"P{where.prefill_te.index}"
         job = where.job

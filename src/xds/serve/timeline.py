@@ -57,8 +57,8 @@ def decode_series(result: ReplayResult) -> list[Series]:
         Series(
             f"{log.te} iteration",
             "decode",
-            log.start_ns.tolist(),
-            {"ms": (log.time_ns / 1e6).tolist(), "sequences": log.sequences.tolist()},
+            log.start_ns,
+            {"ms": [t / 1e6 for t in log.time_ns], "sequences": log.sequences},
         )
         for log in result.decode_iterations_log
     ]

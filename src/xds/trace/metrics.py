@@ -46,7 +46,8 @@ class RequestRecord(msgspec.Struct):
     """Prefill queueing: from arrival until the prefill step holding the prompt started (for a
     request that failed before its first token, until it failed if no step had started)."""
     kv_transfer_ns: int = 0
-    """From the Decode DP's RECV until the KV landed."""
+    """From the Decode DP's RECV until the KV landed (for a request that failed with its KV
+    in transfer, until it failed)."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefill prefix cache (not recomputed)."""
     decode_wait_ns: int = 0
