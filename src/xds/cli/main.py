@@ -77,35 +77,50 @@ def _in_out_dir(path: str, option: str, out_dir: str | None) -> bool:
     return not Path(out_dir).exists()
 
 
-def _check_plot(plot_path: str | None, out_dir: str | None = None) -> None:
-    """Fail before a long run, not after it, if ``--plot`` cannot be drawn or written."""
-    if plot_path is None:
+def _check_output(path: str | None, option: str, out_dir: str | None, check) -> None:
+    """Fail before a long run, not after it, if ``option``'s file cannot be written:
+    ``check(path, folder_made_later)`` raises ConfigError (the folder may be the ``--out``
+    directory, made before the file is written)."""
+    if path is None:
         return
+    later = _in_out_dir(path, option, out_dir)
+    try:
+        check(path, later)
+    except ConfigError as exc:
+        raise click.UsageError(f"{option} {path}: {exc.message}") from None
+
+
+def _save_output(path: str | None, option: str, save, *, said: str, quiet: bool) -> None:
+    """``save(path)`` once the results have been printed (a failure to save leaves them on
+    screen, and is one line); then ``said`` unless ``quiet``."""
+    if path is None:
+        return
+    try:
+        save(path)
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise click.UsageError(f"{option} {path}: {why}") from None
+    if not quiet:
+        console.print(said)
+
+
+def _check_plot(plot_path: str | None, out_dir: str | None = None) -> None:
+    """``--plot`` can be drawn (matplotlib) and written."""
     from xds import plots
 
-    later = _in_out_dir(plot_path, "--plot", out_dir)
-    try:
+    def check(path: str, later: bool) -> None:
         plots.require_matplotlib()
-        plots.check_path(plot_path, folder_made_later=later)
-    except ConfigError as exc:
-        raise click.UsageError(f"--plot {plot_path}: {exc.message}") from None
+        plots.check_path(path, folder_made_later=later)
+
+    _check_output(plot_path, "--plot", out_dir, check)
 
 
 def _save_plot(draw, plot_path: str | None, *, quiet: bool) -> None:
-    """Draw (``draw()`` builds the figure) and save ``--plot``, once the results have been
-    printed: a failure to save leaves them on screen."""
-    if plot_path is None:
-        return
+    """Draw (``draw()`` builds the figure) and save ``--plot`` after the results."""
     from xds import plots
 
-    try:
-        plots.save(draw(), plot_path)
-    except (OSError, ValueError) as exc:
-        raise click.UsageError(
-            f"--plot {plot_path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from None
-    if not quiet:
-        console.print(f"plotted to {escape(plot_path)}")
+    said = f"plotted to {escape(plot_path or '')}"
+    _save_output(plot_path, "--plot", lambda p: plots.save(draw(), p), said=said, quiet=quiet)
 
 
 _timeline_option = click.option(
@@ -119,30 +134,23 @@ _timeline_option = click.option(
 
 
 def _check_timeline(timeline_path: str | None, out_dir: str | None = None) -> None:
-    """Fail before the replay, not after it, if ``--timeline`` cannot be written."""
-    if timeline_path is None:
-        return
+    """``--timeline`` can be written."""
     from xds.trace import timeline
 
-    later = _in_out_dir(timeline_path, "--timeline", out_dir)
-    try:
-        timeline.check_path(timeline_path, folder_made_later=later)
-    except ConfigError as exc:
-        raise click.UsageError(f"--timeline {timeline_path}: {exc.message}") from None
+    def check(path: str, later: bool) -> None:
+        timeline.check_path(path, folder_made_later=later)
+
+    _check_output(timeline_path, "--timeline", out_dir, check)
 
 
 def _save_timeline(build, timeline_path: str | None, *, quiet: bool) -> None:
-    """Build (``build()``) and write ``--timeline`` once the results have been printed."""
-    if timeline_path is None:
-        return
+    """Build (``build()``) and write ``--timeline`` after the results."""
     from xds.trace import timeline
 
-    try:
-        timeline.save(build(), timeline_path)
-    except OSError as exc:
-        raise click.UsageError(f"--timeline {timeline_path}: {exc.strerror or exc}") from None
-    if not quiet:
-        console.print(f"timeline written to {escape(timeline_path)} (open it in ui.perfetto.dev)")
+    said = f"timeline written to {escape(timeline_path or '')} (open it in ui.perfetto.dev)"
+    _save_output(
+        timeline_path, "--timeline", lambda p: timeline.save(build(), p), said=said, quiet=quiet
+    )
 
 
 POLICY_SLOTS = (

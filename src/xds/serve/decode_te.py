@@ -554,13 +554,13 @@ class DecodeTE:
             if head and self._held:  # the next one in line may fit too
                 self._held[0].set()
 
-    def reserved_output(self, record: RequestRecord) -> int:
-        """The output tokens whose KV this TE reserves for ``record``
+    def reserved_output(self, output_tokens: int) -> int:
+        """The output tokens whose KV this TE reserves for a request of ``output_tokens``
         (:attr:`DecodeConfig.reserve_output_tokens`)."""
-        return self.config.reserve_output_tokens or record.output_tokens
+        return self.config.reserve_output_tokens or output_tokens
 
     def _try_route(self, record: RequestRecord) -> int | None:
-        tokens = record.input_tokens + self.reserved_output(record)
+        tokens = record.input_tokens + self.reserved_output(record.output_tokens)
         too_small = [
             dp
             for dp in sorted(self._masked_dps)
@@ -573,7 +573,7 @@ class DecodeTE:
             )
         dp = self.router.route(
             record.request_id,
-            self.reserved_output(record),
+            self.reserved_output(record.output_tokens),
             exclude=too_small,
             input_tokens=record.input_tokens,
         )
@@ -592,7 +592,7 @@ class DecodeTE:
     async def reserve(self, dp: int, record: RequestRecord) -> None:
         """The DP master reserves the whole sequence's KV blocks (the prompt and the output
         reservation, :meth:`reserved_output`); the RECV is deferred until they fit (P101)."""
-        tokens = record.input_tokens + self.reserved_output(record)
+        tokens = record.input_tokens + self.reserved_output(record.output_tokens)
         while not self.kv[dp].can_admit(tokens):
             if not self.kv[dp].could_ever_admit(tokens):  # a memory fault masked too much
                 raise KVNoFit(

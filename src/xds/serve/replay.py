@@ -559,7 +559,7 @@ class Replay(Failover):
         if cap and req.output_tokens > cap:
             return f"output {req.output_tokens} tokens exceeds max_output_tokens {cap}"
         dkv = self.decode[0].kv[0]
-        reserved = req.input_tokens + (cap or req.output_tokens)
+        reserved = req.input_tokens + self.decode[0].reserved_output(req.output_tokens)
         if req.output_tokens > 1 and dkv.blocks_for(reserved) > dkv.capacity:  # 1: no decode
             return f"sequence of {reserved} tokens exceeds a decode DP's KV"
         return ""

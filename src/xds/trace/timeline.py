@@ -145,6 +145,45 @@ def _meta(pid: int, name: str, sort: int, tid: int = 0, thread: str = "") -> lis
     ]
 
 
+def _slice(pid: int, tid: int, start: int, end: int, name: str, cat: str, **extra) -> dict:
+    """A complete ("X") event from ``start`` to ``end`` ns on thread ``tid`` of ``pid``."""
+    return {
+        "ph": "X", "pid": pid, "tid": tid, "ts": _us(start), "dur": _us(end - start),
+        "name": name, "cat": cat, **extra,
+    }  # fmt: skip
+
+
+def _instant(pid: int, tid: int, at: int, name: str, cat: str, scope: str, args: dict) -> dict:
+    """An instant ("i") event at ``at`` ns (``scope``: ``"t"`` thread, ``"g"`` global)."""
+    return {
+        "ph": "i", "s": scope, "pid": pid, "tid": tid, "ts": _us(at), "name": name,
+        "cat": cat, "args": args,
+    }  # fmt: skip
+
+
+class _Lanes:
+    """Threads of one process for slices that may overlap (X events must nest on a thread):
+    each slice takes the lowest lane free at its start; a new lane's name goes to ``out``."""
+
+    def __init__(self, pid: int, out: list[dict]):
+        self.pid, self.out = pid, out
+        self._free: list[int] = []  # lanes free now, lowest first
+        self._busy: list[tuple[int, int]] = []  # (end, lane) of the lanes in use
+        self._lanes = 0
+
+    def take(self, start: int, end: int) -> int:
+        """The thread id (from 1) for a slice from ``start`` to ``end``, taken in start order."""
+        while self._busy and self._busy[0][0] <= start:
+            heapq.heappush(self._free, heapq.heappop(self._busy)[1])
+        if self._free:
+            lane = heapq.heappop(self._free)
+        else:
+            lane, self._lanes = self._lanes, self._lanes + 1
+            self.out += _meta(self.pid, "", 0, tid=lane + 1, thread=f"lane {lane}")
+        heapq.heappush(self._busy, (end, lane))
+        return lane + 1
+
+
 class _Counters:
     """Counter tracks from +1/-1 changes: one sample per track and instant, with every series
     of the track as it stands after all of that instant's changes."""
@@ -201,9 +240,7 @@ def chrome_trace(
     in_system = _Counters(_REQUESTS)
     in_system.track("requests in system", ["requests"])
     prefill, decode = _Counters(_PREFILL), _Counters(_DECODE)
-    free: list[int] = []  # lanes free now, lowest first
-    busy: list[tuple[int, int]] = []  # (end, lane) of the lanes in use
-    lanes = 0
+    lanes = _Lanes(_REQUESTS, events)
     for i, r in enumerate(records):
         if not isinstance(r, RequestRecord):
             raise ConfigError(
@@ -212,53 +249,16 @@ def chrome_trace(
     for r in sorted(records, key=lambda r: (r.arrival_ns, r.request_id)):
         bounds, end = _bounds(r)
         a = r.arrival_ns
-        while busy and busy[0][0] <= a:
-            heapq.heappush(free, heapq.heappop(busy)[1])
-        if free:
-            lane = heapq.heappop(free)
-        else:
-            lane, lanes = lanes, lanes + 1
-            events += _meta(_REQUESTS, "", 0, tid=lane + 1, thread=f"lane {lane}")
-        heapq.heappush(busy, (end, lane))
-        tid = lane + 1
+        tid = lanes.take(a, end)
         failed = r.outcome != "completed"
-        events.append(
-            {
-                "ph": "X",
-                "pid": _REQUESTS,
-                "tid": tid,
-                "ts": _us(a),
-                "dur": _us(end - a),
-                "name": f"request {r.request_id}" + (" (failed)" if failed else ""),
-                "cat": "request",
-                "args": _request_args(r),
-            }
-        )
+        name = f"request {r.request_id}" + (" (failed)" if failed else "")
+        events.append(_slice(_REQUESTS, tid, a, end, name, "request", args=_request_args(r)))
         for phase, start, stop in zip(_PHASES, bounds, bounds[1:], strict=False):
             if stop > start:
-                events.append(
-                    {
-                        "ph": "X",
-                        "pid": _REQUESTS,
-                        "tid": tid,
-                        "ts": _us(start),
-                        "dur": _us(stop - start),
-                        "name": phase,
-                        "cat": "phase",
-                    }
-                )
+                events.append(_slice(_REQUESTS, tid, start, stop, phase, "phase"))
         if failed:
             events.append(
-                {
-                    "ph": "i",
-                    "s": "t",
-                    "pid": _REQUESTS,
-                    "tid": tid,
-                    "ts": _us(end),
-                    "name": "failed",
-                    "cat": "request",
-                    "args": {"reason": r.reason},
-                }
+                _instant(_REQUESTS, tid, end, "failed", "request", "t", {"reason": r.reason})
             )
         in_system.span("requests in system", "requests", a, end)
         p_te, d_te = _te(r.prefill_placement), _te(r.decode_placement)
@@ -274,40 +274,15 @@ def chrome_trace(
             if len(bounds) >= 6:
                 decode.span(d_te, "decoding", bounds[4], bounds[5])
     mark_events: list[dict] = []
-    mark_lanes: list[int] = []  # when each lane of the events track is free again
+    mark_lanes = _Lanes(_EVENTS, mark_events)  # spans may overlap (two TEs down at once)
     for m in sorted(marks, key=lambda m: (m.start_ns, m.name)):
-        if m.end_ns > m.start_ns:  # a span: the lowest lane free at its start (spans overlap)
-            lane = next((i for i, free in enumerate(mark_lanes) if free <= m.start_ns), None)
-            if lane is None:
-                lane = len(mark_lanes)
-                mark_lanes.append(0)
-                mark_events += _meta(_EVENTS, "", 0, tid=lane + 1, thread=f"lane {lane}")
-            mark_lanes[lane] = m.end_ns
+        if m.end_ns > m.start_ns:
+            tid = mark_lanes.take(m.start_ns, m.end_ns)
             mark_events.append(
-                {
-                    "ph": "X",
-                    "pid": _EVENTS,
-                    "tid": lane + 1,
-                    "ts": _us(m.start_ns),
-                    "dur": _us(m.end_ns - m.start_ns),
-                    "name": m.name,
-                    "cat": "event",
-                    "args": m.args,
-                }
+                _slice(_EVENTS, tid, m.start_ns, m.end_ns, m.name, "event", args=m.args)
             )
         else:
-            mark_events.append(
-                {
-                    "ph": "i",
-                    "s": "g",
-                    "pid": _EVENTS,
-                    "tid": 1,
-                    "ts": _us(m.start_ns),
-                    "name": m.name,
-                    "cat": "event",
-                    "args": m.args,
-                }
-            )
+            mark_events.append(_instant(_EVENTS, 1, m.start_ns, m.name, "event", "g", m.args))
     if mark_events:
         events += _meta(_EVENTS, "events", 3)
         events += mark_events
