@@ -53,7 +53,8 @@ def main() -> None:
     print(f"prefix hits      {s.prefix_hit_ratio:.1%} of prompt tokens")
     d = s.decode
     assert d is not None
-    print(f"virtual duration {s.duration_s:,.1f} s; decode iterations {res.decode_iterations:,}")
+    print(f"first arrival to last completion {s.duration_s:,.1f} s")
+    print(f"decode iterations {res.decode_iterations:,}")
     print(
         f"decode           {d.mean_iteration_ms:.1f} ms per iteration, {d.sequences_per_die:.2f} "
         f"sequences per die, busiest die's context {d.context_max_over_mean:.2f}x the mean"

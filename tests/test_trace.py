@@ -154,9 +154,10 @@ _TIME = st.integers(0, 10**13)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(_TIME, st.lists(_TIME, max_size=6)), max_size=6))
+@given(st.lists(st.tuples(_TIME, st.lists(_TIME | st.integers(0, 3), max_size=6)), max_size=6))
 def test_inter_token_ms_is_the_pairwise_formula(records):
-    """The vectorised ITLs are exactly the per-pair ``(b - a) / 1e6``, in record order."""
+    """The vectorised ITLs are exactly the per-pair ``(b - a) / 1e6``, in record order, of
+    the pairs delivered apart (tokens delivered together make one gap)."""
     recs = [
         t.RequestRecord(i, 0, 1, len(times) + 1, first_token_ns=first, token_ns=times)
         for i, (first, times) in enumerate(records)
@@ -165,9 +166,27 @@ def test_inter_token_ms_is_the_pairwise_formula(records):
         (b - a) / 1e6
         for r in recs
         for a, b in zip([r.first_token_ns, *r.token_ns], r.token_ns, strict=False)
+        if a != b
     ]
     fast = inter_token_ms(recs)
     assert fast.dtype == np.float64 and fast.tolist() == plain
+
+
+def test_tokens_delivered_together_make_one_gap():
+    """An MTP step's tokens share a time: a streaming client sees one gap, not a 0 per token."""
+    ms = 1_000_000
+    rec = t.RequestRecord(
+        0,
+        0,
+        10,
+        6,
+        first_token_ns=5 * ms,
+        finish_ns=30 * ms,
+        token_ns=[15 * ms, 15 * ms, 20 * ms, 30 * ms, 30 * ms],
+    )
+    assert inter_token_ms([rec]).tolist() == [10.0, 5.0, 10.0]
+    s = t.summarize([rec], chips=1)
+    assert s.itl_ms.p50 == 10.0 and s.tpot_ms.mean == pytest.approx(25 / 5)
 
 
 def test_summary_and_outputs(tmp_path):

@@ -1202,7 +1202,9 @@ def replay(
             f"{name} ({unit})", *(_cell(getattr(stat, q)) for q in ("mean", "p50", "p90", "p99"))
         )
     console.print(table)
-    if math.isnan(s.itl_ms.mean) and s.completed:
+    if not s.completed:
+        console.print("no request completed: there is no latency to show (the failures below)")
+    elif math.isnan(s.itl_ms.mean):
         if not any(r.outcome == "completed" and r.output_tokens > 1 for r in result.records):
             console.print(
                 "ITL, TPOT, decode admission wait, KV transfer: no completed request has a "
@@ -1221,7 +1223,10 @@ def replay(
     totals.add_row("requests", f"{s.requests:,} ({s.completed:,} completed, {s.failed:,} failed)")
     for reason, n in s.failures.items():
         totals.add_row("  failed", f"{n:,}: {escape(reason)}")
-    totals.add_row("output tokens/s per chip", f"{s.output_tokens_per_s_per_chip:,.1f}")
+    per_chip = s.output_tokens_per_s_per_chip
+    totals.add_row(
+        "output tokens/s per chip", f"{per_chip:,.1f}" if per_chip >= 10 else f"{per_chip:.3g}"
+    )
     totals.add_row(
         f"SLA goodput (TTFT < {s.sla.ttft_ms:g} ms, TPOT < {s.sla.tpot_ms:g} ms)",
         f"{s.goodput:.1%}",
@@ -1240,7 +1245,11 @@ def replay(
             "decode context: busiest die / mean die with sequences",
             f"{d.context_max_over_mean:.2f}x",
         )
-    totals.add_row("virtual duration", f"{s.duration_s:,.1f} s")
+    last = "completion" if s.completed else "failure"
+    totals.add_row(f"first arrival to last {last}", f"{s.duration_s:,.1f} s")
+    last_done = max((r.finish_ns for r in result.records if r.outcome == "completed"), default=-1)
+    if s.completed and result.end_ns > last_done:  # a failure ended later
+        totals.add_row("last request ended (failed)", fmt_ns(result.end_ns))
     for r in result.restarts:
         never = "not before the replay ended"
         up = fmt_ns(r.prefill_up_ns) if r.prefill_up_ns >= 0 else never
@@ -1745,6 +1754,215 @@ def capacity(
         )
     console.print(compare)
     _save_plot(draw, plot_path, quiet=False)
+
+
+@app.command()
+@_trace_options
+@click.option(
+    "--deployment",
+    "deployments",
+    multiple=True,
+    default=["production-4p1d"],
+    show_default=True,
+    help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
+    "deployments (the first is the baseline).",
+)
+@click.option(
+    "--seeds",
+    "n_seeds",
+    type=click.IntRange(min=1, max=1000),
+    default=5,
+    show_default=True,
+    help="Replays per variant: seeds --seed, --seed + 1, ... (each seed gives every variant "
+    "the same requests and random streams).",
+)
+@click.option(
+    "--rate-scale",
+    type=_Finite(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Arrivals this many times as dense (2 halves every gap).",
+)
+@click.option(
+    "--synthetic",
+    "synthetic_n",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Without TRACE: requests of the built-in SPEC 12.4 workload (each seed its own).",
+)
+@click.option(
+    "--rate",
+    type=_Finite(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Worker processes replaying in parallel (0: one per core, up to 4). The numbers do "
+    "not depend on it.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@_policy_option
+def compare(
+    trace: str | None,
+    fmt: str | None,
+    deployments: tuple[str, ...],
+    n_seeds: int,
+    rate_scale: float,
+    limit: int | None,
+    synthetic_n: int,
+    rate: float,
+    unique_prompts: bool,
+    columns: str,
+    cv: float,
+    span: str,
+    sort: bool,
+    seed: int,
+    jobs: int,
+    as_json: bool,
+    drop_invalid: bool = False,
+    spread_ties: bool = False,
+    policy_specs: tuple[str, ...] = (),
+) -> None:
+    """Compare deployments or policies on one workload over several seeds.
+
+    Replays the workload on every variant once per seed and prints, per metric, each
+    variant's mean with its 95 % confidence interval, and each later variant's paired
+    difference from the first (the same seed's replays subtracted, then averaged): a
+    difference whose interval excludes zero is marked better or worse, else "~" (within the
+    seeds' noise). Variants: each --deployment, plus, with --policy, the first deployment with
+    those policies plugged in."""
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from xds.serve.compare import METRICS, Variant
+    from xds.serve.compare import compare as run_compare
+    from xds.serve.presets import pd_config
+    from xds.serve.speculative import default_jobs
+
+    _check_trace_options(trace, fmt, sort)
+    if trace is not None:
+        if unique_prompts:
+            raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
+        if _given("synthetic_n"):
+            raise click.UsageError("--synthetic applies to the built-in workload, not a TRACE")
+        if _given("rate") and fmt != "lengths":
+            raise click.UsageError("--rate applies to the built-in workload and --format lengths")
+    twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
+    if twice is not None:
+        raise click.UsageError(f"--deployment {twice} is given twice")
+    variants: dict[str, Any] = {name: pd_config(name) for name in deployments}
+    policies = _policies(policy_specs)
+    if policies:
+        plugged = ", ".join(
+            f"{slot}={getattr(fn, '__name__', fn)}" for slot, fn in policies.items()
+        )
+        variants[f"{deployments[0]} + {plugged}"] = Variant(variants[deployments[0]], policies)
+    seeds = list(range(seed, seed + n_seeds))
+    if trace is None:
+        blocks = {variants[d].prefill.prefix_block_tokens for d in deployments}
+        if len(blocks) > 1:
+            raise click.UsageError(
+                "the deployments hash prompts into prefix blocks of different sizes ("
+                + ", ".join(str(b) for b in sorted(blocks))
+                + " tokens): the built-in workload can only be shared by deployments with "
+                "one prefill.prefix_block_tokens"
+            )
+        block = blocks.pop()
+
+        def workload_for(s: int):
+            return _built_in(synthetic_n, rate, s, unique_prompts, block).scaled(rate_scale)
+    else:
+        drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
+
+        def load_at(s: int):
+            return (
+                _load_trace(
+                    trace, fmt, columns, rate, cv, s, sort, span, drop_invalid, limit, spread_ties
+                )
+                .scaled(rate_scale)
+                .limited(limit)
+            )
+
+        first = load_at(seed)  # a bad file fails before any replay
+        _note_dropped(first)
+
+        def workload_for(s: int):  # arrivals drawn by xds differ by seed; a trace's do not
+            return load_at(s) if drawn and s != seed else first
+
+    total = len(variants) * len(seeds)
+    with Progress(
+        TextColumn("compare"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[last]}"),
+        disable=as_json or not sys.stderr.isatty(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("compare", total=total, last="")
+
+        def progress(name: str, s: int, summary) -> None:
+            bar.update(task, advance=1, last=f"{name}, seed {s}")
+
+        one = _names_deployment_file(deployments[0]) if len(deployments) == 1 else None
+        with one or contextlib.nullcontext():  # with several, the error names the field
+            result = run_compare(
+                workload_for,
+                variants,
+                seeds=seeds,
+                jobs=jobs or default_jobs(),
+                on_replay=progress,
+            )
+    if as_json:
+        print(msgspec.json.encode(result).decode())
+        return
+    source = workload_for(seed).source
+    base = result.variants[0].name
+    what = (
+        f"seeds {seeds[0]}..{seeds[-1]}, mean ± 95 % interval" if len(seeds) > 1 else f"seed {seed}"
+    )
+    table = Table(
+        title=f"compare: {source} ({what})",
+        caption=f"Δ: the paired difference from {base}; better or worse where its interval "
+        "excludes 0, else ~ (within the seeds' noise)"
+        if len(result.variants) > 1
+        else None,
+    )
+    table.add_column("metric")
+    for v in result.variants:
+        table.add_column(f"{escape(v.name)} ({v.chips} chips)", justify="right", overflow="fold")
+    for v in result.variants[1:]:
+        table.add_column(f"Δ {escape(v.name)}", justify="right", overflow="fold")
+    for m in METRICS:
+        unit = "%" if m.unit == "share" else m.unit
+        cells = [
+            _spread_cell(v.metrics[m.key].mean, v.metrics[m.key].ci95, m.unit)
+            for v in result.variants
+        ]
+        for v in result.variants[1:]:
+            d = result.difference(v.name, m.key)
+            verdict = "~" if d.better is None else "better" if d.better else "worse"
+            cells.append(f"{_spread_cell(d.mean, d.ci95, m.unit, signed=True)} {verdict}")
+        table.add_row(f"{m.label} ({unit})", *cells)
+    console.print(table)
+    if len(seeds) < 2:
+        console.print("one seed: no intervals; --seeds 5 tells a difference from the noise")
+
+
+def _spread_cell(mean: float, ci95: float, unit: str, *, signed: bool = False) -> str:
+    """``mean ± ci95`` in the unit's format ("-" where undefined)."""
+    if math.isnan(mean):
+        return "-"
+    scale, digits = (100.0, 1) if unit == "share" else (1.0, 2 if unit == "s" else 1)
+    text = f"{mean * scale:{'+' if signed else ''},.{digits}f}"
+    if not math.isnan(ci95):
+        text += f" ± {ci95 * scale:,.{digits}f}"
+    return text
 
 
 @app.command()

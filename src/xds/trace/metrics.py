@@ -142,21 +142,32 @@ class Summary(msgspec.Struct):
     completed: int
     failed: int
     failures: dict[str, int]
-    """Failed requests by kind of reason (their own token counts written N)."""
+    """Failed requests by kind of reason (their own token counts written ``<n> tokens``)."""
     ttft_ms: Stat
+    """First token - arrival, over the completed requests (as every latency here: a failed
+    request's partial times are in its record, not in these statistics)."""
     tpot_ms: Stat
+    """(finish - first token) / (output tokens - 1), one value per completed request with two
+    or more output tokens (the mean is over requests, not tokens)."""
     itl_ms: Stat
+    """Gaps between successive deliveries of tokens (:func:`inter_token_ms`), over the
+    completed requests' tokens; NaN when per-token times are not kept."""
     e2e_s: Stat
+    """Finish - arrival, over the completed requests."""
     queue_ms: Stat
-    """Prefill queueing (:attr:`RequestRecord.queue_ns`)."""
+    """Prefill queueing (:attr:`RequestRecord.queue_ns`), over the completed requests."""
     kv_transfer_ms: Stat
     """KV transfer (:attr:`RequestRecord.kv_transfer_ns`), over the requests with two or more
     output tokens (one token needs no decode, so no KV moves)."""
     decode_wait_ms: Stat
     """Decode admission wait (:attr:`RequestRecord.decode_wait_ns`)."""
     output_tokens_per_s: float
+    """Output tokens of the completed requests / :attr:`duration_s` (tokens a failed request
+    had streamed before it failed are not counted)."""
     output_tokens_per_s_per_chip: float
     goodput: float
+    """Share of all requests (failed ones count as misses) that completed with TTFT and TPOT
+    both under the :attr:`sla` (a one-token request has no TPOT to miss)."""
     sla: SLA
     duration_s: float
     """From the first arrival to the last completed request's finish (the last failure's when
@@ -191,10 +202,13 @@ def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
 
 
 def inter_token_ms(records: Sequence[RequestRecord]) -> np.ndarray:
-    """The inter-token latencies of ``records`` (ms), record by record: each one's gap from
-    its first token to its first token time, then between consecutive token times. Computed on
-    one array of every token time (a replay holds millions), with the values
-    ``(b - a) / 1e6`` of each pair would give."""
+    """The inter-token latencies of ``records`` (ms), record by record: the gaps between
+    successive deliveries of tokens, each one's from its first token to its first later token
+    time, then between consecutive distinct token times. Tokens delivered together (an MTP
+    step's verified tokens share one time) make one gap, as a streaming client sees them and
+    as vLLM's serving benchmark counts its streamed chunks; counting a 0 for each would put
+    the median at 0 once acceptance is high. Computed on one array of every token time (a
+    replay holds millions), with the values ``(b - a) / 1e6`` of each pair would give."""
     counts = np.fromiter((len(r.token_ns) for r in records), dtype=np.int64, count=len(records))
     times = np.fromiter(
         itertools.chain.from_iterable(r.token_ns for r in records),
@@ -206,7 +220,8 @@ def inter_token_ms(records: Sequence[RequestRecord]) -> np.ndarray:
     firsts = np.fromiter((r.first_token_ns for r in records), dtype=np.int64, count=len(records))
     some = counts > 0  # ... or, for a record's first token time, the record's first token
     before[(np.cumsum(counts) - counts)[some]] = firsts[some]
-    return (times - before) / 1e6
+    apart = times != before  # delivered with the token before it: no gap of its own
+    return (times[apart] - before[apart]) / 1e6
 
 
 def summarize(records: Sequence[RequestRecord], *, chips: int, sla: SLA | None = None) -> Summary:

@@ -1,0 +1,344 @@
+"""Comparing deployments or policies across seeds: is a difference real, or the seed's noise?
+
+One replay's numbers move with its seed: the MTP acceptance draws, the experts each token
+picks, routing ties and (for a generated workload) the requests themselves all come from
+seeded streams, and a decode iteration runs at its widest DP group, so a small change of timing
+can shift one replay's mean TPOT by a few per cent either way. :func:`compare` replays one
+workload on every variant with the same seeds and reports, per metric:
+
+* per variant, the mean over seeds with a 95 % confidence interval (Student's t on the
+  seeds' values), and the range;
+* per variant after the first (the baseline), the **paired difference** from the baseline:
+  the mean over seeds of (variant - baseline), with its 95 % interval. Seed ``s`` gives every
+  variant the same arrivals, lengths and random streams (common random numbers), so the
+  noise the seeds share cancels in each seed's difference and a smaller true difference
+  shows. A difference whose interval excludes zero is ``significant``.
+
+The variants' replays are independent: with ``jobs > 1`` they run in that many worker
+processes (:class:`~xds.serve.speculative.Speculator`); the numbers do not depend on ``jobs``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from ..docfields import document_fields
+from ..errors import ConfigError
+from ..trace.metrics import Summary
+from ..trace.workload import Workload
+from .policies import require_callable
+from .replay import PDConfig, check_pd_config, replay
+from .speculative import Speculator
+
+POLICY_KEYWORDS = (
+    "decode_routing",
+    "prefill_placement",
+    "prefill_te_selection",
+    "decode_te_selection",
+    "kv_mover",
+)
+"""The :func:`~xds.serve.replay.replay` keywords a :class:`Variant` may plug a policy into."""
+
+
+class Variant(msgspec.Struct, frozen=True):
+    """One design to compare: a deployment and the policies plugged into it."""
+
+    config: PDConfig
+    policies: dict[str, Any] = {}
+    """Keyword -> function, for :func:`~xds.serve.replay.replay`'s policy keywords
+    (:data:`POLICY_KEYWORDS`); the defaults where absent."""
+
+
+class Metric(msgspec.Struct, frozen=True):
+    """One figure compared: ``key`` in the results, how it reads, and which way is better."""
+
+    key: str
+    label: str
+    unit: str
+    lower_is_better: bool
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("ttft_mean_ms", "TTFT mean", "ms", True),
+    Metric("ttft_p99_ms", "TTFT p99", "ms", True),
+    Metric("tpot_mean_ms", "TPOT mean", "ms", True),
+    Metric("tpot_p99_ms", "TPOT p99", "ms", True),
+    Metric("e2e_mean_s", "E2E mean", "s", True),
+    Metric("queue_mean_ms", "prefill queueing mean", "ms", True),
+    Metric("tokens_per_s_per_chip", "output tokens/s per chip", "tok/s", False),
+    Metric("goodput", "SLA goodput", "share", False),
+    Metric("failed", "failed requests", "requests", True),
+)
+"""What :func:`compare` reports, in order."""
+
+
+def metric_values(s: Summary) -> dict[str, float]:
+    """The :data:`METRICS` of one replay's summary (NaN where undefined, e.g. TPOT when no
+    request was decoded)."""
+    return {
+        "ttft_mean_ms": s.ttft_ms.mean,
+        "ttft_p99_ms": s.ttft_ms.p99,
+        "tpot_mean_ms": s.tpot_ms.mean,
+        "tpot_p99_ms": s.tpot_ms.p99,
+        "e2e_mean_s": s.e2e_s.mean,
+        "queue_mean_ms": s.queue_ms.mean,
+        "tokens_per_s_per_chip": s.output_tokens_per_s_per_chip,
+        "goodput": s.goodput,
+        "failed": float(s.failed),
+    }
+
+
+class Spread(msgspec.Struct, frozen=True):
+    """One metric of one variant over the seeds."""
+
+    mean: float
+    ci95: float
+    """Half-width of the 95 % confidence interval of the mean (Student's t); NaN with one seed."""
+    stdev: float
+    """Sample standard deviation over the seeds; NaN with one seed."""
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        """The spread of one value per seed (NaN throughout if any is NaN)."""
+        n = len(values)
+        if n == 0 or any(math.isnan(v) for v in values):
+            nan = math.nan
+            return cls(nan, nan, nan, nan, nan)
+        mean = math.fsum(values) / n
+        if n < 2:
+            return cls(mean, math.nan, math.nan, mean, mean)
+        stdev = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+        return cls(mean, t95(n - 1) * stdev / math.sqrt(n), stdev, min(values), max(values))
+
+
+class Difference(msgspec.Struct, frozen=True):
+    """A variant's paired difference from the baseline on one metric."""
+
+    metric: str
+    variant: str
+    baseline: str
+    mean: float
+    """Mean over seeds of (variant - baseline), in the metric's unit."""
+    ci95: float
+    """Half-width of its 95 % confidence interval; NaN with one seed."""
+    relative: float
+    """``mean`` over the baseline's mean (NaN if that is 0 or undefined)."""
+    significant: bool
+    """The interval excludes zero (never with one seed)."""
+    better: bool | None
+    """Whether the variant is better on this metric, if ``significant``; else None."""
+
+
+class VariantResult(msgspec.Struct, frozen=True):
+    """One variant's replays, one per seed."""
+
+    name: str
+    chips: int
+    summaries: list[Summary]
+    """One per seed, in :attr:`Comparison.seeds` order."""
+    metrics: dict[str, Spread]
+    """:data:`METRICS` key -> its spread over the seeds."""
+
+
+class Comparison(msgspec.Struct, frozen=True):
+    """The result of :func:`compare`."""
+
+    seeds: list[int]
+    metrics: list[Metric]
+    variants: list[VariantResult]
+    """The baseline first."""
+    differences: list[Difference]
+    """Every later variant against the baseline, metric by metric."""
+
+    def difference(self, variant: str, metric: str) -> Difference:
+        """``variant``'s difference from the baseline on ``metric`` (a :data:`METRICS` key)."""
+        for d in self.differences:
+            if d.variant == variant and d.metric == metric:
+                return d
+        raise KeyError(f"no difference of {variant!r} on {metric!r}")
+
+
+document_fields(Spread, Difference, VariantResult, Comparison)
+
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+"""Student's t, two-sided 95 % (the 0.975 quantile), for 1..30 degrees of freedom."""
+
+
+def t95(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom: tabulated to
+    30, then the Cornish-Fisher expansion z + (z^3 + z) / (4 df) (within 0.001 there)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df)
+
+
+def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
+    if not isinstance(variants, Mapping) or not variants:
+        raise ConfigError(
+            "variants must be a non-empty mapping of name -> PDConfig or Variant "
+            f"(the first is the baseline), got {variants!r:.80}",
+            field="variants",
+        )
+    out: dict[str, Variant] = {}
+    for name, v in variants.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(
+                f"variant names must be non-empty strings, got {name!r}", field="variants"
+            )
+        field = f"variants[{name!r}]"
+        if isinstance(v, PDConfig):
+            v = Variant(v)
+        if not isinstance(v, Variant):
+            raise ConfigError(
+                f"{field} must be a PDConfig or a Variant, got {type(v).__name__}", field=field
+            )
+        if not isinstance(v.policies, dict):
+            raise ConfigError(f"{field}.policies must be a dict", field=f"{field}.policies")
+        for key, fn in v.policies.items():
+            if key not in POLICY_KEYWORDS:
+                raise ConfigError(
+                    f"{field}.policies: unknown policy {key!r}; one of "
+                    + ", ".join(POLICY_KEYWORDS),
+                    field=f"{field}.policies",
+                )
+            require_callable(fn, f"{field}.policies[{key!r}]")
+        out[name] = Variant(check_pd_config(v.config), dict(v.policies))
+    return out
+
+
+def _seeds(seeds: int | Sequence[int]) -> list[int]:
+    """``seeds`` as a list: a count n gives 0 .. n - 1."""
+    if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ConfigError(f"seeds must be at least 1, got {seeds}", field="seeds")
+        return list(range(int(seeds)))
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Iterable):
+        raise ConfigError(
+            f"seeds must be a count or a list of seeds, got {seeds!r:.80}", field="seeds"
+        )
+    out = list(seeds)
+    if not out or any(
+        isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0 for s in out
+    ):
+        raise ConfigError(
+            f"seeds must be non-negative integers, at least one, got {seeds!r:.80}", field="seeds"
+        )
+    out = [int(s) for s in out]
+    if len(set(out)) != len(out):
+        raise ConfigError(f"seeds must be distinct, got {out!r:.80}", field="seeds")
+    return out
+
+
+def compare(
+    workload: Workload | Callable[[int], Workload],
+    variants: Mapping[str, PDConfig | Variant],
+    *,
+    seeds: int | Sequence[int] = 5,
+    jobs: int = 1,
+    on_replay: Callable[[str, int, Summary], None] | None = None,
+    serve_grace_ns: int | None = None,
+) -> Comparison:
+    """Replay ``workload`` on every variant with each of ``seeds`` and compare them.
+
+    ``workload`` is a :class:`~xds.trace.workload.Workload` (the same requests under every
+    seed: only the serving's random streams change) or a function of the seed returning one
+    (a generated workload: each seed its own requests, the same for every variant).
+    ``variants`` maps a name to a :class:`~xds.serve.replay.PDConfig` or a :class:`Variant`
+    (a deployment with policies plugged in); the first is the baseline. ``seeds``: how many
+    (0, 1, ...) or which. ``on_replay(name, seed, summary)`` sees each replay as it ends (a
+    progress hook; in variant then seed order). ``serve_grace_ns`` as in
+    :func:`~xds.serve.replay.replay`."""
+    chosen = _variants(variants)
+    seed_list = _seeds(seeds)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a positive integer, got {jobs!r}", field="jobs")
+    if not isinstance(workload, Workload):
+        require_callable(workload, "workload", arity=1, kind="function")
+    if on_replay is not None:
+        require_callable(on_replay, "on_replay", arity=3, kind="callback")
+    built: dict[int, Workload] = {}
+
+    def workload_for(seed: int) -> Workload:
+        if isinstance(workload, Workload):
+            return workload
+        w = built.get(seed)
+        if w is None:
+            w = built[seed] = workload(seed)
+            if not isinstance(w, Workload):
+                raise ConfigError(
+                    f"workload({seed}) must return a Workload, got {type(w).__name__}",
+                    field="workload",
+                )
+        return w
+
+    runs = [(name, seed) for name in chosen for seed in seed_list]
+
+    def run(i: float) -> Summary:
+        name, seed = runs[int(i)]
+        v = chosen[name]
+        res = replay(
+            workload_for(seed), v.config, seed=seed, serve_grace_ns=serve_grace_ns, **v.policies
+        )
+        return msgspec.structs.replace(res.summary, chips=res.chips, deployment=name, seed=seed)
+
+    summaries: dict[str, list[Summary]] = {name: [] for name in chosen}
+    with Speculator(run, jobs) as pool:
+        for i, (name, seed) in enumerate(runs):
+            pool.ahead([float(j) for j in range(i, len(runs))])
+            s = pool.get(float(i))
+            summaries[name].append(s)
+            if on_replay is not None:
+                on_replay(name, seed, s)
+    return _compared(seed_list, chosen, summaries)
+
+
+def _compared(
+    seeds: list[int], chosen: Mapping[str, Variant], summaries: dict[str, list[Summary]]
+) -> Comparison:
+    values = {name: [metric_values(s) for s in per_seed] for name, per_seed in summaries.items()}
+    results = [
+        VariantResult(
+            name,
+            summaries[name][0].chips,
+            summaries[name],
+            {m.key: Spread.of([v[m.key] for v in values[name]]) for m in METRICS},
+        )
+        for name in chosen
+    ]
+    base = results[0]
+    differences = []
+    for r in results[1:]:
+        for m in METRICS:
+            deltas = [
+                v[m.key] - b[m.key] for v, b in zip(values[r.name], values[base.name], strict=True)
+            ]
+            spread = Spread.of(deltas)
+            significant = not math.isnan(spread.ci95) and abs(spread.mean) > spread.ci95
+            ref = base.metrics[m.key].mean
+            differences.append(
+                Difference(
+                    metric=m.key,
+                    variant=r.name,
+                    baseline=base.name,
+                    mean=spread.mean,
+                    ci95=spread.ci95,
+                    relative=spread.mean / ref if ref and not math.isnan(ref) else math.nan,
+                    significant=significant,
+                    better=(spread.mean < 0) == m.lower_is_better if significant else None,
+                )
+            )
+    return Comparison(seeds, list(METRICS), results, differences)

@@ -1,0 +1,163 @@
+"""Comparing variants over seeds (xds.serve.compare, ``xds compare``): statistics, pairing,
+determinism, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import pytest
+
+from test_replay import SMALL
+from xds.cli.main import main
+from xds.errors import ConfigError
+from xds.serve.compare import METRICS, Spread, Variant, compare, metric_values, t95
+from xds.serve.replay import replay
+from xds.trace.production import production_workload
+
+
+def built_in(seed: int):
+    return production_workload(16, rate_per_s=8.0, seed=seed)
+
+
+BALANCED = msgspec.structs.replace(
+    SMALL, prefill=msgspec.structs.replace(SMALL.prefill, balance_split=True)
+)
+
+
+def test_spread_by_hand():
+    s = Spread.of([1.0, 2.0, 3.0])
+    assert (s.mean, s.stdev, s.min, s.max) == (2.0, 1.0, 1.0, 3.0)
+    assert s.ci95 == pytest.approx(4.303 / math.sqrt(3))
+    one = Spread.of([5.0])
+    assert (one.mean, one.min, one.max) == (5.0, 5.0, 5.0)
+    assert math.isnan(one.ci95) and math.isnan(one.stdev)
+    assert all(math.isnan(x) for x in msgspec.structs.astuple(Spread.of([1.0, math.nan])))
+    assert Spread.of([4.0, 4.0]).ci95 == 0.0
+
+
+def test_t_quantiles_are_tabulated_then_approximated_continuously():
+    assert t95(1) == 12.706 and t95(4) == 2.776 and t95(30) == 2.042
+    assert 1.96 < t95(31) < t95(30) and t95(60) == pytest.approx(2.000, abs=0.001)
+    assert t95(10_000) == pytest.approx(1.96, abs=0.001)
+    with pytest.raises(ValueError):
+        t95(0)
+
+
+def test_each_seed_is_the_replay_of_that_seed_and_differences_are_paired():
+    res = compare(built_in, {"small": SMALL, "balanced": BALANCED}, seeds=[0, 1, 2])
+    assert res.seeds == [0, 1, 2] and [v.name for v in res.variants] == ["small", "balanced"]
+    for v, cfg in zip(res.variants, (SMALL, BALANCED), strict=True):
+        assert v.chips == cfg.chips
+        for seed, got in zip(res.seeds, v.summaries, strict=True):
+            alone = replay(built_in(seed), cfg, seed=seed).summary
+            assert msgspec.structs.replace(got, chips=alone.chips, deployment="", seed=None) == (
+                msgspec.structs.replace(alone, chips=alone.chips)
+            )
+            assert (got.deployment, got.seed) == (v.name, seed)
+    for m in METRICS:  # the mean difference is the difference of the means, seed by seed
+        d = res.difference("balanced", m.key)
+        values = [
+            [metric_values(s)[m.key] for s in v.summaries] for v in res.variants
+        ]  # per variant
+        deltas = [b - a for a, b in zip(*values, strict=True)]
+        assert d.mean == pytest.approx(sum(deltas) / 3, nan_ok=True)
+        assert d.baseline == "small" and d.variant == "balanced"
+        if d.significant:
+            assert abs(d.mean) > d.ci95 and d.better == ((d.mean < 0) == m.lower_is_better)
+        else:
+            assert d.better is None
+    # the leader's step balancing spreads long prompts: every seed's TTFT drops
+    base, balanced = ([s.ttft_ms.mean for s in v.summaries] for v in res.variants)
+    assert all(b < a for a, b in zip(base, balanced, strict=True))
+    ttft = res.difference("balanced", "ttft_mean_ms")
+    assert ttft.significant and ttft.better and ttft.relative < 0
+
+
+def test_a_variant_against_itself_differs_by_nothing_and_workers_change_nothing():
+    variants = {"a": SMALL, "b": Variant(SMALL)}
+    alone = compare(built_in, variants, seeds=2, jobs=1)
+    assert all(d.mean == 0 and not d.significant and d.better is None for d in alone.differences)
+    assert msgspec.json.encode(compare(built_in, variants, seeds=2, jobs=2)) == (
+        msgspec.json.encode(alone)
+    )
+
+
+def test_a_fixed_workload_and_plugged_policies():
+    wl = built_in(0)
+    seen = []
+
+    def first_offered(eligible, dps, reserve_blocks):
+        seen.append(len(eligible))
+        return eligible[0]
+
+    res = compare(
+        wl,
+        {"default": SMALL, "first": Variant(SMALL, {"decode_routing": first_offered})},
+        seeds=2,
+        on_replay=lambda name, seed, s: seen.append((name, seed, s.requests)),
+    )
+    assert ("default", 0, 16) in seen and ("first", 1, 16) in seen
+    assert sum(isinstance(x, int) for x in seen) == 2 * 16  # the router ran in its variant only
+    assert [s.requests for v in res.variants for s in v.summaries] == [16] * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"variants": {}}, "variants"),
+        ({"variants": {"": SMALL}}, "variants"),
+        ({"variants": {"x": 3}}, "variants['x']"),
+        ({"variants": {"x": Variant(SMALL, {"routing": len})}}, "variants['x'].policies"),
+        ({"variants": {"x": Variant(SMALL, {"decode_routing": 3})}}, "variants['x'].policies"),
+        ({"seeds": 0}, "seeds"),
+        ({"seeds": True}, "seeds"),
+        ({"seeds": [1, 1]}, "seeds"),
+        ({"seeds": [-1]}, "seeds"),
+        ({"seeds": []}, "seeds"),
+        ({"seeds": 2.5}, "seeds"),
+        ({"seeds": "12"}, "seeds"),
+        ({"jobs": 0}, "jobs"),
+        ({"workload": 5}, "workload"),
+        ({"workload": lambda seed: None}, "workload"),
+        ({"on_replay": lambda name: None}, "on_replay"),
+    ],
+)
+def test_bad_arguments_name_their_field(kwargs, field):
+    args = {"workload": built_in, "variants": {"small": SMALL}, "seeds": 1, **kwargs}
+    with pytest.raises(ConfigError) as err:
+        compare(args.pop("workload"), args.pop("variants"), **args)
+    assert (err.value.field or "").startswith(field)
+
+
+def test_cli_compare_json_table_and_bad_input(tmp_path, capsys):
+    toml = tmp_path / "small.toml"
+    toml.write_text(
+        "[prefill]\ntes = 2\nlong_pool_tes = 0\n"
+        "[decode]\ndies = 32\nbatch_per_die = 4\nshared_expert_dies = 4\n"
+    )
+    policy = tmp_path / "mypolicies.py"
+    policy.write_text("def first(eligible, dps, reserve_blocks):\n    return eligible[0]\n")
+    argv = ["compare", "--deployment", str(toml), "--synthetic", "12", "--rate", "6"]
+    more = ["--seeds", "2", "--seed", "4", "--jobs", "1"]
+    assert main([*argv, *more, "--policy", f"decode_routing={policy}:first", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seeds"] == [4, 5]
+    assert [v["name"] for v in out["variants"]] == [str(toml), f"{toml} + decode_routing=first"]
+    assert [m["key"] for m in out["metrics"]] == [m.key for m in METRICS]
+    assert len(out["differences"]) == len(METRICS)
+    assert main([*argv, *more, "--policy", f"decode_routing={policy}:first"]) == 0
+    text = capsys.readouterr().out
+    assert "mean ± 95 % interval" in text and "Δ" in text and "TPOT mean (ms)" in text
+    assert main([*argv, "--seeds", "1", "--jobs", "1"]) == 0
+    assert "one seed: no intervals" in capsys.readouterr().out
+    assert main([*argv, "--deployment", str(toml)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main([*argv, "--seeds", "0"]) == 2
+    assert main(["compare", str(tmp_path / "t.jsonl"), "--synthetic", "5"]) == 2
+    assert "--synthetic applies" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2}\n{"timestamp": 1}\n')
+    assert main(["compare", str(bad), "--deployment", str(toml)]) == 2
+    assert "line 2" in capsys.readouterr().err
