@@ -161,3 +161,29 @@ def test_cli_compare_json_table_and_bad_input(tmp_path, capsys):
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2}\n{"timestamp": 1}\n')
     assert main(["compare", str(bad), "--deployment", str(toml)]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_a_deployment_the_workload_does_not_fit_is_named_before_any_replay(tmp_path, capsys):
+    hashed = msgspec.structs.replace(built_in(0), hash_block_tokens=256)
+    with pytest.raises(ConfigError) as err:
+        compare(hashed, {"a": SMALL}, seeds=1)
+    assert err.value.field == "variants['a'].config.prefill.prefix_block_tokens"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i * 500}, "input_length": 600, "output_length": 3, '
+            f'"hash_ids": [{i}, {i + 1}]}}\n'
+            for i in range(4)
+        )
+    )
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text("[prefill]\ntes = 2\n")
+    bad.write_text("[prefill]\ntes = 2\nprefix_block_tokens = 256\n")
+    for argv in (
+        ["--deployment", str(good), "--deployment", str(bad)],
+        ["--deployment", str(bad), "--policy", f"decode_routing={tmp_path / 'p.py'}:f"],
+    ):
+        (tmp_path / "p.py").write_text("def f(eligible, dps, reserve_blocks):\n    return 0\n")
+        assert main(["compare", str(trace), *argv, "--seeds", "2", "--jobs", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"xds: error: {bad}: prefill.prefix_block_tokens:" in err and "(line 3)" in err

@@ -1909,8 +1909,7 @@ def compare(
         def progress(name: str, s: int, summary) -> None:
             bar.update(task, advance=1, last=f"{name}, seed {s}")
 
-        one = _names_deployment_file(deployments[0]) if len(deployments) == 1 else None
-        with one or contextlib.nullcontext():  # with several, the error names the field
+        with _names_variant_file(deployments):
             result = run_compare(
                 workload_for,
                 variants,
@@ -2252,6 +2251,25 @@ def _names_deployment_file(deployment: str) -> Iterator[None]:
         is_file = Path(deployment).suffix.lower() in (".toml", ".json")
         if exc.source is None and is_file and top in PDConfig.__struct_fields__:
             raise in_file(exc, deployment) from None
+        raise
+
+
+@contextlib.contextmanager
+def _names_variant_file(deployments: Sequence[str]) -> Iterator[None]:
+    """A ConfigError of :func:`xds.serve.compare.compare` about a variant's deployment field
+    names the deployment (its file, if it came from one), as ``xds replay`` would."""
+    from xds.serve.compare import variant_field
+
+    try:
+        yield
+    except ConfigError as exc:
+        for name in deployments:
+            prefix = f"{variant_field(name)}.config."
+            if exc.source is None and (exc.field or "").startswith(prefix):
+                inner = ConfigError(exc.message, field=(exc.field or "")[len(prefix) :])
+                with _names_deployment_file(name):
+                    raise inner from None
+                raise ConfigError(f"--deployment {name}: {inner}") from None  # a preset
         raise
 
 

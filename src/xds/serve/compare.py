@@ -20,9 +20,11 @@ processes (:class:`~xds.serve.speculative.Speculator`); the numbers do not depen
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +34,7 @@ from ..errors import ConfigError
 from ..trace.metrics import Summary
 from ..trace.workload import Workload
 from .policies import require_callable
-from .replay import PDConfig, check_pd_config, replay
+from .replay import PDConfig, check_pd_config, check_prefix_blocks, replay
 from .speculative import Speculator
 
 POLICY_KEYWORDS = (
@@ -186,6 +188,24 @@ def t95(df: int) -> float:
     return z + (z**3 + z) / (4 * df)
 
 
+def variant_field(name: str) -> str:
+    """How errors name the variant ``name``: ``variants['name']``."""
+    return f"variants[{name!r}]"
+
+
+@contextlib.contextmanager
+def _naming_variant(name: str) -> Iterator[None]:
+    """A ConfigError about a deployment field (one meeting the workload) names the variant:
+    ``variants['name'].config.<field>``."""
+    try:
+        yield
+    except ConfigError as exc:
+        top = re.split(r"[.\[]", exc.field or "")[0]
+        if exc.source is not None or top not in PDConfig.__struct_fields__:
+            raise
+        raise ConfigError(exc.message, field=f"{variant_field(name)}.config.{exc.field}") from None
+
+
 def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
     if not isinstance(variants, Mapping) or not variants:
         raise ConfigError(
@@ -199,7 +219,7 @@ def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
             raise ConfigError(
                 f"variant names must be non-empty strings, got {name!r}", field="variants"
             )
-        field = f"variants[{name!r}]"
+        field = variant_field(name)
         if isinstance(v, PDConfig):
             v = Variant(v)
         if not isinstance(v, Variant):
@@ -286,13 +306,17 @@ def compare(
         return w
 
     runs = [(name, seed) for name in chosen for seed in seed_list]
+    for name, v in chosen.items():  # a mismatch found before any replay, not after some
+        with _naming_variant(name):
+            check_prefix_blocks(workload_for(seed_list[0]), v.config)
 
     def run(i: float) -> Summary:
         name, seed = runs[int(i)]
         v = chosen[name]
-        res = replay(
-            workload_for(seed), v.config, seed=seed, serve_grace_ns=serve_grace_ns, **v.policies
-        )
+        with _naming_variant(name):
+            res = replay(
+                workload_for(seed), v.config, seed=seed, serve_grace_ns=serve_grace_ns, **v.policies
+            )
         return msgspec.structs.replace(res.summary, chips=res.chips, deployment=name, seed=seed)
 
     summaries: dict[str, list[Summary]] = {name: [] for name in chosen}

@@ -363,15 +363,7 @@ class Replay(Failover):
         self.prefill_te_selection = prefill_te_selection
         self.decode_te_selection = decode_te_selection
         workload = _check_workload(workload)
-        block = workload.hash_block_tokens
-        if block and block != config.prefill.prefix_block_tokens:
-            raise ConfigError(
-                f"{workload.source}'s prefix hashes cover {block} tokens each, but the prefix "
-                f"cache's blocks are {config.prefill.prefix_block_tokens}: set it to {block} "
-                "(another size would credit cache hits the trace does not have, or miss ones it "
-                "has)",
-                field="prefill.prefix_block_tokens",
-            )
+        check_prefix_blocks(workload, config)
         self.workload = workload
         self.config = config
         self.progress = progress
@@ -1023,6 +1015,19 @@ def _plain_request(r: Request, where: str) -> Request:
             )
         fields["prefix_hashes"] = tuple(int(h) for h in hashes)
     return msgspec.structs.replace(r, **fields) if fields else r
+
+
+def check_prefix_blocks(workload: Workload, config: PDConfig) -> None:
+    """A workload carrying prefix hashes must hash blocks of the prefix cache's size."""
+    block = workload.hash_block_tokens
+    if block and block != config.prefill.prefix_block_tokens:
+        raise ConfigError(
+            f"{workload.source}'s prefix hashes cover {block} tokens each, but the prefix "
+            f"cache's blocks are {config.prefill.prefix_block_tokens}: set it to {block} "
+            "(another size would credit cache hits the trace does not have, or miss ones it "
+            "has)",
+            field="prefill.prefix_block_tokens",
+        )
 
 
 def _check_workload(workload: Workload) -> Workload:
