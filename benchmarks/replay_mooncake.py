@@ -57,7 +57,8 @@ def main() -> None:
     print(f"decode iterations {res.decode_iterations:,}")
     print(
         f"decode           {d.mean_iteration_ms:.1f} ms per iteration, {d.sequences_per_die:.2f} "
-        f"sequences per die, busiest die's context {d.context_max_over_mean:.2f}x the mean"
+        f"sequences per die, busiest die's context {d.context_max_over_ideal:.2f}x an even "
+        f"spread ({d.context_max_over_mean:.2f}x the mean die with sequences)"
     )
     print(f"wall             {wall:.1f} s ({s.duration_s / wall:,.0f}x real time)")
 

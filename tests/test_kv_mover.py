@@ -98,10 +98,19 @@ def test_a_mover_is_deterministic_and_checked():
         replay(WL, SMALL, kv_mover=bad_book)
 
     async def send_without_fabric(move: KVMove) -> None:
+        assert move.tier == "closed-form" and move.xccl is None
         await move.send(0, 10, 1)
 
-    with pytest.raises(ConfigError, match="needs kv_transfer = 'xccl'"):
-        replay(WL, SMALL, kv_mover=send_without_fabric)
+    async def every_rank_at_once(move: KVMove) -> None:  # each rank's send fails alike
+        async with anyio.create_task_group() as tg:
+            for rank, nbytes in enumerate(move.part_bytes):
+                tg.start_soon(move.send, rank, nbytes, 1)
+
+    for mover in (send_without_fabric, every_rank_at_once):
+        with pytest.raises(ConfigError, match="send\\(\\) is the xccl tier's") as err:
+            replay(WL, SMALL, kv_mover=mover)
+        assert not isinstance(err.value, BaseExceptionGroup)  # once, not once per rank
+        assert f"raised by the kv_mover '{mover.__name__}'" in err.value.__notes__[0]
 
 
 def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -535,6 +536,7 @@ def test_decode_stats_say_how_full_and_how_even_the_decode_dies_were():
     assert d is not None and d.iterations == one.decode_iterations > 0
     assert d.sequences_per_die == pytest.approx(1 / 32)
     assert d.context_max_over_mean == pytest.approx(1.0)
+    assert d.context_max_over_ideal == pytest.approx(1.0)  # no spread beats one die for one
     assert 0.99 < d.busy <= 1.0  # it decoded from its first token to its finish
     rec = one.records[0]
     decoding = rec.finish_ns - rec.first_token_ns - rec.decode_wait_ns - rec.kv_transfer_ns
@@ -547,6 +549,7 @@ def test_decode_stats_say_how_full_and_how_even_the_decode_dies_were():
     assert {r.decode_placement for r in two.records} == {"D0/DP0", "D0/DP1"}
     assert 1 / 32 < d.sequences_per_die < 2 / 32
     assert 1.0 < d.context_max_over_mean < 8_100 / 5_050
+    assert d.context_max_over_ideal == pytest.approx(1.0)  # the long one is the least max
     assert (
         msgspec.json.decode(msgspec.json.encode(two.summary))["decode"]["iterations"]
         == d.iterations
@@ -1241,6 +1244,47 @@ def test_prefill_honours_int8_attention_per_layer(microbatches):
     assert step(attention_int8_layers=tuple(range(62))) == everywhere
     half = step(attention_int8_layers=tuple(range(0, 62, 2)))
     assert bf16 > half > everywhere
+
+
+def test_a_decorated_router_gets_the_arguments_the_function_it_wraps_takes():
+    """functools.wraps with a ``*args`` wrapper: judged by the wrapped function (3 arguments,
+    or 4 with the request), not by the wrapper that would accept anything."""
+    seen = []
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            seen.append(len(args))
+            return fn(*args)
+
+        return wrapper
+
+    @logged
+    def first(eligible, dps, reserve_blocks):
+        return eligible[0]
+
+    @logged
+    def by_length(eligible, dps, reserve_blocks, request):
+        return eligible[request.output_tokens % len(eligible)]
+
+    wl = _workload(*((i * MS, 500, 5) for i in range(6)))
+    for router, n in ((first, 3), (by_length, 4)):
+        seen.clear()
+        assert replay(wl, SMALL, decode_routing=router).summary.completed == 6
+        assert seen == [n] * 6
+
+
+def test_packing_sequences_onto_few_dies_shows_in_the_spread_not_the_mean():
+    """A router that packs every sequence onto the first DP offered leaves 31 of 32 dies empty:
+    the dies holding sequences are even (context_max_over_mean near 1), but the busiest die
+    holds far more than an even spread would (context_max_over_ideal)."""
+    wl = _workload(*((i * 50 * MS, 2_000, 60) for i in range(4)))
+    even = replay(wl, SMALL).summary.decode
+    packed = replay(wl, SMALL, decode_routing=lambda e, d, r: e[0]).summary.decode
+    assert even is not None and packed is not None
+    assert even.context_max_over_ideal == pytest.approx(1.0, abs=0.05)
+    assert packed.context_max_over_mean == pytest.approx(1.0)  # one die: it is the mean
+    assert packed.context_max_over_ideal > 3.0  # 4 prompts on one die, each could have its own
 
 
 def test_replay_takes_your_own_decode_routing_and_prefill_placement():

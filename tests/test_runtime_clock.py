@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 
 import anyio
 import numpy as np
@@ -360,3 +361,12 @@ def test_call_at_ns_refuses_what_it_cannot_call_at_the_call():
         return fired
 
     assert xds.run(main) == [1]
+
+
+def test_a_schedule_seed_on_asyncio_warns_that_only_trio_uses_it():
+    with pytest.warns(UserWarning, match="has no effect on the asyncio backend"):
+        assert xds.run(_answer, schedule_seed=3) == 42
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # trio takes it; asyncio without one: no warning
+        assert xds.run(_answer, schedule_seed=3, backend="trio") == 42
+        assert xds.run(_answer) == 42

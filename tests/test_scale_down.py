@@ -318,7 +318,7 @@ def test_a_te_restarted_onto_a_struck_server_loses_its_iteration_when_scaled_dow
 
 
 @pytest.mark.parametrize(
-    ("backend", "schedule_seed"), [("asyncio", 0)] + [("trio", s) for s in range(4)]
+    ("backend", "schedule_seed"), [("asyncio", None)] + [("trio", s) for s in range(4)]
 )
 def test_requests_held_under_backpressure_are_routed_first_come_first_served(
     backend, schedule_seed

@@ -1242,8 +1242,9 @@ def replay(
             f"sequences per die, busy {d.busy:.0%}",
         )
         totals.add_row(
-            "decode context: busiest die / mean die with sequences",
-            f"{d.context_max_over_mean:.2f}x",
+            "decode context: busiest die / an even spread",
+            f"{d.context_max_over_ideal:.2f}x ({d.context_max_over_mean:.2f}x the mean die "
+            "with sequences)",
         )
     last = "completion" if s.completed else "failure"
     totals.add_row(f"first arrival to last {last}", f"{s.duration_s:,.1f} s")

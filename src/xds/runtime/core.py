@@ -16,6 +16,7 @@ import inspect
 import numbers
 import sys
 import types
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -122,6 +123,13 @@ class Runtime:
             "schedule_seed",
             "integer (it seeds trio's scheduler; asyncio ignores it)",
         )
+        if schedule_seed is not None and backend != "trio":
+            warnings.warn(
+                f"schedule_seed={schedule_seed} has no effect on the {backend} backend, which "
+                "runs ready tasks in FIFO order: it seeds trio's scheduler (backend='trio'), "
+                "where different schedule seeds try different interleavings",
+                stacklevel=2,
+            )
         self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
         self.time_step_limit = None if time_step_limit is None else int(time_step_limit)
         self._time_steps = 0

@@ -182,7 +182,7 @@ class DecodeInstance:
             raise ConfigError(
                 f"{n_requests} requests exceed {n} DPs x batch {cfg.batch_per_die}: all must be "
                 "admitted before decode starts",
-                field="requests",
+                field="n_requests",
             )
         if max_iterations is not None:
             max_iterations = require_int(max_iterations, "max_iterations", low=1)

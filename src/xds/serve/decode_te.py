@@ -49,6 +49,13 @@ _GRIDS: dict[tuple[bytes, int], CommGrid] = {}
 _NO_JITTER = JitterConfig(enabled=False)
 
 
+def ideal_max_context(total: int, dies: int, longest: int) -> float:
+    """The least context the busiest of ``dies`` can hold when sequences whose contexts sum to
+    ``total`` (the longest ``longest``) are spread over them: an even share, or the longest
+    sequence if that is more (a sequence is not split). A lower bound: 1x it is perfect."""
+    return max(total / dies, longest)
+
+
 class DecodeLoad(msgspec.Struct):
     """Running totals of a Decode TE's iteration loop, each weighted by iteration time: what
     the replay summary's :class:`~xds.trace.metrics.DecodeStats` is made of."""
@@ -62,6 +69,9 @@ class DecodeLoad(msgspec.Struct):
     skew_ns: float = 0.0
     """Sum of iteration time x (context on the die holding the most / the mean over the dies
     holding sequences), as the iteration was priced."""
+    spread_ns: float = 0.0
+    """Sum of iteration time x (context on the die holding the most / the least the busiest
+    die could hold: :func:`ideal_max_context`), as the iteration was priced."""
 
     def add(self, other: DecodeLoad) -> None:
         """Fold ``other`` (a retired TE's totals) into these."""
@@ -70,6 +80,7 @@ class DecodeLoad(msgspec.Struct):
         self.sequence_ns += other.sequence_ns
         self.die_ns += other.die_ns
         self.skew_ns += other.skew_ns
+        self.spread_ns += other.spread_ns
 
 
 class IterationLog:
@@ -509,6 +520,9 @@ class DecodeTE:
         self._skew = 1.0
         """Context on the die holding the most / the mean over the dies holding sequences,
         when the batch was last priced."""
+        self._spread = 1.0
+        """Context on the die holding the most / :func:`ideal_max_context`, when the batch was
+        last priced."""
         self._live_dirty = True
         """Set by whatever may change which slots are live (``remaining > 0``) other than the
         iteration loop's own commits (sequences that end leave the batch there) and joins
@@ -801,6 +815,7 @@ class DecodeTE:
             load.sequence_ns += step * len(live.slots)
             load.die_ns += step * dps
             load.skew_ns += step * self._skew
+            load.spread_ns += step * self._spread
             drawn = committed_tokens(cfg.mtp_config, mtp_draws, len(live.slots))
             kept = None
             if dropped != self._dropped:  # sequences dropped meanwhile (a memory fault)
@@ -819,7 +834,10 @@ class DecodeTE:
         shapes = DPShapes.sparse(len(idx), held, live.seqs, context)
         self.model.comm, self.model.comm_mtp = self._comm(max(live.seqs), k)
         live.moved = False
-        self._skew = max(live.sums) * len(live.sums) / max(1, sum(live.sums))
+        busiest, total = max(live.sums), sum(live.sums)
+        self._skew = busiest * len(live.sums) / max(1, total)
+        longest = max(map(operator.sub, live.length, live.remaining))
+        self._spread = busiest / max(1.0, ideal_max_context(total, len(idx), longest))
         return self.model.account_shapes(
             shapes,
             None,

@@ -44,6 +44,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal
 
 import anyio
 import msgspec
@@ -51,7 +52,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..config import require_int
-from ..errors import ConfigError
+from ..errors import ConfigError, XdsError
 from ..fabric.xccl import XCCL, AppBuffer
 from ..fabric.xccl import args as xccl_args
 from ..hw import EngineSpec, LinkSpec
@@ -103,6 +104,24 @@ class Completion(msgspec.Struct, frozen=True):
     state: TransferState
 
 
+def _one_error(exc: Exception) -> Exception:
+    """``exc``, or, for a group of the same xds error raised in each of a mover's parallel
+    tasks (every rank's ``send`` on the wrong tier, say), that error once."""
+    if not isinstance(exc, ExceptionGroup):
+        return exc
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    first = leaves[0]
+    same = all(type(e) is type(first) and str(e) == str(first) for e in leaves)
+    return first if same and isinstance(first, XdsError) else exc
+
+
 class KVMove:
     """What a KV mover (:data:`KVMover`) gets: one transfer to move, its TP rank parts and
     where they go, and the pair's tier."""
@@ -122,6 +141,9 @@ class KVMove:
         """Bytes of each rank's part (they sum to ``transfer.kv_bytes``)."""
         self.xccl = flow.xccl
         """The XCCL of the ``xccl`` tier (None on the closed-form tier)."""
+        self.tier: Literal["closed-form", "xccl"] = "closed-form" if flow.xccl is None else "xccl"
+        """The pair's tier (``PDConfig.kv_transfer``): :meth:`book` moves the bytes on the
+        closed-form tier, :meth:`send` on the ``xccl`` tier; a mover may serve both."""
         self.link = flow.link
         self.engines = flow.engines
         self.booked_until = 0
@@ -137,7 +159,11 @@ class KVMove:
         landed. ``event`` (>= 1) tags it; messages between the same two
         dies go one at a time, so each RECV matches its own SEND."""
         if self.xccl is None:
-            raise ConfigError("send() needs kv_transfer = 'xccl' (a fabric)", field="kv_mover")
+            raise ConfigError(
+                "send() is the xccl tier's (kv_transfer = 'xccl', a fabric); on the closed-form "
+                "tier move the bytes with book() (move.tier says which tier a mover is on)",
+                field="kv_mover",
+            )
         try:
             rank = require_int(rank, "rank", high=self.flow.tp - 1)
             nbytes = require_int(nbytes, "nbytes")
@@ -435,13 +461,16 @@ class DistFlow:
             )
         try:
             await moving
-        except Exception as exc:
+        except Exception as caught:
+            exc = _one_error(caught)
             exc.add_note(
                 f"(raised by the kv_mover {policy_name(self.mover)} moving transfer "
                 f"{move.transfer.transfer_id} of request {move.transfer.request_id!r} to decode "
                 f"DP {move.decode_dp})"
             )
-            raise
+            if exc is caught:
+                raise
+            raise exc from None
         if now_ns() < move.booked_until:
             raise ConfigError(
                 f"kv_mover {policy_name(self.mover)} returned at {now_ns()} ns, before the "

@@ -22,19 +22,26 @@ def policy_name(policy: object) -> str:
 
 def binds(fn: object, n: int) -> bool | None:
     """Whether ``fn`` can be called with ``n`` positional arguments; None when its signature
-    cannot be read (a builtin). A decorated function is judged by the wrapped function's
-    signature or, failing that, by the wrapper's own (a decorator may change the arguments)."""
-    answer: bool | None = False
-    for follow in (True, False):
-        try:
-            inspect.signature(fn, follow_wrapped=follow).bind(*range(n))  # type: ignore[arg-type]
-        except TypeError:
-            continue
-        except ValueError:
-            answer = None
-            continue
-        return True
-    return answer
+    cannot be read (a builtin). A decorated function (``functools.wraps``) is judged by its
+    wrapper's own parameters when they are explicit (a decorator may supply or add
+    arguments), and by the wrapped function's when the wrapper passes ``*args`` on."""
+    own, wrapped = (_signature(fn, follow) for follow in (False, True))
+    if own is None or any(p.kind is p.VAR_POSITIONAL for p in own.parameters.values()):
+        own = wrapped or own
+    if own is None:
+        return None
+    try:
+        own.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def _signature(fn: object, follow_wrapped: bool) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn, follow_wrapped=follow_wrapped)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def require_callable(

@@ -1143,6 +1143,7 @@ def _decode_stats(load: DecodeLoad, records: list[RequestRecord], tes: int) -> D
         busy=min(1.0, load.busy_ns / (phase * tes)),
         sequences_per_die=load.sequence_ns / max(1, load.die_ns),
         context_max_over_mean=load.skew_ns / busy if load.busy_ns else 1.0,
+        context_max_over_ideal=load.spread_ns / busy if load.busy_ns else 1.0,
     )
 
 

@@ -138,6 +138,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     backend = funcargs.get(FIXTURE) or options.pop("backend", None) or "asyncio"
     options.pop("backend", None)  # the fixture's value, itself parametrised from the marker
+    if backend != "trio":  # a marker's schedule seed is for the trio run of the test
+        options.pop("schedule_seed", None)
     options.setdefault("time_limit_ns", TEST_TIME_LIMIT_NS)  # a periodic task cannot hang it
     options.setdefault("time_step_limit", TEST_TIME_STEP_LIMIT)  # nor can a fine-grained poll
     try:

@@ -76,18 +76,25 @@ class RequestRecord(msgspec.Struct):
 
 
 class Stat(msgspec.Struct):
+    """Statistics of one metric's values (percentiles by linear interpolation); NaN where
+    there are none."""
+
     mean: float
     p50: float
     p90: float
     p99: float
+    max: float = math.nan
+    count: int = 0
+    """How many values (requests, or gaps for ITL) they are over."""
 
     @classmethod
     def of(cls, values: Sequence[float] | np.ndarray) -> Stat:
         v = np.asarray(values, dtype=np.float64)
         if not v.size:
-            return cls(float("nan"), float("nan"), float("nan"), float("nan"))
+            nan = float("nan")
+            return cls(nan, nan, nan, nan, nan, 0)
         p50, p90, p99 = np.percentile(v, [50, 90, 99])
-        return cls(float(v.mean()), float(p50), float(p90), float(p99))
+        return cls(float(v.mean()), float(p50), float(p90), float(p99), float(v.max()), v.size)
 
 
 class SLA(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,9 +139,15 @@ class DecodeStats(msgspec.Struct):
     """Sequences decoding per die in service."""
     context_max_over_mean: float
     """Context tokens on the die holding the most / the mean over the dies holding sequences,
-    as each iteration was priced: 1 is perfectly even. The decode router balances KV at
-    admission; sequences then grow and finish unevenly, and one long prompt can outweigh a
-    die's other sequences."""
+    as each iteration was priced: 1 is perfectly even among them. The decode router balances
+    KV at admission; sequences then grow and finish unevenly, and one long prompt can outweigh
+    a die's other sequences. It does not see dies left empty: a router packing every sequence
+    onto a few dies scores 1 here (:attr:`context_max_over_ideal` sees it)."""
+    context_max_over_ideal: float = 1.0
+    """Context tokens on the die holding the most / the least the busiest die could hold:
+    the contexts spread evenly over every die in service, or the longest sequence if that is
+    more (a sequence is not split). 1 is a perfect spread; packing sequences onto a few dies
+    raises it, as it raises every iteration's time (lockstep waits for the busiest die)."""
 
 
 class Summary(msgspec.Struct):

@@ -38,6 +38,7 @@ a :class:`~xds.errors.ProtocolError` naming the policy, the layer and the expert
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import inspect
 import numbers
@@ -474,8 +475,10 @@ def policy(name: str | Policy | PlanFunction) -> Policy:
     if isinstance(name, str):
         found = POLICIES.get(name) or _REGISTERED.get(name)
         if found is None:
+            close = difflib.get_close_matches(name, policy_names(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"unknown EPLB policy {name!r}; known: {', '.join(policy_names())} "
+                f"unknown EPLB policy {name!r}{hint}; known: {', '.join(policy_names())} "
                 "(add yours with xds.serve.eplb.register_policy; from the command line, in a "
                 "module loaded with xds --import MODULE)",
                 field="policy",
