@@ -187,3 +187,29 @@ def test_a_deployment_the_workload_does_not_fit_is_named_before_any_replay(tmp_p
         assert main(["compare", str(trace), *argv, "--seeds", "2", "--jobs", "1"]) == 2
         err = capsys.readouterr().err
         assert f"xds: error: {bad}: prefill.prefix_block_tokens:" in err and "(line 3)" in err
+
+
+def test_faults_strike_every_replay_alike(tmp_path, capsys):
+    from xds.serve.replay import DistFlowFault
+
+    fault = DistFlowFault(at_ns=0, prefill_te=0, kind="transport")
+    res = compare(built_in, {"a": SMALL, "b": SMALL}, seeds=1, faults=[fault])
+    for v in res.variants:  # the pair P0-D0 fails its transfers: its requests fail
+        (s,) = v.summaries
+        assert s.failed and any("DistFlow P0-D0" in k for k in s.failures)
+    assert res.variants[0].summaries[0] == msgspec.structs.replace(
+        res.variants[1].summaries[0], deployment="a"
+    )
+    with pytest.raises(ConfigError) as err:  # checked against every variant first
+        compare(built_in, {"a": SMALL}, seeds=1, faults=[fault, "not a fault"])
+    assert err.value.field == "faults[1]"
+    toml = tmp_path / "small.toml"
+    toml.write_text("[prefill]\ntes = 2\nlong_pool_tes = 0\n")
+    argv = ["compare", "--deployment", str(toml), "--synthetic", "8", "--seeds", "1"]
+    assert main([*argv, "--fault", "transport:at=0,prefill_te=5"]) == 2
+    assert "--fault transport:at=0,prefill_te=5: prefill_te: no DistFlow instance P5-D0" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--fault", "transport:at=0,prefill_te=0", "--json", "--jobs", "1"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)["variants"][0]["summaries"]
+    assert summary["failed"] > 0

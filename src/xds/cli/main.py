@@ -697,6 +697,20 @@ class _Finite(click.FloatRange):
         return out
 
 
+_fault_option = click.option(
+    "--fault",
+    "fault_specs",
+    multiple=True,
+    metavar="KIND:KEY=VALUE,...",
+    help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU fault, "
+    "recovered as the deployment's recovery says), "
+    "link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
+    "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
+    "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks masked). "
+    "Repeatable.",
+)
+
+
 def _trace_options(f):
     """The options that say which workload to replay (shared by replay and capacity)."""
     for option in reversed(
@@ -1008,17 +1022,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option(
-    "--fault",
-    "fault_specs",
-    multiple=True,
-    metavar="KIND:KEY=VALUE,...",
-    help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU fault, "
-    "recovered as --recovery says), link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
-    "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
-    "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks masked). "
-    "Repeatable.",
-)
+@_fault_option
 @click.option(
     "--probe", is_flag=True, help="Probe every DistFlow pair's link (SPEC 11.1) during the replay."
 )
@@ -1808,6 +1812,7 @@ def capacity(
     "not depend on it.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@_fault_option
 @_policy_option
 def compare(
     trace: str | None,
@@ -1828,6 +1833,7 @@ def compare(
     as_json: bool,
     drop_invalid: bool = False,
     spread_ties: bool = False,
+    fault_specs: tuple[str, ...] = (),
     policy_specs: tuple[str, ...] = (),
 ) -> None:
     """Compare deployments or policies on one workload over several seeds.
@@ -1864,6 +1870,8 @@ def compare(
             f"{slot}={getattr(fn, '__name__', fn)}" for slot, fn in policies.items()
         )
         variants[f"{deployments[0]} + {plugged}"] = Variant(variants[deployments[0]], policies)
+    faults = [_replay_fault(spec) for spec in fault_specs]
+    _no_fault_twice(fault_specs, faults)
     seeds = list(range(seed, seed + n_seeds))
     if trace is None:
         blocks = {variants[d].prefill.prefix_block_tokens for d in deployments}
@@ -1910,13 +1918,14 @@ def compare(
         def progress(name: str, s: int, summary) -> None:
             bar.update(task, advance=1, last=f"{name}, seed {s}")
 
-        with _names_variant_file(deployments):
+        with _names_variant_file(deployments), _names_fault_spec(fault_specs):
             result = run_compare(
                 workload_for,
                 variants,
                 seeds=seeds,
                 jobs=jobs or default_jobs(),
                 on_replay=progress,
+                faults=faults,
             )
     if as_json:
         print(msgspec.json.encode(result).decode())

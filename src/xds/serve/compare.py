@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..trace.metrics import Summary
 from ..trace.workload import Workload
 from .policies import require_callable
-from .replay import PDConfig, check_pd_config, check_prefix_blocks, replay
+from .replay import PDConfig, check_distflow_faults, check_pd_config, check_prefix_blocks, replay
 from .speculative import Speculator
 
 POLICY_KEYWORDS = (
@@ -270,6 +270,7 @@ def compare(
     seeds: int | Sequence[int] = 5,
     jobs: int = 1,
     on_replay: Callable[[str, int, Summary], None] | None = None,
+    faults: Sequence[object] = (),
     serve_grace_ns: int | None = None,
 ) -> Comparison:
     """Replay ``workload`` on every variant with each of ``seeds`` and compare them.
@@ -280,8 +281,9 @@ def compare(
     ``variants`` maps a name to a :class:`~xds.serve.replay.PDConfig` or a :class:`Variant`
     (a deployment with policies plugged in); the first is the baseline. ``seeds``: how many
     (0, 1, ...) or which. ``on_replay(name, seed, summary)`` sees each replay as it ends (a
-    progress hook; in variant then seed order). ``serve_grace_ns`` as in
-    :func:`~xds.serve.replay.replay`."""
+    progress hook; in variant then seed order). ``faults`` strike every replay alike (the
+    faults of :func:`~xds.serve.replay.replay`: compare recovery modes, say, as variants
+    differing in ``recovery``); ``serve_grace_ns`` as in :func:`~xds.serve.replay.replay`."""
     chosen = _variants(variants)
     seed_list = _seeds(seeds)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -306,16 +308,23 @@ def compare(
         return w
 
     runs = [(name, seed) for name in chosen for seed in seed_list]
+    faults = list(faults)
     for name, v in chosen.items():  # a mismatch found before any replay, not after some
         with _naming_variant(name):
             check_prefix_blocks(workload_for(seed_list[0]), v.config)
+            check_distflow_faults(v.config, faults)
 
     def run(i: float) -> Summary:
         name, seed = runs[int(i)]
         v = chosen[name]
         with _naming_variant(name):
             res = replay(
-                workload_for(seed), v.config, seed=seed, serve_grace_ns=serve_grace_ns, **v.policies
+                workload_for(seed),
+                v.config,
+                seed=seed,
+                faults=faults,  # type: ignore[arg-type]
+                serve_grace_ns=serve_grace_ns,
+                **v.policies,
             )
         return msgspec.structs.replace(res.summary, chips=res.chips, deployment=name, seed=seed)
 
