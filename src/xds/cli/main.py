@@ -779,6 +779,56 @@ def _trace_options(f):
     return f
 
 
+def _replayed_workload_options(synthetic_note: str = ""):
+    """--rate-scale, --synthetic and --rate: the workload ``replay`` and ``compare`` replay."""
+
+    def add(f):
+        for option in reversed(
+            [
+                click.option(
+                    "--rate-scale",
+                    type=_Finite(min=0, min_open=True),
+                    default=1.0,
+                    show_default=True,
+                    help="Arrivals this many times as dense (2 halves every gap).",
+                ),
+                click.option(
+                    "--synthetic",
+                    "synthetic_n",
+                    type=click.IntRange(min=1),
+                    default=300,
+                    show_default=True,
+                    help="Without TRACE: requests of the built-in SPEC 12.4 workload"
+                    + synthetic_note
+                    + ".",
+                ),
+                click.option(
+                    "--rate",
+                    type=_Finite(min=0, min_open=True),
+                    default=2.0,
+                    show_default=True,
+                    help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
+                ),
+            ]
+        ):
+            f = option(f)
+        return f
+
+    return add
+
+
+def _check_built_in_options(trace: str | None, fmt: str | None, unique_prompts: bool) -> None:
+    """Usage errors for the built-in workload's options given with a TRACE."""
+    if trace is None:
+        return
+    if unique_prompts:
+        raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
+    if _given("synthetic_n"):
+        raise click.UsageError("--synthetic applies to the built-in workload, not a TRACE")
+    if _given("rate") and fmt != "lengths":
+        raise click.UsageError("--rate applies to the built-in workload and --format lengths")
+
+
 MIN_SEARCH_REQUESTS = 20
 """Requests a capacity search replays at least (its steady window is their middle half)."""
 
@@ -997,28 +1047,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
     show_default=True,
     help="A PD preset name or a .toml/.json file of PDConfig fields.",
 )
-@click.option(
-    "--rate-scale",
-    type=_Finite(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Arrivals this many times as dense (2 halves every gap).",
-)
-@click.option(
-    "--synthetic",
-    "synthetic_n",
-    type=click.IntRange(min=1),
-    default=300,
-    show_default=True,
-    help="Without TRACE: requests of the built-in SPEC 12.4 workload.",
-)
-@click.option(
-    "--rate",
-    type=_Finite(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
-)
+@_replayed_workload_options()
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -1082,13 +1111,7 @@ def replay(
 
     _check_trace_options(trace, fmt, sort)
     policies = _policies(policy_specs)
-    if trace is not None:
-        if unique_prompts:
-            raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
-        if _given("synthetic_n"):
-            raise click.UsageError("--synthetic applies to the built-in workload, not a TRACE")
-        if _given("rate") and fmt != "lengths":
-            raise click.UsageError("--rate applies to the built-in workload and --format lengths")
+    _check_built_in_options(trace, fmt, unique_prompts)
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
     cfg = pd_config(deployment)
@@ -1781,28 +1804,7 @@ def capacity(
     help="Replays per variant: seeds --seed, --seed + 1, ... (each seed gives every variant "
     "the same requests and random streams).",
 )
-@click.option(
-    "--rate-scale",
-    type=_Finite(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Arrivals this many times as dense (2 halves every gap).",
-)
-@click.option(
-    "--synthetic",
-    "synthetic_n",
-    type=click.IntRange(min=1),
-    default=300,
-    show_default=True,
-    help="Without TRACE: requests of the built-in SPEC 12.4 workload (each seed its own).",
-)
-@click.option(
-    "--rate",
-    type=_Finite(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    help="Arrival rate (req/s) of the built-in workload and of --format lengths.",
-)
+@_replayed_workload_options(" (each seed its own)")
 @click.option(
     "--jobs",
     type=click.IntRange(min=0),
@@ -1853,13 +1855,7 @@ def compare(
     from xds.serve.speculative import default_jobs
 
     _check_trace_options(trace, fmt, sort)
-    if trace is not None:
-        if unique_prompts:
-            raise click.UsageError("--unique-prompts applies to the built-in workload, not a TRACE")
-        if _given("synthetic_n"):
-            raise click.UsageError("--synthetic applies to the built-in workload, not a TRACE")
-        if _given("rate") and fmt != "lengths":
-            raise click.UsageError("--rate applies to the built-in workload and --format lengths")
+    _check_built_in_options(trace, fmt, unique_prompts)
     twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
     if twice is not None:
         raise click.UsageError(f"--deployment {twice} is given twice")
