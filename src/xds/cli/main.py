@@ -817,6 +817,19 @@ def _replayed_workload_options(synthetic_note: str = ""):
     return add
 
 
+def _deployments_option(note: str):
+    """--deployment, repeatable (``capacity`` and ``compare``)."""
+    return click.option(
+        "--deployment",
+        "deployments",
+        multiple=True,
+        default=["production-4p1d"],
+        show_default=True,
+        help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
+        f"deployments {note}.",
+    )
+
+
 def _check_built_in_options(trace: str | None, fmt: str | None, unique_prompts: bool) -> None:
     """Usage errors for the built-in workload's options given with a TRACE."""
     if trace is None:
@@ -1438,15 +1451,7 @@ def _ms(value: float, digits: int) -> str:
 
 @app.command()
 @_trace_options
-@click.option(
-    "--deployment",
-    "deployments",
-    multiple=True,
-    default=["production-4p1d"],
-    show_default=True,
-    help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
-    "deployments on the same workload.",
-)
+@_deployments_option("on the same workload")
 @click.option(
     "--window",
     "window_s",
@@ -1786,15 +1791,7 @@ def capacity(
 
 @app.command()
 @_trace_options
-@click.option(
-    "--deployment",
-    "deployments",
-    multiple=True,
-    default=["production-4p1d"],
-    show_default=True,
-    help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
-    "deployments (the first is the baseline).",
-)
+@_deployments_option("(the first is the baseline)")
 @click.option(
     "--seeds",
     "n_seeds",
