@@ -7,6 +7,7 @@ import json
 import math
 
 import msgspec
+import numpy as np
 import pytest
 
 from test_replay import SMALL
@@ -33,13 +34,18 @@ def test_spread_by_hand():
     one = Spread.of([5.0])
     assert (one.mean, one.min, one.max) == (5.0, 5.0, 5.0)
     assert math.isnan(one.ci95) and math.isnan(one.stdev)
-    assert all(math.isnan(x) for x in msgspec.structs.astuple(Spread.of([1.0, math.nan])))
+    partial = Spread.of([1.0, math.nan, 3.0])  # a seed where it is undefined is left out
+    assert (partial.mean, partial.n) == (2.0, 2)
+    assert Spread.of([math.nan]).n == 0 and math.isnan(Spread.of([math.nan]).mean)
     assert Spread.of([4.0, 4.0]).ci95 == 0.0
+    assert Spread.of([0.1] * 3).mean == 0.1  # never outside its values by rounding
 
 
 def test_t_quantiles_are_tabulated_then_approximated_continuously():
     assert t95(1) == 12.706 and t95(4) == 2.776 and t95(30) == 2.042
-    assert 1.96 < t95(31) < t95(30) and t95(60) == pytest.approx(2.000, abs=0.001)
+    assert 1.96 < t95(31) < t95(30)
+    for df, t in ((31, 2.0395134), (40, 2.0210754), (60, 2.0002978), (120, 1.9799304)):
+        assert t95(df) == pytest.approx(t, abs=1e-4)
     assert t95(10_000) == pytest.approx(1.96, abs=0.001)
     with pytest.raises(ValueError):
         t95(0)
@@ -52,9 +58,9 @@ def test_each_seed_is_the_replay_of_that_seed_and_differences_are_paired():
         assert v.chips == cfg.chips
         for seed, got in zip(res.seeds, v.summaries, strict=True):
             alone = replay(built_in(seed), cfg, seed=seed).summary
-            assert msgspec.structs.replace(got, chips=alone.chips, deployment="", seed=None) == (
-                msgspec.structs.replace(alone, chips=alone.chips)
-            )
+            plain = msgspec.structs.replace(got, deployment="", seed=None, workload="")
+            assert plain == msgspec.structs.replace(alone, chips=alone.chips)
+            assert got.workload == built_in(seed).source == res.workload.replace("0", str(seed))
             assert (got.deployment, got.seed) == (v.name, seed)
     for m in METRICS:  # the mean difference is the difference of the means, seed by seed
         d = res.difference("balanced", m.key)
@@ -144,7 +150,8 @@ def test_cli_compare_json_table_and_bad_input(tmp_path, capsys):
     assert main([*argv, *more, "--policy", f"decode_routing={policy}:first", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["seeds"] == [4, 5]
-    assert [v["name"] for v in out["variants"]] == [str(toml), f"{toml} + decode_routing=first"]
+    spec = f"decode_routing={policy}:first"  # named as written
+    assert [v["name"] for v in out["variants"]] == [str(toml), f"{toml} + {spec}"]
     assert [m["key"] for m in out["metrics"]] == [m.key for m in METRICS]
     assert len(out["differences"]) == len(METRICS)
     assert main([*argv, *more, "--policy", f"decode_routing={policy}:first"]) == 0
@@ -213,3 +220,53 @@ def test_faults_strike_every_replay_alike(tmp_path, capsys):
     assert main([*argv, "--fault", "transport:at=0,prefill_te=0", "--json", "--jobs", "1"]) == 0
     (summary,) = json.loads(capsys.readouterr().out)["variants"][0]["summaries"]
     assert summary["failed"] > 0
+
+
+def test_every_variant_is_checked_before_anything_is_replayed():
+    from xds.serve.recovery import NodeFault
+
+    ran = []
+    big = msgspec.structs.replace(SMALL, decode=msgspec.structs.replace(SMALL.decode, dies=64))
+    with pytest.raises(ConfigError) as err:  # SMALL has fewer servers than big
+        compare(
+            built_in,
+            {"big": big, "small": SMALL},
+            seeds=2,
+            faults=[NodeFault(at_ns=10**9, server=big.servers - 1)],
+            on_replay=lambda *a: ran.append(a),
+        )
+    assert ran == [] and "(variant 'small')" in str(err.value)
+    assert err.value.field == "faults[0].server"
+    with pytest.raises(ConfigError) as err:
+        compare(built_in, {"a": Variant(SMALL, {"decode_routing": lambda one: 0})}, seeds=2)
+    assert "decode_routing" in (err.value.field or "")
+
+
+def test_goodput_is_judged_by_one_sla():
+    from xds.trace.metrics import SLA
+
+    strict = msgspec.structs.replace(SMALL, sla=SLA(ttft_ms=100, tpot_ms=50))
+    with pytest.raises(ConfigError, match="different SLAs") as err:
+        compare(built_in, {"a": SMALL, "strict": strict}, seeds=1)
+    assert err.value.field == "sla"
+    one = SLA(ttft_ms=100, tpot_ms=50)
+    res = compare(built_in, {"a": SMALL, "strict": strict}, seeds=2, sla=one, jobs=np.int64(1))
+    assert all(s.sla == one for v in res.variants for s in v.summaries)
+    assert res.difference("strict", "goodput").mean == 0.0  # the same replays, judged alike
+
+
+def test_cli_one_sla_and_the_built_in_limit(tmp_path, capsys):
+    small = tmp_path / "small.toml"
+    small.write_text("[prefill]\ntes = 2\nlong_pool_tes = 0\n")
+    strict = tmp_path / "strict.toml"
+    strict.write_text(small.read_text() + "[sla]\nttft_ms = 100\ntpot_ms = 50\n")
+    argv = ["compare", "--deployment", str(small), "--deployment", str(strict)]
+    more = ["--synthetic", "12", "--seeds", "1", "--jobs", "1", "--json"]
+    assert main([*argv, *more]) == 2
+    assert "different SLAs" in capsys.readouterr().err
+    assert main([*argv, *more, "--ttft-ms", "100", "--limit", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    summaries = [s for v in out["variants"] for s in v["summaries"]]
+    assert {s["requests"] for s in summaries} == {5}  # --limit applies to the built-in too
+    assert {(s["sla"]["ttft_ms"], s["sla"]["tpot_ms"]) for s in summaries} == {(100, 35)}
+    assert out["workload"].startswith("production(n=12")

@@ -887,6 +887,8 @@ def _load_trace(
     drop_invalid: bool = False,
     limit: int | None = None,
     spread_ties: bool = False,
+    *,
+    quiet: bool = False,
 ):
     """A trace file as a Workload (``--format lengths`` gets arrivals at ``rate``, and leaves
     out unreadable rows with ``drop_invalid``; a ServeGen directory is sampled over
@@ -920,14 +922,14 @@ def _load_trace(
             from xds.runtime.rng import RngStreams
 
             spread = workload.spread_ties(RngStreams(seed)("trace/spread-ties"))
-            if spread is workload and workload.tied():
+            if spread is workload and workload.tied() and not quiet:
                 click.echo(
                     "xds: --spread-ties: every request arrives at the same timestamp, so there "
                     "is no step to spread them over: replayed as given",
                     err=True,
                 )
             return spread
-        if (tied := workload.tied()) >= 10 and tied > len(workload) // 10:
+        if not quiet and (tied := workload.tied()) >= 10 and tied > len(workload) // 10:
             click.echo(
                 f"xds: {tied:,} of {len(workload):,} requests arrive at the same time as the "
                 "one before (quantised timestamps?): replayed as given, in bursts; "
@@ -1810,6 +1812,19 @@ def capacity(
     help="Worker processes replaying in parallel (0: one per core, up to 4). The numbers do "
     "not depend on it.",
 )
+@click.option(
+    "--ttft-ms",
+    type=_Finite(min=0, min_open=True),
+    default=None,
+    help="TTFT target of goodput for every variant [default: the deployments' SLA, which "
+    "must agree].",
+)
+@click.option(
+    "--tpot-ms",
+    type=_Finite(min=0, min_open=True),
+    default=None,
+    help="TPOT target of goodput for every variant [default: the deployments' SLA].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @_fault_option
 @_policy_option
@@ -1829,6 +1844,8 @@ def compare(
     sort: bool,
     seed: int,
     jobs: int,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
     as_json: bool,
     drop_invalid: bool = False,
     spread_ties: bool = False,
@@ -1858,11 +1875,27 @@ def compare(
         raise click.UsageError(f"--deployment {twice} is given twice")
     variants: dict[str, Any] = {name: pd_config(name) for name in deployments}
     policies = _policies(policy_specs)
-    if policies:
-        plugged = ", ".join(
-            f"{slot}={getattr(fn, '__name__', fn)}" for slot, fn in policies.items()
-        )
+    if policies:  # named as the user wrote them
+        plugged = ", ".join(policy_specs)
         variants[f"{deployments[0]} + {plugged}"] = Variant(variants[deployments[0]], policies)
+    sla = None
+    if ttft_ms is not None or tpot_ms is not None:  # one SLA for every variant
+        from xds.trace.metrics import SLA
+
+        own = variants[deployments[0]].sla
+        sla = SLA(
+            ttft_ms=own.ttft_ms if ttft_ms is None else ttft_ms,
+            tpot_ms=own.tpot_ms if tpot_ms is None else tpot_ms,
+        )
+    elif len({variants[d].sla for d in deployments}) > 1:
+        judged = "; ".join(
+            f"{d}: TTFT {variants[d].sla.ttft_ms:g} ms, TPOT {variants[d].sla.tpot_ms:g} ms"
+            for d in deployments
+        )
+        raise click.UsageError(
+            f"the deployments judge goodput by different SLAs ({judged}): give --ttft-ms and "
+            "--tpot-ms to judge every variant by the same"
+        )
     faults = [_replay_fault(spec) for spec in fault_specs]
     _no_fault_twice(fault_specs, faults)
     seeds = list(range(seed, seed + n_seeds))
@@ -1878,20 +1911,32 @@ def compare(
         block = blocks.pop()
 
         def workload_for(s: int):
-            return _built_in(synthetic_n, rate, s, unique_prompts, block).scaled(rate_scale)
+            built = _built_in(synthetic_n, rate, s, unique_prompts, block)
+            return built.scaled(rate_scale).limited(limit)
     else:
         drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
 
-        def load_at(s: int):
+        def load_at(s: int, quiet: bool = True):
             return (
                 _load_trace(
-                    trace, fmt, columns, rate, cv, s, sort, span, drop_invalid, limit, spread_ties
+                    trace,
+                    fmt,
+                    columns,
+                    rate,
+                    cv,
+                    s,
+                    sort,
+                    span,
+                    drop_invalid,
+                    limit,
+                    spread_ties,
+                    quiet=quiet,
                 )
                 .scaled(rate_scale)
                 .limited(limit)
             )
 
-        first = load_at(seed)  # a bad file fails before any replay
+        first = load_at(seed, quiet=False)  # a bad file fails before any replay; notes once
         _note_dropped(first)
 
         def workload_for(s: int):  # arrivals drawn by xds differ by seed; a trace's do not
@@ -1916,6 +1961,7 @@ def compare(
                 workload_for,
                 variants,
                 seeds=seeds,
+                sla=sla,
                 jobs=jobs or default_jobs(),
                 on_replay=progress,
                 faults=faults,
@@ -1923,7 +1969,7 @@ def compare(
     if as_json:
         print(msgspec.json.encode(result).decode())
         return
-    source = workload_for(seed).source
+    source = result.workload
     base = result.variants[0].name
     what = (
         f"seeds {seeds[0]}..{seeds[-1]}, mean ± 95 % interval" if len(seeds) > 1 else f"seed {seed}"
@@ -1931,7 +1977,7 @@ def compare(
     table = Table(
         title=f"compare: {source} ({what})",
         caption=f"Δ: the paired difference from {base}; better or worse where its interval "
-        "excludes 0, else ~ (within the seeds' noise)"
+        "excludes 0, ~ where it does not (within the seeds' noise), - where there is none"
         if len(result.variants) > 1
         else None,
     )
@@ -1948,7 +1994,15 @@ def compare(
         ]
         for v in result.variants[1:]:
             d = result.difference(v.name, m.key)
-            verdict = "~" if d.better is None else "better" if d.better else "worse"
+            verdict = (
+                "-"
+                if math.isnan(d.ci95)
+                else "~"
+                if d.better is None
+                else "better"
+                if d.better
+                else "worse"
+            )
             cells.append(f"{_spread_cell(d.mean, d.ci95, m.unit, signed=True)} {verdict}")
         table.add_row(f"{m.label} ({unit})", *cells)
     console.print(table)
@@ -1960,7 +2014,7 @@ def _spread_cell(mean: float, ci95: float, unit: str, *, signed: bool = False) -
     """``mean ± ci95`` in the unit's format ("-" where undefined)."""
     if math.isnan(mean):
         return "-"
-    scale, digits = (100.0, 1) if unit == "share" else (1.0, 2 if unit == "s" else 1)
+    scale, digits = (100.0, 1) if unit == "share" else (1.0, 1 if unit == "requests" else 2)
     text = f"{mean * scale:{'+' if signed else ''},.{digits}f}"
     if not math.isnan(ci95):
         text += f" ± {ci95 * scale:,.{digits}f}"

@@ -128,7 +128,7 @@ class Runtime:
                 f"schedule_seed={schedule_seed} has no effect on the {backend} backend, which "
                 "runs ready tasks in FIFO order: it seeds trio's scheduler (backend='trio'), "
                 "where different schedule seeds try different interleavings",
-                stacklevel=2,
+                stacklevel=_caller_level(),
             )
         self.time_limit_ns = None if time_limit_ns is None else int(time_limit_ns)
         self.time_step_limit = None if time_step_limit is None else int(time_step_limit)
@@ -565,6 +565,15 @@ def _running_loop() -> bool:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning raised in :class:`Runtime` that points at the first
+    caller outside this module (``xds.run(...)`` or ``Runtime(...)`` in the user's code)."""
+    level, frame = 2, sys._getframe(2)  # 1: this function's caller, Runtime.__init__
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def run(

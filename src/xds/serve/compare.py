@@ -31,10 +31,10 @@ import msgspec
 
 from ..docfields import document_fields
 from ..errors import ConfigError
-from ..trace.metrics import Summary
+from ..trace.metrics import SLA, Summary
 from ..trace.workload import Workload
 from .policies import require_callable
-from .replay import PDConfig, check_distflow_faults, check_pd_config, check_prefix_blocks, replay
+from .replay import PDConfig, check_pd_config, check_replay, replay
 from .speculative import Speculator
 
 POLICY_KEYWORDS = (
@@ -96,28 +96,34 @@ def metric_values(s: Summary) -> dict[str, float]:
 
 
 class Spread(msgspec.Struct, frozen=True):
-    """One metric of one variant over the seeds."""
+    """One metric of one variant over the seeds (the seeds where it is defined)."""
 
     mean: float
     ci95: float
-    """Half-width of the 95 % confidence interval of the mean (Student's t); NaN with one seed."""
+    """Half-width of the 95 % confidence interval of the mean (Student's t); NaN with fewer
+    than two values."""
     stdev: float
-    """Sample standard deviation over the seeds; NaN with one seed."""
+    """Sample standard deviation; NaN with fewer than two values."""
     min: float
     max: float
+    n: int = 0
+    """Seeds the metric is defined for (TPOT is not where no request was decoded, say): the
+    others are left out."""
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
-        """The spread of one value per seed (NaN throughout if any is NaN)."""
-        n = len(values)
-        if n == 0 or any(math.isnan(v) for v in values):
+        """The spread of one value per seed, NaN values left out (all NaN: NaN)."""
+        v = [x for x in values if not math.isnan(x)]
+        n = len(v)
+        if n == 0:
             nan = math.nan
-            return cls(nan, nan, nan, nan, nan)
-        mean = math.fsum(values) / n
+            return cls(nan, nan, nan, nan, nan, 0)
+        lo, hi = min(v), max(v)
+        mean = min(max(math.fsum(v) / n, lo), hi)  # rounding never puts it outside the values
         if n < 2:
-            return cls(mean, math.nan, math.nan, mean, mean)
-        stdev = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-        return cls(mean, t95(n - 1) * stdev / math.sqrt(n), stdev, min(values), max(values))
+            return cls(mean, math.nan, math.nan, lo, hi, 1)
+        stdev = math.sqrt(math.fsum((x - mean) ** 2 for x in v) / (n - 1))
+        return cls(mean, t95(n - 1) * stdev / math.sqrt(n), stdev, lo, hi, n)
 
 
 class Difference(msgspec.Struct, frozen=True):
@@ -127,13 +133,14 @@ class Difference(msgspec.Struct, frozen=True):
     variant: str
     baseline: str
     mean: float
-    """Mean over seeds of (variant - baseline), in the metric's unit."""
+    """Mean over seeds of (variant - baseline), in the metric's unit (over the seeds where
+    both are defined)."""
     ci95: float
-    """Half-width of its 95 % confidence interval; NaN with one seed."""
+    """Half-width of its 95 % confidence interval; NaN with fewer than two such seeds."""
     relative: float
     """``mean`` over the baseline's mean (NaN if that is 0 or undefined)."""
     significant: bool
-    """The interval excludes zero (never with one seed)."""
+    """The interval excludes zero (never without an interval)."""
     better: bool | None
     """Whether the variant is better on this metric, if ``significant``; else None."""
 
@@ -153,6 +160,8 @@ class Comparison(msgspec.Struct, frozen=True):
     """The result of :func:`compare`."""
 
     seeds: list[int]
+    workload: str
+    """The workload compared, as its first seed's :attr:`Workload.source` describes it."""
     metrics: list[Metric]
     variants: list[VariantResult]
     """The baseline first."""
@@ -179,13 +188,14 @@ _T95 = (
 
 def t95(df: int) -> float:
     """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom: tabulated to
-    30, then the Cornish-Fisher expansion z + (z^3 + z) / (4 df) (within 0.001 there)."""
+    30, then the Cornish-Fisher expansion to second order, z + (z^3 + z) / (4 df) +
+    (5 z^5 + 16 z^3 + 3 z) / (96 df^2) (within 0.0001 beyond 30)."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}")
     if df <= len(_T95):
         return _T95[df - 1]
     z = 1.959964
-    return z + (z**3 + z) / (4 * df)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def variant_field(name: str) -> str:
@@ -194,16 +204,22 @@ def variant_field(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _naming_variant(name: str) -> Iterator[None]:
-    """A ConfigError about a deployment field (one meeting the workload) names the variant:
-    ``variants['name'].config.<field>``."""
+def _naming_variant(name: str, several: bool) -> Iterator[None]:
+    """A ConfigError raised for variant ``name`` names it: a deployment field as
+    ``variants['name'].config.<field>``; any other (a fault the deployment has no place for,
+    a policy's signature) says which variant in its message, when there are ``several``."""
     try:
         yield
     except ConfigError as exc:
-        top = re.split(r"[.\[]", exc.field or "")[0]
-        if exc.source is not None or top not in PDConfig.__struct_fields__:
+        if exc.source is not None:
             raise
-        raise ConfigError(exc.message, field=f"{variant_field(name)}.config.{exc.field}") from None
+        top = re.split(r"[.\[]", exc.field or "")[0]
+        if top in PDConfig.__struct_fields__:
+            field = f"{variant_field(name)}.config.{exc.field}"
+            raise ConfigError(exc.message, field=field) from None
+        if not several:
+            raise
+        raise ConfigError(f"{exc.message} (variant {name!r})", field=exc.field) from None
 
 
 def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
@@ -224,15 +240,14 @@ def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
             v = Variant(v)
         if not isinstance(v, Variant):
             raise ConfigError(
-                f"{field} must be a PDConfig or a Variant, got {type(v).__name__}", field=field
+                f"must be a PDConfig or a Variant, got {type(v).__name__}", field=field
             )
         if not isinstance(v.policies, dict):
-            raise ConfigError(f"{field}.policies must be a dict", field=f"{field}.policies")
+            raise ConfigError("must be a dict", field=f"{field}.policies")
         for key, fn in v.policies.items():
             if key not in POLICY_KEYWORDS:
                 raise ConfigError(
-                    f"{field}.policies: unknown policy {key!r}; one of "
-                    + ", ".join(POLICY_KEYWORDS),
+                    f"unknown policy {key!r}; one of " + ", ".join(POLICY_KEYWORDS),
                     field=f"{field}.policies",
                 )
             require_callable(fn, f"{field}.policies[{key!r}]")
@@ -268,6 +283,7 @@ def compare(
     variants: Mapping[str, PDConfig | Variant],
     *,
     seeds: int | Sequence[int] = 5,
+    sla: SLA | None = None,
     jobs: int = 1,
     on_replay: Callable[[str, int, Summary], None] | None = None,
     faults: Sequence[object] = (),
@@ -277,70 +293,105 @@ def compare(
 
     ``workload`` is a :class:`~xds.trace.workload.Workload` (the same requests under every
     seed: only the serving's random streams change) or a function of the seed returning one
-    (a generated workload: each seed its own requests, the same for every variant).
-    ``variants`` maps a name to a :class:`~xds.serve.replay.PDConfig` or a :class:`Variant`
-    (a deployment with policies plugged in); the first is the baseline. ``seeds``: how many
-    (0, 1, ...) or which. ``on_replay(name, seed, summary)`` sees each replay as it ends (a
-    progress hook; in variant then seed order). ``faults`` strike every replay alike (the
-    faults of :func:`~xds.serve.replay.replay`: compare recovery modes, say, as variants
-    differing in ``recovery``); ``serve_grace_ns`` as in :func:`~xds.serve.replay.replay`."""
+    (a generated workload: each seed its own requests, the same for every variant; called
+    once per seed, before any replay). ``variants`` maps a name to a
+    :class:`~xds.serve.replay.PDConfig` or a :class:`Variant` (a deployment with policies
+    plugged in); the first is the baseline. ``seeds``: how many (0, 1, ...) or which.
+    ``sla``: the targets goodput is judged by for every variant (default: the variants' own,
+    which must then agree: goodput under different targets does not compare).
+    ``on_replay(name, seed, summary)`` sees each replay as it ends (a progress hook; in
+    variant then seed order). ``faults`` strike every replay alike (the faults of
+    :func:`~xds.serve.replay.replay`: compare recovery modes, say, as variants differing in
+    ``recovery``); ``serve_grace_ns`` as in :func:`~xds.serve.replay.replay`. Every variant
+    is checked against the workload and the faults (:func:`~xds.serve.replay.check_replay`)
+    before anything is replayed.
+
+    Policies should decide from what they are shown: a policy keeping state across calls
+    carries it from one replay into the next, and with ``jobs > 1`` each worker process
+    starts from its own copy, so its results would depend on ``jobs`` and on the order of the
+    replays."""
     chosen = _variants(variants)
     seed_list = _seeds(seeds)
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
         raise ConfigError(f"jobs must be a positive integer, got {jobs!r}", field="jobs")
     if not isinstance(workload, Workload):
         require_callable(workload, "workload", arity=1, kind="function")
     if on_replay is not None:
         require_callable(on_replay, "on_replay", arity=3, kind="callback")
-    built: dict[int, Workload] = {}
-
-    def workload_for(seed: int) -> Workload:
-        if isinstance(workload, Workload):
-            return workload
-        w = built.get(seed)
-        if w is None:
-            w = built[seed] = workload(seed)
-            if not isinstance(w, Workload):
-                raise ConfigError(
-                    f"workload({seed}) must return a Workload, got {type(w).__name__}",
-                    field="workload",
-                )
-        return w
-
+    chosen = _judged_by(chosen, sla)
+    workloads = {seed: _workload_at(workload, seed) for seed in seed_list}  # before any fork
     runs = [(name, seed) for name in chosen for seed in seed_list]
     faults = list(faults)
+    several = len(chosen) > 1
     for name, v in chosen.items():  # a mismatch found before any replay, not after some
-        with _naming_variant(name):
-            check_prefix_blocks(workload_for(seed_list[0]), v.config)
-            check_distflow_faults(v.config, faults)
+        with _naming_variant(name, several):
+            check_replay(workloads[seed_list[0]], v.config, faults=faults, **v.policies)
 
     def run(i: float) -> Summary:
         name, seed = runs[int(i)]
-        v = chosen[name]
-        with _naming_variant(name):
+        v, w = chosen[name], workloads[seed]
+        with _naming_variant(name, several):
             res = replay(
-                workload_for(seed),
+                w,
                 v.config,
                 seed=seed,
                 faults=faults,  # type: ignore[arg-type]
                 serve_grace_ns=serve_grace_ns,
                 **v.policies,
             )
-        return msgspec.structs.replace(res.summary, chips=res.chips, deployment=name, seed=seed)
+        return msgspec.structs.replace(
+            res.summary, chips=res.chips, deployment=name, seed=seed, workload=w.source
+        )
 
     summaries: dict[str, list[Summary]] = {name: [] for name in chosen}
-    with Speculator(run, jobs) as pool:
+    with Speculator(run, int(jobs)) as pool:
         for i, (name, seed) in enumerate(runs):
             pool.ahead([float(j) for j in range(i, len(runs))])
             s = pool.get(float(i))
             summaries[name].append(s)
             if on_replay is not None:
                 on_replay(name, seed, s)
-    return _compared(seed_list, chosen, summaries)
+    return _compared(seed_list, workloads[seed_list[0]].source, chosen, summaries)
+
+
+def _workload_at(workload: Workload | Callable[[int], Workload], seed: int) -> Workload:
+    if isinstance(workload, Workload):
+        return workload
+    w = workload(seed)
+    if not isinstance(w, Workload):
+        raise ConfigError(
+            f"workload({seed}) must return a Workload, got {type(w).__name__}", field="workload"
+        )
+    return w
+
+
+def _judged_by(chosen: dict[str, Variant], sla: SLA | None) -> dict[str, Variant]:
+    """The variants, each judging goodput by ``sla`` (None: their own, which must agree)."""
+    if sla is not None:
+        if not isinstance(sla, SLA):
+            raise ConfigError(f"must be an SLA, got {type(sla).__name__}", field="sla")
+        return {
+            name: Variant(msgspec.structs.replace(v.config, sla=sla), v.policies)
+            for name, v in chosen.items()
+        }
+    targets = {name: v.config.sla for name, v in chosen.items()}
+    first, base = next(iter(targets.items()))
+    for name, target in targets.items():
+        if target != base:
+            raise ConfigError(
+                f"variants {first!r} and {name!r} judge goodput by different SLAs (TTFT "
+                f"{base.ttft_ms:g} / {target.ttft_ms:g} ms, TPOT {base.tpot_ms:g} / "
+                f"{target.tpot_ms:g} ms): give one sla for all",
+                field="sla",
+            )
+    return chosen
 
 
 def _compared(
-    seeds: list[int], chosen: Mapping[str, Variant], summaries: dict[str, list[Summary]]
+    seeds: list[int],
+    source: str,
+    chosen: Mapping[str, Variant],
+    summaries: dict[str, list[Summary]],
 ) -> Comparison:
     values = {name: [metric_values(s) for s in per_seed] for name, per_seed in summaries.items()}
     results = [
@@ -374,4 +425,4 @@ def _compared(
                     better=(spread.mean < 0) == m.lower_is_better if significant else None,
                 )
             )
-    return Comparison(seeds, list(METRICS), results, differences)
+    return Comparison(seeds, source, list(METRICS), results, differences)

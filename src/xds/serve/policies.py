@@ -20,21 +20,34 @@ def policy_name(policy: object) -> str:
     return repr(getattr(policy, "__name__", policy))
 
 
-def binds(fn: object, n: int) -> bool | None:
+def binds(fn: object, n: int, *, as_wrapped: bool = False) -> bool | None:
     """Whether ``fn`` can be called with ``n`` positional arguments; None when its signature
-    cannot be read (a builtin). A decorated function (``functools.wraps``) is judged by its
-    wrapper's own parameters when they are explicit (a decorator may supply or add
-    arguments), and by the wrapped function's when the wrapper passes ``*args`` on."""
+    cannot be read (a builtin). A decorated function (``functools.wraps``) binds if either
+    the wrapper's own parameters or the wrapped function's do (a decorator may supply or add
+    arguments). ``as_wrapped``: judge a wrapper that only passes ``*args`` on by the wrapped
+    function alone (whether to offer an optional extra argument: the wrapper would take
+    anything)."""
     own, wrapped = (_signature(fn, follow) for follow in (False, True))
-    if own is None or any(p.kind is p.VAR_POSITIONAL for p in own.parameters.values()):
-        own = wrapped or own
-    if own is None:
-        return None
-    try:
-        own.bind(*range(n))
-    except TypeError:
-        return False
-    return True
+    if as_wrapped and own is not None and wrapped is not None and _passes_on(own):
+        own = wrapped
+    answer: bool | None = None
+    for sig in dict.fromkeys(x for x in (own, wrapped) if x is not None):
+        try:
+            sig.bind(*range(n))
+        except TypeError:
+            answer = False
+            continue
+        return True
+    return answer
+
+
+def _passes_on(sig: inspect.Signature) -> bool:
+    """A wrapper's ``(*args, **kwargs)``: no parameter of its own."""
+    kinds = {p.kind for p in sig.parameters.values()}
+    return bool(kinds) and kinds <= {
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    }
 
 
 def _signature(fn: object, follow_wrapped: bool) -> inspect.Signature | None:
@@ -79,7 +92,11 @@ def require_callable(
 def takes_arguments(policy: object, n: int) -> bool:
     """Whether ``policy`` is a plain function that can take ``n`` positional arguments (a
     policy with an optional extra parameter gets the extra information)."""
-    return callable(policy) and not inspect.iscoroutinefunction(policy) and binds(policy, n) is True
+    return (
+        callable(policy)
+        and not inspect.iscoroutinefunction(policy)
+        and binds(policy, n, as_wrapped=True) is True
+    )
 
 
 def ask(policy: Callable[..., object], field: str, request: object, *args: object) -> object:

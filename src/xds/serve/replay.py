@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 import anyio.abc
@@ -1147,6 +1147,67 @@ def _decode_stats(load: DecodeLoad, records: list[RequestRecord], tes: int) -> D
     )
 
 
+def _checked(config: object, workload: Workload, faults: object) -> tuple[PDConfig, Workload]:
+    """The checks :func:`replay` makes of its arguments before it builds anything."""
+    cfg = check_pd_config(config)
+    workload = _check_workload(workload)
+    kinds = DistFlowFault | NodeFault | MemoryFault
+    if isinstance(faults, kinds) or not isinstance(faults, Sequence):
+        raise ConfigError(
+            "faults is a list of DistFlowFault, NodeFault or MemoryFault, got "
+            f"{type(faults).__name__}",
+            field="faults",
+        )
+    check_distflow_faults(cfg, faults)
+    return cfg, workload
+
+
+def _set_up(
+    workload: Workload,
+    cfg: PDConfig,
+    grid: Sequence[CommCosts],
+    faults: Sequence[DistFlowFault | NodeFault | MemoryFault],
+    progress: Progress | None,
+    policies: dict[str, Any],
+) -> Replay:
+    """The replay of ``workload`` on ``cfg`` with ``faults`` injected, ready to run (inside a
+    running runtime)."""
+    r = Replay(workload, cfg, grid, progress=progress, **policies)
+    for i, fault in enumerate(faults):
+        try:
+            if isinstance(fault, NodeFault):
+                r.inject_node_fault(fault)
+            elif isinstance(fault, MemoryFault):
+                r.inject_memory_fault(fault)
+            else:
+                r._inject_distflow(fault)
+        except ConfigError as exc:  # name the fault: faults[i].dp, say
+            if exc.field not in type(fault).__struct_fields__:
+                raise
+            raise ConfigError(exc.message, field=f"faults[{i}].{exc.field}") from None
+    return r
+
+
+def check_replay(
+    workload: Workload,
+    config: PDConfig | None = None,
+    *,
+    faults: Sequence[DistFlowFault | NodeFault | MemoryFault] = (),
+    **policies: Any,
+) -> None:
+    """Everything :func:`replay` checks before its first event (the deployment, the workload
+    against it, every fault, the policies' signatures), without replaying: a sweep of many
+    replays checks each design this way before running any. ``policies``: the policy keywords
+    of :func:`replay`."""
+    cfg, workload = _checked(config, workload, faults)
+    grid = comm_grid(cfg.decode)  # measured on first use: nothing is measured here
+
+    async def main() -> None:
+        _set_up(workload, cfg, grid, faults, None, policies)
+
+    Runtime(event_log=False).run(main)
+
+
 def replay(
     workload: Workload,
     config: PDConfig | None = None,
@@ -1183,44 +1244,20 @@ def replay(
     :class:`~xds.errors.ModelDeadlock`. A ``time_limit_ns`` given replaces the serving limit
     with a hard bound: the run stops there with :class:`~xds.errors.ModelTimeLimit`. Both
     errors name what each task waits for (e.g. a ``kv_mover`` that never returns)."""
-    cfg = check_pd_config(config)
-    workload = _check_workload(workload)
-    kinds = DistFlowFault | NodeFault | MemoryFault
-    if isinstance(faults, kinds) or not isinstance(faults, Sequence):
-        raise ConfigError(
-            "faults is a list of DistFlowFault, NodeFault or MemoryFault, got "
-            f"{type(faults).__name__}",
-            field="faults",
-        )
-    check_distflow_faults(cfg, faults)
+    cfg, workload = _checked(config, workload, faults)
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
+    policies = {
+        "prefill_placement": prefill_placement,
+        "decode_routing": decode_routing,
+        "prefill_te_selection": prefill_te_selection,
+        "decode_te_selection": decode_te_selection,
+        "kv_mover": kv_mover,
+    }
 
     async def main() -> list[RequestRecord]:
-        holder["r"] = r = Replay(
-            workload,
-            cfg,
-            grid,
-            progress=progress,
-            prefill_placement=prefill_placement,
-            decode_routing=decode_routing,
-            prefill_te_selection=prefill_te_selection,
-            decode_te_selection=decode_te_selection,
-            kv_mover=kv_mover,
-        )
-        for i, fault in enumerate(faults):
-            try:
-                if isinstance(fault, NodeFault):
-                    r.inject_node_fault(fault)
-                elif isinstance(fault, MemoryFault):
-                    r.inject_memory_fault(fault)
-                else:
-                    r._inject_distflow(fault)
-            except ConfigError as exc:  # name the fault: faults[i].dp, say
-                if exc.field not in type(fault).__struct_fields__:
-                    raise
-                raise ConfigError(exc.message, field=f"faults[{i}].{exc.field}") from None
+        holder["r"] = r = _set_up(workload, cfg, grid, faults, progress, policies)
         return await r.run()
 
     last = max((r.arrival_ns for r in workload.requests), default=0)
