@@ -218,8 +218,12 @@ def test_faults_strike_every_replay_alike(tmp_path, capsys):
         capsys.readouterr().err
     )
     assert main([*argv, "--fault", "transport:at=0,prefill_te=0", "--json", "--jobs", "1"]) == 0
-    (summary,) = json.loads(capsys.readouterr().out)["variants"][0]["summaries"]
-    assert summary["failed"] > 0
+    (variant,) = json.loads(capsys.readouterr().out)["variants"]
+    assert variant["summaries"][0]["failed"] > 0 and variant["unfired_faults"] == [0]
+    assert main([*argv, "--fault", "node:at=100000,server=1", "--jobs", "1"]) == 0
+    assert f"never struck (every request had ended first) in: {toml} seed 0" in (
+        capsys.readouterr().err
+    )
 
 
 def test_every_variant_is_checked_before_anything_is_replayed():

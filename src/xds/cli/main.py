@@ -1966,6 +1966,17 @@ def compare(
                 on_replay=progress,
                 faults=faults,
             )
+    missed = [
+        (v.name, s, n)
+        for v in result.variants
+        for s, n in zip(seeds, v.unfired_faults, strict=True)
+    ]
+    if faults and any(n for _, _, n in missed):
+        where = ", ".join(f"{name} seed {s}" for name, s, n in missed if n)
+        click.echo(
+            f"xds: some --fault never struck (every request had ended first) in: {where}",
+            err=True,
+        )
     if as_json:
         print(msgspec.json.encode(result).decode())
         return

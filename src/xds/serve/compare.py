@@ -154,6 +154,8 @@ class VariantResult(msgspec.Struct, frozen=True):
     """One per seed, in :attr:`Comparison.seeds` order."""
     metrics: dict[str, Spread]
     """:data:`METRICS` key -> its spread over the seeds."""
+    unfired_faults: list[int] = []
+    """Per seed, how many of the faults never struck (every request had ended before)."""
 
 
 class Comparison(msgspec.Struct, frozen=True):
@@ -327,7 +329,7 @@ def compare(
         with _naming_variant(name, several):
             check_replay(workloads[seed_list[0]], v.config, faults=faults, **v.policies)
 
-    def run(i: float) -> Summary:
+    def run(i: float) -> tuple[Summary, int]:
         name, seed = runs[int(i)]
         v, w = chosen[name], workloads[seed]
         with _naming_variant(name, several):
@@ -339,19 +341,22 @@ def compare(
                 serve_grace_ns=serve_grace_ns,
                 **v.policies,
             )
-        return msgspec.structs.replace(
+        summary = msgspec.structs.replace(
             res.summary, chips=res.chips, deployment=name, seed=seed, workload=w.source
         )
+        return summary, len(res.unfired_faults)
 
     summaries: dict[str, list[Summary]] = {name: [] for name in chosen}
+    unfired: dict[str, list[int]] = {name: [] for name in chosen}
     with Speculator(run, int(jobs)) as pool:
         for i, (name, seed) in enumerate(runs):
             pool.ahead([float(j) for j in range(i, len(runs))])
-            s = pool.get(float(i))
+            s, missed = pool.get(float(i))
             summaries[name].append(s)
+            unfired[name].append(missed)
             if on_replay is not None:
                 on_replay(name, seed, s)
-    return _compared(seed_list, workloads[seed_list[0]].source, chosen, summaries)
+    return _compared(seed_list, workloads[seed_list[0]].source, chosen, summaries, unfired)
 
 
 def _workload_at(workload: Workload | Callable[[int], Workload], seed: int) -> Workload:
@@ -392,6 +397,7 @@ def _compared(
     source: str,
     chosen: Mapping[str, Variant],
     summaries: dict[str, list[Summary]],
+    unfired: dict[str, list[int]],
 ) -> Comparison:
     values = {name: [metric_values(s) for s in per_seed] for name, per_seed in summaries.items()}
     results = [
@@ -400,6 +406,7 @@ def _compared(
             summaries[name][0].chips,
             summaries[name],
             {m.key: Spread.of([v[m.key] for v in values[name]]) for m in METRICS},
+            unfired[name],
         )
         for name in chosen
     ]
