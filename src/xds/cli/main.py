@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -23,6 +23,9 @@ from rich.table import Table
 from xds import __version__
 from xds.errors import ConfigError, TraceError, XdsError
 from xds.units import GB, S, fmt_bytes, fmt_ns
+
+if TYPE_CHECKING:  # the CLI imports the simulator lazily, command by command
+    from xds.serve.compare import Comparison
 
 
 class _LazyConsole:
@@ -1863,7 +1866,7 @@ def compare(
     import msgspec
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from xds.serve.compare import METRICS, Variant
+    from xds.serve.compare import Variant
     from xds.serve.compare import compare as run_compare
     from xds.serve.presets import pd_config
     from xds.serve.speculative import default_jobs
@@ -1980,10 +1983,21 @@ def compare(
     if as_json:
         print(msgspec.json.encode(result).decode())
         return
+    _print_comparison(result)
+
+
+def _print_comparison(result: Comparison) -> None:
+    """The table of ``xds compare``: each variant's means with their intervals, and each later
+    variant's paired difference from the first."""
+    from xds.serve.compare import METRICS
+
+    seeds = result.seeds
     source = result.workload
     base = result.variants[0].name
     what = (
-        f"seeds {seeds[0]}..{seeds[-1]}, mean ± 95 % interval" if len(seeds) > 1 else f"seed {seed}"
+        f"seeds {seeds[0]}..{seeds[-1]}, mean ± 95 % interval"
+        if len(seeds) > 1
+        else f"seed {seeds[0]}"
     )
     table = Table(
         title=f"compare: {source} ({what})",
@@ -2005,15 +2019,9 @@ def compare(
         ]
         for v in result.variants[1:]:
             d = result.difference(v.name, m.key)
-            verdict = (
-                "-"
-                if math.isnan(d.ci95)
-                else "~"
-                if d.better is None
-                else "better"
-                if d.better
-                else "worse"
-            )
+            verdict = {None: "~", True: "better", False: "worse"}[d.better]
+            if math.isnan(d.ci95):  # one seed, or the metric undefined: no interval
+                verdict = "-"
             cells.append(f"{_spread_cell(d.mean, d.ci95, m.unit, signed=True)} {verdict}")
         table.add_row(f"{m.label} ({unit})", *cells)
     console.print(table)
