@@ -9,6 +9,8 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_replay import SMALL
 from xds.cli.main import main
@@ -274,3 +276,23 @@ def test_cli_one_sla_and_the_built_in_limit(tmp_path, capsys):
     assert {s["requests"] for s in summaries} == {5}  # --limit applies to the built-in too
     assert {(s["sla"]["ttft_ms"], s["sla"]["tpot_ms"]) for s in summaries} == {(100, 35)}
     assert out["workload"].startswith("production(n=12")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False) | st.just(math.nan), min_size=1, max_size=40))
+def test_spread_invariants(values):
+    """Whatever the values: the mean lies within them, the interval is never negative and a
+    constant shift leaves it unchanged, and NaN seeds are left out."""
+    s = Spread.of(values)
+    finite = [v for v in values if not math.isnan(v)]
+    assert s.n == len(finite)
+    if not finite:
+        assert math.isnan(s.mean)
+        return
+    assert s.min <= s.mean <= s.max and (s.min, s.max) == (min(finite), max(finite))
+    if s.n >= 2:
+        assert s.ci95 >= 0 and s.stdev >= 0
+        shifted = Spread.of([v + 1000.0 for v in finite])
+        assert shifted.ci95 == pytest.approx(s.ci95, rel=1e-6, abs=1e-6)
+    else:
+        assert math.isnan(s.ci95)
