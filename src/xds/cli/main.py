@@ -833,6 +833,49 @@ def _deployments_option(note: str):
     )
 
 
+def _sla_options(target: str, default: str = "'s SLA"):
+    """--ttft-ms and --tpot-ms: the SLA's targets, overriding the deployment's."""
+
+    def add(f):
+        for name, value in (("--tpot-ms", "35 ms"), ("--ttft-ms", "2,000 ms")):
+            f = click.option(
+                name,
+                type=_Finite(min=0, min_open=True),
+                default=None,
+                help=f"{name[2:6].upper()} target{target} [default: the deployment{default}, "
+                f"{value}].",
+            )(f)
+        return f
+
+    return add
+
+
+def _jobs_option(what: str, same: str):
+    """--jobs: worker processes (0: one per core, up to 4)."""
+    return click.option(
+        "--jobs",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help=f"Worker processes {what} (0: one per core, up to 4). {same} not depend on it.",
+    )
+
+
+def _progress_bar(label: str, field: str, *, quiet: bool):
+    """A progress bar on stderr (none when ``quiet`` or stderr is not a terminal), gone when
+    done; ``field`` is its text column (``{task.fields[...]}``)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(field),
+        disable=quiet or not sys.stderr.isatty(),
+        transient=True,
+    )
+
+
 def _check_built_in_options(trace: str | None, fmt: str | None, unique_prompts: bool) -> None:
     """Usage errors for the built-in workload's options given with a TRACE."""
     if trace is None:
@@ -1121,7 +1164,6 @@ def replay(
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xds.serve.presets import pd_config
     from xds.serve.replay import check_distflow_faults
@@ -1161,14 +1203,7 @@ def replay(
         )
     workload = workload.scaled(rate_scale).limited(limit)
     _note_dropped(workload)
-    with Progress(
-        TextColumn("replay"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("virtual {task.fields[t]}"),
-        disable=as_json or not sys.stderr.isatty(),
-        transient=True,
-    ) as bar:
+    with _progress_bar("replay", "virtual {task.fields[t]}", quiet=as_json) as bar:
         task = bar.add_task("replay", total=len(workload), t="0 s")
 
         def progress(t_ns: int, done: int, total: int) -> None:
@@ -1506,18 +1541,7 @@ def _ms(value: float, digits: int) -> str:
     show_default=True,
     help="--criterion goodput: the share of requests that must meet the SLA.",
 )
-@click.option(
-    "--ttft-ms",
-    type=_Finite(min=0, min_open=True),
-    default=None,
-    help="TTFT target [default: the deployment's SLA, 2,000 ms].",
-)
-@click.option(
-    "--tpot-ms",
-    type=_Finite(min=0, min_open=True),
-    default=None,
-    help="TPOT target [default: the deployment's SLA, 35 ms].",
-)
+@_sla_options("")
 @click.option(
     "--bisections",
     type=click.IntRange(min=0),
@@ -1525,14 +1549,7 @@ def _ms(value: float, digits: int) -> str:
     show_default=True,
     help="Midpoints tried between the last rate that met the SLA and the first that missed.",
 )
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Worker processes replaying the rates the search may try next (0: one per core, up "
-    "to 4). The points tried and the result do not depend on it.",
-)
+@_jobs_option("replaying the rates the search may try next", "The points tried and the result do")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_plot_option
 @_policy_option
@@ -1807,27 +1824,8 @@ def capacity(
     "the same requests and random streams).",
 )
 @_replayed_workload_options(" (each seed its own)")
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Worker processes replaying in parallel (0: one per core, up to 4). The numbers do "
-    "not depend on it.",
-)
-@click.option(
-    "--ttft-ms",
-    type=_Finite(min=0, min_open=True),
-    default=None,
-    help="TTFT target of goodput for every variant [default: the deployments' SLA, which "
-    "must agree].",
-)
-@click.option(
-    "--tpot-ms",
-    type=_Finite(min=0, min_open=True),
-    default=None,
-    help="TPOT target of goodput for every variant [default: the deployments' SLA].",
-)
+@_jobs_option("replaying in parallel", "The numbers do")
+@_sla_options(" of goodput for every variant", "s' SLA, which must agree")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @_fault_option
 @_policy_option
@@ -1864,7 +1862,6 @@ def compare(
     seeds' noise). Variants: each --deployment, plus, with --policy, the first deployment with
     those policies plugged in."""
     import msgspec
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xds.serve.compare import Variant
     from xds.serve.compare import compare as run_compare
@@ -1946,14 +1943,7 @@ def compare(
             return load_at(s) if drawn and s != seed else first
 
     total = len(variants) * len(seeds)
-    with Progress(
-        TextColumn("compare"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[last]}"),
-        disable=as_json or not sys.stderr.isatty(),
-        transient=True,
-    ) as bar:
+    with _progress_bar("compare", "{task.fields[last]}", quiet=as_json) as bar:
         task = bar.add_task("compare", total=total, last="")
 
         def progress(name: str, s: int, summary) -> None:
