@@ -382,3 +382,47 @@ def test_a_burst_the_deployment_works_off_after_it_is_not_sustained():
     growing = [_record(i, 5 * i, ttft_ms=100 + i * i, tpot_ms=10) for i in range(16)]
     g = measure_point(wl, 1.0, growing, SMALL, [])
     assert g.backlog_ratio > FAR_BEHIND and g.backlog_excess_ms < 200 and g.meets
+
+
+def test_a_search_per_seed_gives_the_capacity_an_interval(tmp_path, capsys):
+    from xds.serve.capacity import SeededCapacity, search_capacity_over_seeds
+
+    seen = []
+
+    def at(rate: float, seed: int) -> Workload:
+        return production_workload(max(20, round(rate * 5)), rate_per_s=rate, seed=seed)
+
+    res = search_capacity_over_seeds(
+        at, SMALL, seeds=[0, 2], start=8.0, bisections=1, on_result=lambda s, r: seen.append(s)
+    )
+    assert seen == [0, 2] and res.seeds == [0, 2]
+    alone = search_capacity(lambda x: at(x, 2), SMALL, start=8.0, bisections=1, seed=2)
+    assert res.results[1] == alone  # each is that seed's own search
+    scales = [r.found.scale for r in res.results if r.found and not r.capped]
+    assert res.capacity.n == len(scales) and res.capacity.mean == pytest.approx(
+        sum(scales) / len(scales)
+    )
+    assert res == SeededCapacity.of(res.seeds, res.results)
+    with pytest.raises(ConfigError, match="seeds="):
+        search_capacity_over_seeds(at, SMALL, seeds=2, seed=3)
+    with pytest.raises(ConfigError) as err:
+        search_capacity_over_seeds(lambda x: at(x, 0), SMALL, seeds=2)  # type: ignore[arg-type]
+    assert err.value.field == "workload_at"
+    toml = tmp_path / "small.toml"
+    toml.write_text(
+        "[prefill]\ntes = 2\nlong_pool_tes = 0\n"
+        "[decode]\ndies = 32\nbatch_per_die = 4\nshared_expert_dies = 4\n"
+    )
+    argv = ["capacity", "--deployment", str(toml), "--window", "5", "--start", "8"]
+    more = ["--bisections", "1", "--seeds", "2", "--jobs", "1"]
+    assert main([*argv, *more, "--json"]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert line["deployment"] == str(toml) and line["seeds"] == [0, 1]
+    assert len(line["results"]) == 2 and line["capacity"]["n"] <= 2
+    same = str(toml).replace("small", "./small")  # the same deployment: differs by nothing
+    assert main([*argv, *more, "--deployment", same]) == 0
+    out = capsys.readouterr().out
+    assert "capacity of" in out and "over seeds" in out and "capacity compared over seeds" in out
+    assert "+0.00 ± 0.00 ~" in out
+    assert main([*argv, *more, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot draws one search per deployment: give --seeds 1" in capsys.readouterr().err

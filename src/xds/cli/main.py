@@ -1484,6 +1484,106 @@ def _bounds(binding: str) -> str:
     return ", ".join(word(m) for m in binding.split("; ") if m)
 
 
+def _search_seeds(workload_at, cfg, seeds: list[int], show, quiet: bool, search: dict):
+    """One capacity search per seed (``xds capacity --seeds``), each announced on stderr."""
+    from xds.serve.capacity import SeededCapacity, search_capacity
+
+    results = []
+    for s in seeds:
+        if not quiet:
+            click.echo(f" seed {s}:", err=True)
+        at = functools.partial(workload_at, block_tokens=cfg.prefill.prefix_block_tokens, s=s)
+        results.append(search_capacity(at, cfg, seed=s, **search))
+    return SeededCapacity.of(seeds, results)
+
+
+def _print_seeded(
+    name: str, chips: int, res, *, sla, what: str, unit: str, knob: str, as_json: bool
+):
+    """One deployment's searches over seeds: a line of JSON, or a table and the interval."""
+    import msgspec
+
+    if as_json:
+        line = {"deployment": name, "chips": chips, **msgspec.to_builtins(res)}
+        print(msgspec.json.encode(line).decode(), flush=True)
+        return
+    table = Table(
+        title=f"capacity of {name} over seeds: {what} within TTFT {sla.ttft_ms:g} ms, "
+        f"TPOT {sla.tpot_ms:g} ms"
+    )
+    for col in ("seed", knob, "arrivals/s", "mean TPOT ms", "mean TTFT ms", "goodput", "bound"):
+        table.add_column(col, justify="left" if col == "bound" else "right")
+    for s, r in zip(res.seeds, res.results, strict=True):
+        p = r.found
+        if p is None:
+            table.add_row(str(s), "-", "-", "-", "-", "-", "missed at the lowest rate")
+            continue
+        table.add_row(
+            str(s),
+            f"{p.scale:g}",
+            f"{p.rate_per_s:,.2f}",
+            _ms(p.tpot_ms, 2),
+            _ms(p.ttft_ms, 0),
+            f"{p.goodput:.1%}",
+            "search cap" if r.capped else _bounds(r.binding),
+        )
+    console.print(table)
+    c = res.capacity
+    if c.n == 0:
+        console.print("capacity: no seed's search found one below its cap")
+        return
+    interval = f" ± {c.ci95:,.3g}" if c.n > 1 else ""
+    console.print(
+        f"capacity: {c.mean:,.3g}{interval} {unit} (mean over {c.n} of {len(res.seeds)} seeds"
+        + (", 95 % interval" if c.n > 1 else "")
+        + f"; range {c.min:g}..{c.max:g})"
+    )
+
+
+def _print_seeded_compared(seeded: list, *, what: str, unit: str) -> None:
+    """Several deployments' capacities over seeds, and each one's paired difference from the
+    first (the same seed's searches subtracted)."""
+    from xds.serve.capacity import found_value
+    from xds.serve.compare import Spread
+
+    table = Table(title=f"capacity compared over seeds: {what} within the SLA")
+    for col in ("deployment", "chips", f"capacity ({unit})", "req/s per chip", "Δ vs first"):
+        table.add_column(col, justify="left" if col == "deployment" else "right")
+    first = [found_value(r, lambda p: p.scale) for r in seeded[0][2].results]
+    for i, (name, chips, res) in enumerate(seeded):
+        c, per_chip = (
+            res.capacity,
+            Spread.of([found_value(r, lambda p: p.rate_per_s) / chips for r in res.results]),
+        )
+        delta = "-"
+        if i:
+            d = Spread.of(
+                [
+                    found_value(r, lambda p: p.scale) - f
+                    for r, f in zip(res.results, first, strict=True)
+                ]
+            )
+            if not math.isnan(d.mean):
+                verdict = (
+                    "-"
+                    if math.isnan(d.ci95)
+                    else "~"
+                    if abs(d.mean) <= d.ci95
+                    else "higher"
+                    if d.mean > 0
+                    else "lower"
+                )
+                delta = f"{_spread_cell(d.mean, d.ci95, unit, signed=True)} {verdict}"
+        table.add_row(
+            escape(name),
+            str(chips),
+            _spread_cell(c.mean, c.ci95, unit),
+            _spread_cell(per_chip.mean, per_chip.ci95, "per chip"),
+            delta,
+        )
+    console.print(table)
+
+
 def _ms(value: float, digits: int) -> str:
     """A millisecond figure for a table; "-" when there is none (nothing completed)."""
     return "-" if math.isnan(value) else f"{value:,.{digits}f}"
@@ -1550,6 +1650,16 @@ def _ms(value: float, digits: int) -> str:
     help="Midpoints tried between the last rate that met the SLA and the first that missed.",
 )
 @_jobs_option("replaying the rates the search may try next", "The points tried and the result do")
+@click.option(
+    "--seeds",
+    "n_seeds",
+    type=click.IntRange(min=1, max=1000),
+    default=1,
+    show_default=True,
+    help="Searches per deployment, seeds --seed, --seed + 1, ...: the capacity's mean with "
+    "its 95 % interval (a search moves with its seed; two designs within a few per cent "
+    "need it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_plot_option
 @_policy_option
@@ -1576,6 +1686,7 @@ def capacity(
     bisections: int,
     jobs: int,
     as_json: bool,
+    n_seeds: int = 1,
     drop_invalid: bool = False,
     spread_ties: bool = False,
     plot_path: str | None = None,
@@ -1614,6 +1725,8 @@ def capacity(
     configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
     policies = _policies(policy_specs)
     _check_plot(plot_path)
+    if plot_path is not None and n_seeds > 1:
+        raise click.UsageError("--plot draws one search per deployment: give --seeds 1")
     if trace is None:
         unit, knob = "req/s", "rate (req/s)"
         if not unique_prompts:  # the conversation history a rate needs is capped
@@ -1634,9 +1747,9 @@ def capacity(
                 f"{MIN_SEARCH_REQUESTS} (a window of at least {MIN_SEARCH_REQUESTS / start:g} s)"
             )
 
-        def workload_at(x: float, block_tokens: int):  # hashed as the deployment caches
+        def workload_at(x: float, block_tokens: int, s: int = seed):  # hashed as it caches
             n = max(MIN_SEARCH_REQUESTS, round(x * window_s))
-            return _built_in(n, x, seed, unique_prompts, block_tokens)
+            return _built_in(n, x, s, unique_prompts, block_tokens)
     else:
         unit, knob = "x trace rate", "rate scale"
         base = _load_trace(
@@ -1652,8 +1765,32 @@ def capacity(
                 f"at least {MIN_SEARCH_REQUESTS} spread over time"
             )
 
-        def workload_at(x: float, block_tokens: int):  # a trace's hashes are its own
-            scaled = base.scaled(x)
+        drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
+        bases = {seed: base}
+
+        def base_at(s: int):  # arrivals drawn by xds differ by seed; a trace's do not
+            if not drawn:
+                return base
+            if s not in bases:
+                loaded = _load_trace(
+                    trace,
+                    fmt,
+                    columns,
+                    rate or 2.0,
+                    cv,
+                    s,
+                    sort,
+                    span,
+                    drop_invalid,
+                    limit,
+                    spread_ties,
+                    quiet=True,
+                )
+                bases[s] = loaded.limited(limit)
+            return bases[s]
+
+        def workload_at(x: float, block_tokens: int, s: int = seed):  # its hashes are its own
+            scaled = base_at(s).scaled(x)
             if not scaled.duration_ns:
                 flag = "max_scale" if x > start else "min_scale" if x == min_scale else "start"
                 raise ConfigError(
@@ -1673,6 +1810,7 @@ def capacity(
 
     what = "mean TPOT and mean TTFT" if criterion == "mean" else f"{goodput_target:.0%} of requests"
     found = []
+    seeded: list[tuple[str, int, Any]] = []
     for name, cfg in configs:
         sla = SLA(
             ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
@@ -1681,6 +1819,33 @@ def capacity(
         cfg = msgspec.structs.replace(cfg, sla=sla)
         if not as_json and len(configs) > 1:
             click.echo(f"{name}:", err=True)
+        if n_seeds > 1:
+            seeded.append(
+                (
+                    name,
+                    cfg.chips,
+                    _search_seeds(
+                        workload_at,
+                        cfg,
+                        list(range(seed, seed + n_seeds)),
+                        show,
+                        as_json,
+                        dict(
+                            start=start,
+                            max_scale=max_scale,
+                            min_scale=min_scale,
+                            bisections=bisections,
+                            criterion=criterion,
+                            goodput_target=goodput_target,
+                            on_point=show,
+                            jobs=jobs or default_jobs(),
+                            **policies,
+                        ),
+                    ),
+                )
+            )
+            _print_seeded(*seeded[-1], sla=sla, what=what, unit=unit, knob=knob, as_json=as_json)
+            continue
         res = search_capacity(
             functools.partial(workload_at, block_tokens=cfg.prefill.prefix_block_tokens),
             cfg,
@@ -1750,6 +1915,11 @@ def capacity(
                 + ("--window" if trace is None else "a longer trace, or --span")
                 + ")"
             )
+
+    if seeded:
+        if len(seeded) > 1 and not as_json:
+            _print_seeded_compared(seeded, what=what, unit=unit)
+        return
 
     def draw():
         from xds.plots import capacity_figure
@@ -2023,7 +2193,8 @@ def _spread_cell(mean: float, ci95: float, unit: str, *, signed: bool = False) -
     """``mean ± ci95`` in the unit's format ("-" where undefined)."""
     if math.isnan(mean):
         return "-"
-    scale, digits = (100.0, 1) if unit == "share" else (1.0, 1 if unit == "requests" else 2)
+    digits = {"share": 1, "requests": 1, "per chip": 3}.get(unit, 2)
+    scale = 100.0 if unit == "share" else 1.0
     text = f"{mean * scale:{'+' if signed else ''},.{digits}f}"
     if not math.isnan(ci95):
         text += f" ± {ci95 * scale:,.{digits}f}"

@@ -33,8 +33,8 @@ of both criteria.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Literal, get_args
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -56,6 +56,9 @@ from .prefill import PrefillPlacement, least_work
 from .replay import CONTEXT_FAILURE, MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
 from .routing import DecodeRouting, lowest_kv
 from .speculative import Speculator
+
+if TYPE_CHECKING:
+    from .compare import Spread
 
 Criterion = Literal["mean", "goodput"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -480,3 +483,68 @@ def _search(
 
 
 document_fields(CapacityPoint, CapacityResult)
+
+
+class SeededCapacity(msgspec.Struct, frozen=True):
+    """A capacity search repeated over seeds (:func:`search_capacity_over_seeds`)."""
+
+    seeds: list[int]
+    results: list[CapacityResult]
+    """One search per seed, in :attr:`seeds` order."""
+    capacity: Spread
+    """The capacity found (the searched knob: req/s, or a trace's rate scale) over the seeds
+    where the search found one below its cap (others are left out: ``capacity.n``)."""
+    rate_per_s: Spread
+    """The arrivals per second at the capacity, over the same seeds."""
+
+    @classmethod
+    def of(cls, seeds: list[int], results: list[CapacityResult]) -> SeededCapacity:
+        """The spread of one search per seed."""
+        from .compare import Spread
+
+        return cls(
+            seeds,
+            results,
+            Spread.of([found_value(r, lambda p: p.scale) for r in results]),
+            Spread.of([found_value(r, lambda p: p.rate_per_s) for r in results]),
+        )
+
+
+def found_value(res: CapacityResult, of: Callable[[CapacityPoint], float]) -> float:
+    """``of(res.found)``; NaN when nothing met the SLA or everything did (up to the cap)."""
+    return math.nan if res.found is None or res.capped else of(res.found)
+
+
+def search_capacity_over_seeds(
+    workload_at: Callable[[float, int], Workload],
+    config: PDConfig | None = None,
+    *,
+    seeds: int | Sequence[int] = 5,
+    on_result: Callable[[int, CapacityResult], None] | None = None,
+    **search: Any,
+) -> SeededCapacity:
+    """:func:`search_capacity` once per seed (``workload_at(x, seed)`` the workload at rate or
+    scale ``x`` under that seed; ``search``: the other keywords of :func:`search_capacity`),
+    and the capacity's mean over seeds with its 95 % confidence interval: a capacity is found
+    by bisecting replays that each move with their seed, so comparing two designs' capacities
+    within a few per cent needs the interval. ``on_result(seed, result)`` sees each search as
+    it ends."""
+    from .compare import seed_list  # (compare imports the replay this module does)
+
+    chosen = seed_list(seeds)
+    require_callable(workload_at, "workload_at", arity=2, kind="function")
+    if on_result is not None:
+        require_callable(on_result, "on_result", arity=2, kind="callback")
+    if "seed" in search:
+        raise ConfigError("give the seeds as seeds=, not seed=", field="seed")
+    results = []
+    for seed in chosen:
+
+        def at(x: float, seed: int = seed) -> Workload:
+            return workload_at(x, seed)
+
+        res = search_capacity(at, config, seed=seed, **search)
+        results.append(res)
+        if on_result is not None:
+            on_result(seed, res)
+    return SeededCapacity.of(chosen, results)

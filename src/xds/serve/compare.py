@@ -257,7 +257,7 @@ def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
     return out
 
 
-def _seeds(seeds: int | Sequence[int]) -> list[int]:
+def seed_list(seeds: int | Sequence[int]) -> list[int]:
     """``seeds`` as a list: a count n gives 0 .. n - 1."""
     if isinstance(seeds, numbers.Integral) and not isinstance(seeds, bool):
         if seeds < 1:
@@ -313,7 +313,7 @@ def compare(
     starts from its own copy, so its results would depend on ``jobs`` and on the order of the
     replays."""
     chosen = _variants(variants)
-    seed_list = _seeds(seeds)
+    chosen_seeds = seed_list(seeds)
     if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
         raise ConfigError(f"jobs must be a positive integer, got {jobs!r}", field="jobs")
     if not isinstance(workload, Workload):
@@ -321,13 +321,13 @@ def compare(
     if on_replay is not None:
         require_callable(on_replay, "on_replay", arity=3, kind="callback")
     chosen = _judged_by(chosen, sla)
-    workloads = {seed: _workload_at(workload, seed) for seed in seed_list}  # before any fork
-    runs = [(name, seed) for name in chosen for seed in seed_list]
+    workloads = {seed: _workload_at(workload, seed) for seed in chosen_seeds}  # before any fork
+    runs = [(name, seed) for name in chosen for seed in chosen_seeds]
     faults = list(faults)
     several = len(chosen) > 1
     for name, v in chosen.items():  # a mismatch found before any replay, not after some
         with _naming_variant(name, several):
-            check_replay(workloads[seed_list[0]], v.config, faults=faults, **v.policies)
+            check_replay(workloads[chosen_seeds[0]], v.config, faults=faults, **v.policies)
 
     def run(i: float) -> tuple[Summary, int]:
         name, seed = runs[int(i)]
@@ -356,7 +356,7 @@ def compare(
             unfired[name].append(missed)
             if on_replay is not None:
                 on_replay(name, seed, s)
-    return _compared(seed_list, workloads[seed_list[0]].source, chosen, summaries, unfired)
+    return _compared(chosen_seeds, workloads[chosen_seeds[0]].source, chosen, summaries, unfired)
 
 
 def _workload_at(workload: Workload | Callable[[int], Workload], seed: int) -> Workload:
