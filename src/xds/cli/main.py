@@ -1002,6 +1002,49 @@ def _load_trace(
     )
 
 
+def _trace_by_seed(
+    trace: str,
+    fmt: str | None,
+    columns: str,
+    rate: float,
+    cv: float,
+    seed: int,
+    sort: bool,
+    span: str,
+    drop_invalid: bool,
+    limit: int | None,
+    spread_ties: bool,
+):
+    """``seed -> the TRACE as a Workload`` (limited): loaded once, with its notes, for
+    ``seed``; a trace whose arrivals xds draws (``--format lengths``, ServeGen,
+    ``--spread-ties``) is drawn again, quietly, for another seed, any other is the same."""
+    drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
+    loaded: dict[int, Any] = {}
+
+    def at(s: int):
+        key = s if drawn else seed
+        if key not in loaded:
+            w = _load_trace(
+                trace,
+                fmt,
+                columns,
+                rate,
+                cv,
+                key,
+                sort,
+                span,
+                drop_invalid,
+                limit,
+                spread_ties,
+                quiet=key != seed,
+            )
+            loaded[key] = w.limited(limit)
+        return loaded[key]
+
+    at(seed)  # a bad file fails now, before any replay
+    return at
+
+
 def _note_dropped(workload) -> None:
     """On stderr: the rows ``--drop-invalid`` left out among those read (the summary counts
     them too)."""
@@ -1484,6 +1527,17 @@ def _bounds(binding: str) -> str:
     return ", ".join(word(m) for m in binding.split("; ") if m)
 
 
+def _found_cells(res, chips: int = 0) -> list[str]:
+    """A table row's cells for the capacity a search found (with ``chips``, per chip too):
+    the knob, arrivals/s, TPOT, TTFT and goodput there, and what bound the search."""
+    p = res.found
+    cells = [f"{p.scale:g}", f"{p.rate_per_s:,.2f}"]
+    if chips:
+        cells.append(f"{p.rate_per_s / chips:,.3f}")
+    bound = "search cap" if res.capped else _bounds(res.binding)
+    return [*cells, _ms(p.tpot_ms, 2), _ms(p.ttft_ms, 0), f"{p.goodput:.1%}", bound]
+
+
 def _search_seeds(workload_at, cfg, seeds: list[int], show, quiet: bool, search: dict):
     """One capacity search per seed (``xds capacity --seeds``), each announced on stderr."""
     from xds.serve.capacity import SeededCapacity, search_capacity
@@ -1518,15 +1572,7 @@ def _print_seeded(
         if p is None:
             table.add_row(str(s), "-", "-", "-", "-", "-", "missed at the lowest rate")
             continue
-        table.add_row(
-            str(s),
-            f"{p.scale:g}",
-            f"{p.rate_per_s:,.2f}",
-            _ms(p.tpot_ms, 2),
-            _ms(p.ttft_ms, 0),
-            f"{p.goodput:.1%}",
-            "search cap" if r.capped else _bounds(r.binding),
-        )
+        table.add_row(str(s), *_found_cells(r))
     console.print(table)
     c = res.capacity
     if c.n == 0:
@@ -1752,9 +1798,10 @@ def capacity(
             return _built_in(n, x, s, unique_prompts, block_tokens)
     else:
         unit, knob = "x trace rate", "rate scale"
-        base = _load_trace(
+        base_at = _trace_by_seed(
             trace, fmt, columns, rate or 2.0, cv, seed, sort, span, drop_invalid, limit, spread_ties
-        ).limited(limit)
+        )
+        base = base_at(seed)
         _note_dropped(base)
         if len(base) < MIN_SEARCH_REQUESTS or not base.duration_ns:
             raise click.UsageError(
@@ -1764,30 +1811,6 @@ def capacity(
                 + f"; a capacity search judges the middle half of a trace's arrivals and needs "
                 f"at least {MIN_SEARCH_REQUESTS} spread over time"
             )
-
-        drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
-        bases = {seed: base}
-
-        def base_at(s: int):  # arrivals drawn by xds differ by seed; a trace's do not
-            if not drawn:
-                return base
-            if s not in bases:
-                loaded = _load_trace(
-                    trace,
-                    fmt,
-                    columns,
-                    rate or 2.0,
-                    cv,
-                    s,
-                    sort,
-                    span,
-                    drop_invalid,
-                    limit,
-                    spread_ties,
-                    quiet=True,
-                )
-                bases[s] = loaded.limited(limit)
-            return bases[s]
 
         def workload_at(x: float, block_tokens: int, s: int = seed):  # its hashes are its own
             scaled = base_at(s).scaled(x)
@@ -1966,17 +1989,7 @@ def capacity(
                 "missed at the lowest rate: " + _bounds(res.binding),
             )
             continue
-        compare.add_row(
-            escape(name),
-            str(chips),
-            f"{p.scale:g}",
-            f"{p.rate_per_s:,.2f}",
-            f"{p.rate_per_s / chips:,.3f}",
-            _ms(p.tpot_ms, 2),
-            _ms(p.ttft_ms, 0),
-            f"{p.goodput:.1%}",
-            "search cap" if res.capped else _bounds(res.binding),
-        )
+        compare.add_row(escape(name), str(chips), *_found_cells(res, chips))
     console.print(compare)
     _save_plot(draw, plot_path, quiet=False)
 
@@ -2084,33 +2097,13 @@ def compare(
             built = _built_in(synthetic_n, rate, s, unique_prompts, block)
             return built.scaled(rate_scale).limited(limit)
     else:
-        drawn = spread_ties or fmt in ("lengths", "servegen") or Path(trace).is_dir()
+        trace_at = _trace_by_seed(
+            trace, fmt, columns, rate, cv, seed, sort, span, drop_invalid, limit, spread_ties
+        )
+        _note_dropped(trace_at(seed))  # a bad file fails before any replay
 
-        def load_at(s: int, quiet: bool = True):
-            return (
-                _load_trace(
-                    trace,
-                    fmt,
-                    columns,
-                    rate,
-                    cv,
-                    s,
-                    sort,
-                    span,
-                    drop_invalid,
-                    limit,
-                    spread_ties,
-                    quiet=quiet,
-                )
-                .scaled(rate_scale)
-                .limited(limit)
-            )
-
-        first = load_at(seed, quiet=False)  # a bad file fails before any replay; notes once
-        _note_dropped(first)
-
-        def workload_for(s: int):  # arrivals drawn by xds differ by seed; a trace's do not
-            return load_at(s) if drawn and s != seed else first
+        def workload_for(s: int):
+            return trace_at(s).scaled(rate_scale)
 
     total = len(variants) * len(seeds)
     with _progress_bar("compare", "{task.fields[last]}", quiet=as_json) as bar:
