@@ -424,5 +424,13 @@ def test_a_search_per_seed_gives_the_capacity_an_interval(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "capacity of" in out and "over seeds" in out and "capacity compared over seeds" in out
     assert "+0.00 ± 0.00 ~" in out
+    assert main([*argv, *more, "--deployment", same, "--json"]) == 0
+    first, second = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    assert "difference_from_first" not in first
+    assert second["difference_from_first"]["mean"] in (0.0, None)  # itself: 0, or none found
+    capped = ["--window", "10", "--start", "2", "--max-scale", "2"]  # every seed meets at 2
+    assert main(["capacity", "--deployment", str(toml), *capped, *more]) == 0
+    out = capsys.readouterr().out
+    assert "capacity: none to average (2 seed(s) meeting the SLA up to the search cap" in out
     assert main([*argv, *more, "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot draws one search per deployment: give --seeds 1" in capsys.readouterr().err

@@ -700,18 +700,20 @@ class _Finite(click.FloatRange):
         return out
 
 
-_fault_option = click.option(
-    "--fault",
-    "fault_specs",
-    multiple=True,
-    metavar="KIND:KEY=VALUE,...",
-    help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU fault, "
-    "recovered as the deployment's recovery says), "
-    "link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
-    "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
-    "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks masked). "
-    "Repeatable.",
-)
+def _fault_option(recovered_as: str):
+    """--fault (``replay``, ``compare``): a node fault is ``recovered_as`` says."""
+    return click.option(
+        "--fault",
+        "fault_specs",
+        multiple=True,
+        metavar="KIND:KEY=VALUE,...",
+        help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU "
+        f"fault, recovered as {recovered_as} says), "
+        "link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
+        "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
+        "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks "
+        "masked). Repeatable.",
+    )
 
 
 def _trace_options(f):
@@ -1155,7 +1157,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
 @click.option("--csv", "as_csv", is_flag=True, help="With --out, also write requests.csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@_fault_option
+@_fault_option("--recovery")
 @click.option(
     "--probe", is_flag=True, help="Probe every DistFlow pair's link (SPEC 11.1) during the replay."
 )
@@ -1552,13 +1554,27 @@ def _search_seeds(workload_at, cfg, seeds: list[int], show, quiet: bool, search:
 
 
 def _print_seeded(
-    name: str, chips: int, res, *, sla, what: str, unit: str, knob: str, as_json: bool
+    name: str,
+    chips: int,
+    res,
+    *,
+    baseline=None,
+    sla,
+    what: str,
+    unit: str,
+    knob: str,
+    as_json: bool,
+    extra: dict | None = None,
+    window_hint: str = "",
 ):
-    """One deployment's searches over seeds: a line of JSON, or a table and the interval."""
+    """One deployment's searches over seeds: a line of JSON (with ``extra`` and, after the
+    first deployment, the paired difference from ``baseline``), or a table and the interval."""
     import msgspec
 
     if as_json:
-        line = {"deployment": name, "chips": chips, **msgspec.to_builtins(res)}
+        line = {"deployment": name, "chips": chips, **msgspec.to_builtins(res), **(extra or {})}
+        if baseline is not None:
+            line["difference_from_first"] = msgspec.to_builtins(res.difference(baseline))
         print(msgspec.json.encode(line).decode(), flush=True)
         return
     table = Table(
@@ -1568,21 +1584,50 @@ def _print_seeded(
     for col in ("seed", knob, "arrivals/s", "mean TPOT ms", "mean TTFT ms", "goodput", "bound"):
         table.add_column(col, justify="left" if col == "bound" else "right")
     for s, r in zip(res.seeds, res.results, strict=True):
-        p = r.found
-        if p is None:
-            table.add_row(str(s), "-", "-", "-", "-", "-", "missed at the lowest rate")
-            continue
-        table.add_row(str(s), *_found_cells(r))
+        if r.found is None:
+            missed = "missed at the lowest rate: " + _bounds(r.binding)
+            table.add_row(str(s), "-", "-", "-", "-", "-", missed)
+        else:
+            table.add_row(str(s), *_found_cells(r))
     console.print(table)
     c = res.capacity
+    left_out = _left_out(res)
     if c.n == 0:
-        console.print("capacity: no seed's search found one below its cap")
+        console.print(f"capacity: none to average ({left_out})")
+    else:
+        console.print(
+            f"capacity: {_spread_cell(c.mean, c.ci95, unit)} {unit} (mean over {c.n} of "
+            f"{len(res.seeds)} seeds"
+            + (", 95 % interval" if c.n > 1 else "")
+            + f"; range {c.min:,g}..{c.max:,g})"
+        )
+        if left_out:
+            console.print(f"note: left out {left_out}, so the mean is censored")
+    _cold_note([p for r in res.results for p in r.points], unit, window_hint)
+
+
+def _left_out(res) -> str:
+    """The seeds a capacity over seeds leaves out, and why ("" if none)."""
+    parts = []
+    if res.capped:
+        parts.append(f"{res.capped} seed(s) meeting the SLA up to the search cap: higher")
+    if res.missed:
+        parts.append(f"{res.missed} seed(s) missing it at the lowest rate: lower")
+    return "; ".join(parts)
+
+
+def _cold_note(points, unit: str, window_hint: str) -> None:
+    """The note that points judged before decode filled up have an optimistic TPOT."""
+    cold = [p for p in points if not p.warm]
+    if not cold:
         return
-    interval = f" ± {c.ci95:,.3g}" if c.n > 1 else ""
+    p = cold[0]
+    scales = ", ".join(dict.fromkeys(f"{q.scale:g}" for q in cold))
     console.print(
-        f"capacity: {c.mean:,.3g}{interval} {unit} (mean over {c.n} of {len(res.seeds)} seeds"
-        + (", 95 % interval" if c.n > 1 else "")
-        + f"; range {c.min:g}..{c.max:g})"
+        f"note: at {scales} {unit} the judged requests arrived less than a request's "
+        f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.1f} s < "
+        f"{p.mean_decode_s:,.1f} s): decode had not filled up, so TPOT there is "
+        f"optimistic; give the search more arrivals ({window_hint})"
     )
 
 
@@ -1592,37 +1637,31 @@ def _print_seeded_compared(seeded: list, *, what: str, unit: str) -> None:
     from xds.serve.capacity import found_value
     from xds.serve.compare import Spread
 
-    table = Table(title=f"capacity compared over seeds: {what} within the SLA")
-    for col in ("deployment", "chips", f"capacity ({unit})", "req/s per chip", "Δ vs first"):
+    table = Table(
+        title=f"capacity compared over seeds: {what} within the SLA",
+        caption="seeds: those averaged (one at the search cap or with none found is left "
+        "out); Δ: the paired difference from the first, seed by seed",
+    )
+    for col in ("deployment", "chips", "seeds", f"capacity ({unit})", "req/s per chip", "Δ"):
         table.add_column(col, justify="left" if col == "deployment" else "right")
-    first = [found_value(r, lambda p: p.scale) for r in seeded[0][2].results]
+    base = seeded[0][2]
     for i, (name, chips, res) in enumerate(seeded):
-        c, per_chip = (
-            res.capacity,
-            Spread.of([found_value(r, lambda p: p.rate_per_s) / chips for r in res.results]),
-        )
+        c = res.capacity
+        per_chip = Spread.of([found_value(r, lambda p: p.rate_per_s) / chips for r in res.results])
         delta = "-"
         if i:
-            d = Spread.of(
-                [
-                    found_value(r, lambda p: p.scale) - f
-                    for r, f in zip(res.results, first, strict=True)
-                ]
-            )
+            d = res.difference(base)
             if not math.isnan(d.mean):
-                verdict = (
-                    "-"
-                    if math.isnan(d.ci95)
-                    else "~"
-                    if abs(d.mean) <= d.ci95
-                    else "higher"
-                    if d.mean > 0
-                    else "lower"
-                )
+                verdict = "higher" if d.mean > 0 else "lower"
+                if math.isnan(d.ci95):
+                    verdict = "-"
+                elif abs(d.mean) <= d.ci95:
+                    verdict = "~"
                 delta = f"{_spread_cell(d.mean, d.ci95, unit, signed=True)} {verdict}"
         table.add_row(
             escape(name),
             str(chips),
+            f"{c.n}/{len(res.seeds)}",
             _spread_cell(c.mean, c.ci95, unit),
             _spread_cell(per_chip.mean, per_chip.ci95, "per chip"),
             delta,
@@ -1832,6 +1871,7 @@ def capacity(
             )
 
     what = "mean TPOT and mean TTFT" if criterion == "mean" else f"{goodput_target:.0%} of requests"
+    window_hint = "--window" if trace is None else "a longer trace, or --span"
     found = []
     seeded: list[tuple[str, int, Any]] = []
     for name, cfg in configs:
@@ -1867,7 +1907,17 @@ def capacity(
                     ),
                 )
             )
-            _print_seeded(*seeded[-1], sla=sla, what=what, unit=unit, knob=knob, as_json=as_json)
+            _print_seeded(
+                *seeded[-1],
+                baseline=seeded[0][2] if len(seeded) > 1 else None,
+                sla=sla,
+                what=what,
+                unit=unit,
+                knob=knob,
+                as_json=as_json,
+                extra={"dropped_rows": len(base.dropped)} if drop_invalid else None,
+                window_hint=window_hint,
+            )
             continue
         res = search_capacity(
             functools.partial(workload_at, block_tokens=cfg.prefill.prefix_block_tokens),
@@ -1926,18 +1976,7 @@ def capacity(
                 f"capacity: {res.found.scale:g} {unit} ({res.found.rate_per_s:,.2f} req/s); "
                 f"the next rate up missed: {escape(res.binding)}"
             )
-        cold = [p for p in res.points if not p.warm]
-        if cold:
-            p = cold[0]
-            scales = ", ".join(f"{q.scale:g}" for q in cold)
-            console.print(
-                f"note: at {scales} {unit} the judged requests arrived less than a request's "
-                f"mean decode time after the first (at {p.scale:g}: {p.lead_in_s:,.1f} s < "
-                f"{p.mean_decode_s:,.1f} s): decode had not filled up, so TPOT there is "
-                "optimistic; give the search more arrivals ("
-                + ("--window" if trace is None else "a longer trace, or --span")
-                + ")"
-            )
+        _cold_note(res.points, unit, window_hint)
 
     if seeded:
         if len(seeded) > 1 and not as_json:
@@ -2010,7 +2049,7 @@ def capacity(
 @_jobs_option("replaying in parallel", "The numbers do")
 @_sla_options(" of goodput for every variant", "s' SLA, which must agree")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
-@_fault_option
+@_fault_option("each deployment's [recovery] mode")
 @_policy_option
 def compare(
     trace: str | None,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -43,6 +43,7 @@ from ..docfields import document_fields
 from ..errors import ConfigError
 from ..trace.metrics import SLA, RequestRecord, prefix_hit_ratio
 from ..trace.workload import Workload
+from .compare import Spread, seed_list
 from .decode_te import comm_grid
 from .distflow import KVMover
 from .job_executor import (
@@ -56,9 +57,6 @@ from .prefill import PrefillPlacement, least_work
 from .replay import CONTEXT_FAILURE, MAX_ARRIVAL_NS, PDConfig, check_pd_config, replay
 from .routing import DecodeRouting, lowest_kv
 from .speculative import Speculator
-
-if TYPE_CHECKING:
-    from .compare import Spread
 
 Criterion = Literal["mean", "goodput"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
@@ -276,6 +274,18 @@ def _check(
         raise ConfigError(f"goodput_target must be in (0, 1], got {target}", field="goodput_target")
 
 
+def _check_workload_at(workload_at: object, and_seed: str, instead: str) -> None:
+    """``workload_at`` must be a function of the searched rate (``and_seed``: and the seed),
+    not a Workload (``instead``: what to pass)."""
+    if isinstance(workload_at, Workload):
+        raise ConfigError(
+            f"must be a function of the searched rate{and_seed} returning a Workload, got a "
+            f"Workload: pass {instead} (the search then varies the trace's rate scale)",
+            field="workload_at",
+        )
+    require_callable(workload_at, "workload_at", arity=2 if and_seed else 1, kind="function")
+
+
 def search_capacity(
     workload_at: Callable[[float], Workload],
     config: PDConfig | None = None,
@@ -310,13 +320,7 @@ def search_capacity(
     ``jobs > 1`` replays the rates the search may try next in that many worker processes while
     it waits for the current one (:class:`~xds.serve.speculative.Speculator`); the points
     tried and the result are the same for any ``jobs``, only the wall time changes."""
-    if isinstance(workload_at, Workload):
-        raise ConfigError(
-            "must be a function of the searched rate returning a Workload, got a Workload: "
-            "pass its `scaled` method (the search then varies the trace's rate scale)",
-            field="workload_at",
-        )
-    require_callable(workload_at, "workload_at", arity=1, kind="function")
+    _check_workload_at(workload_at, "", "its `scaled` method")
     if on_point is not None:
         require_callable(on_point, "on_point", arity=1, kind="callback")
     cfg = check_pd_config(config)
@@ -493,20 +497,42 @@ class SeededCapacity(msgspec.Struct, frozen=True):
     """One search per seed, in :attr:`seeds` order."""
     capacity: Spread
     """The capacity found (the searched knob: req/s, or a trace's rate scale) over the seeds
-    where the search found one below its cap (others are left out: ``capacity.n``)."""
+    whose search found one below its cap (``capacity.n`` of them): a seed at the cap (its
+    capacity is at least the cap) or with none found (below the lowest rate) is left out, so
+    with either the mean is censored (:attr:`capped`, :attr:`missed`)."""
     rate_per_s: Spread
     """The arrivals per second at the capacity, over the same seeds."""
+    capped: int = 0
+    """Seeds whose every rate up to the cap met the SLA."""
+    missed: int = 0
+    """Seeds whose lowest rate tried missed the SLA."""
 
     @classmethod
     def of(cls, seeds: list[int], results: list[CapacityResult]) -> SeededCapacity:
         """The spread of one search per seed."""
-        from .compare import Spread
-
         return cls(
             seeds,
             results,
             Spread.of([found_value(r, lambda p: p.scale) for r in results]),
             Spread.of([found_value(r, lambda p: p.rate_per_s) for r in results]),
+            capped=sum(1 for r in results if r.capped),
+            missed=sum(1 for r in results if r.found is None),
+        )
+
+    def difference(self, baseline: SeededCapacity) -> Spread:
+        """The paired difference of the capacity from ``baseline``'s, seed by seed (over the
+        seeds where both found one below the cap): searches of the same seeds."""
+        if baseline.seeds != self.seeds:
+            raise ConfigError(
+                f"seeds differ ({baseline.seeds} and {self.seeds}): the difference pairs the "
+                "searches of the same seeds",
+                field="baseline",
+            )
+        return Spread.of(
+            [
+                found_value(r, lambda p: p.scale) - found_value(b, lambda p: p.scale)
+                for r, b in zip(self.results, baseline.results, strict=True)
+            ]
         )
 
 
@@ -529,10 +555,8 @@ def search_capacity_over_seeds(
     by bisecting replays that each move with their seed, so comparing two designs' capacities
     within a few per cent needs the interval. ``on_result(seed, result)`` sees each search as
     it ends."""
-    from .compare import seed_list  # (compare imports the replay this module does)
-
     chosen = seed_list(seeds)
-    require_callable(workload_at, "workload_at", arity=2, kind="function")
+    _check_workload_at(workload_at, " and the seed", "`lambda x, seed: trace.scaled(x)`")
     if on_result is not None:
         require_callable(on_result, "on_result", arity=2, kind="callback")
     if "seed" in search:
@@ -548,3 +572,6 @@ def search_capacity_over_seeds(
         if on_result is not None:
             on_result(seed, res)
     return SeededCapacity.of(chosen, results)
+
+
+document_fields(SeededCapacity)
