@@ -1652,11 +1652,9 @@ def _print_seeded_compared(seeded: list, *, what: str, unit: str) -> None:
         if i:
             d = res.difference(base)
             if not math.isnan(d.mean):
-                verdict = "higher" if d.mean > 0 else "lower"
-                if math.isnan(d.ci95):
+                verdict = ("higher" if d.mean > 0 else "lower") if d.excludes_zero else "~"
+                if math.isnan(d.ci95):  # one seed in common: no interval
                     verdict = "-"
-                elif abs(d.mean) <= d.ci95:
-                    verdict = "~"
                 delta = f"{_spread_cell(d.mean, d.ci95, unit, signed=True)} {verdict}"
         table.add_row(
             escape(name),

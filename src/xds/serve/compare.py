@@ -110,6 +110,12 @@ class Spread(msgspec.Struct, frozen=True):
     """Seeds the metric is defined for (TPOT is not where no request was decoded, say): the
     others are left out."""
 
+    @property
+    def excludes_zero(self) -> bool:
+        """Its interval excludes 0 (never without an interval): a difference this is the
+        spread of is significant."""
+        return not math.isnan(self.ci95) and abs(self.mean) > self.ci95
+
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
         """The spread of one value per seed, NaN values left out (all NaN: NaN)."""
@@ -418,7 +424,7 @@ def _compared(
                 v[m.key] - b[m.key] for v, b in zip(values[r.name], values[base.name], strict=True)
             ]
             spread = Spread.of(deltas)
-            significant = not math.isnan(spread.ci95) and abs(spread.mean) > spread.ci95
+            significant = spread.excludes_zero
             ref = base.metrics[m.key].mean
             differences.append(
                 Difference(
