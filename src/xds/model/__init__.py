@@ -1,6 +1,6 @@
 """Models: specs of the served models, kernel cost functions, and a tiny numeric reference MoE."""
 
-from .costs import CostModel, Kernel, KernelEfficiency, Precision
+from .costs import CostModel, Kernel, KernelEfficiency, Precision, check_attention
 from .numerics import (
     dequantize_int8,
     from_bf16_bits,
@@ -34,6 +34,7 @@ __all__ = [
     "Precision",
     "ReferenceMoE",
     "TinyMoE",
+    "check_attention",
     "dequantize_int8",
     "from_bf16_bits",
     "int8_error_bound",

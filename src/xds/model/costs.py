@@ -20,7 +20,17 @@ eager_op_dispatch_ns       30 us   [emulator choice] host dispatch per operator 
 Shapes follow the model spec (:mod:`xds.model.specs`). MLA runs in the absorbed form used for
 decode: the query is projected into the 512-dim latent, attention reads the cached latent plus
 the RoPE key once per sequence (MTP tokens of a sequence share the read), and the output goes
-back through the absorbed value and output projections.
+back through the absorbed value and output projections. GQA (Qwen3-235B, GLM-4.5) projects
+the query heads and the fewer key/value heads from the hidden state (with a per-head
+RMSNorm on queries and keys where the model has QK-norm), attends over the cached keys and
+values (read once per sequence, shared by its query heads and MTP tokens) and projects back.
+The same efficiencies apply: CMI measured MLA, and a GQA decode kernel is as memory-bound
+([emulator choice]; no public Ascend measurement of GQA utilisation). Hybrid linear
+attention (MiniMax-M1's lightning layers) is not modelled.
+
+:meth:`CostModel.attention_prolog`, :meth:`CostModel.attention_core` and
+:meth:`CostModel.attention_output` pick the model's family; the ``mla_*`` and ``gqa_*``
+methods are the families' own kernels.
 """
 
 from __future__ import annotations
@@ -60,11 +70,13 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Which components run in INT8 (SPEC 9.2); each switch changes cost only."""
 
     mla_int8: bool = True
-    """Wq_a, Wkv_a, Wq_b and Wo as INT8 QMM (P087)."""
+    """Wq_a, Wkv_a, Wq_b and Wo as INT8 QMM (P087); for a GQA model, its q, k, v and o
+    projections ([emulator choice], the same W8A8 scheme)."""
     moe_int8: bool = True
     """All expert weights and the dense MLP as INT8 QMM (P088)."""
     kv_int8_nope: bool = True
-    """The non-RoPE latent of the KV cache in INT8 (P090)."""
+    """The non-RoPE latent of the KV cache in INT8 (P090); for a GQA model, its keys and
+    values ([emulator choice]: an INT8 KV cache, as Ascend serves GQA models with)."""
     attention_int8: bool = False
     """The whole attention computation in INT8 on every layer (P090)."""
     attention_int8_layers: tuple[int, ...] = ()
@@ -103,15 +115,17 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         parameter in INT8 (``mla_int8`` for Wq_a, Wkv_a, Wq_b and Wo; ``moe_int8`` for experts
         and dense MLP, P087-P088) and 2 in BF16; ``kv_b_proj``, embeddings and LM head in
         BF16. Over ``tp`` ranks each holds the down-projections whole and 1/tp of the rest of
-        attention, the dense MLP and the embeddings. With ``mtp`` (a deployment that drafts)
+        attention, the dense MLP and the embeddings (a GQA model: 1/tp of the query and
+        output projections, and its KV heads' key and value projections,
+        :meth:`ModelSpec.gqa_kv_params`). With ``mtp`` (a deployment that drafts)
         the MTP layers too: attention, experts like any MoE layer's, and the BF16 eh_proj
         (the embedding and head are shared)."""
         layers = model.layers + (model.mtp_layers if mtp else 0)
         mla = 1 if self.mla_int8 else 2
         mlp = 1 if self.moe_int8 else 2
-        whole = layers * model.mla_down_params * mla
+        whole = layers * (model.mla_down_params + model.gqa_kv_params(tp)) * mla
         split = (
-            layers * (model.mla_head_params * mla + model.kv_b_params * 2)
+            layers * ((model.mla_head_params + model.gqa_qo_params) * mla + model.kv_b_params * 2)
             + model.dense_mlp_params * mlp
             + 2 * model.embedding_params
             + 2 * (layers - model.layers) * model.mtp_projection_params
@@ -128,6 +142,19 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         """Whether ``layer``'s attention runs in INT8 (None: a layer outside the per-layer
         list, i.e. only the all-layer switch counts)."""
         return self.attention_int8 or (layer is not None and layer in self.attention_int8_layers)
+
+
+def check_attention(model: ModelSpec, *, field: str = "model") -> None:
+    """Refuse a model whose attention the cost model does not price (hybrid linear
+    attention), naming the field."""
+    if model.attention not in ("mla", "gqa"):
+        raise ConfigError(
+            f"{model.name}: its {model.attention} attention is not modelled (lightning layers "
+            "keep a fixed per-sequence state that neither the kernel costs nor the KV block "
+            "accounting cover); xds models MLA (DeepSeek-V3/R1, Kimi K2) and GQA (Qwen3-235B, "
+            "GLM-4.5) models",
+            field=field,
+        )
 
 
 class Kernel(msgspec.Struct, frozen=True):
@@ -149,12 +176,7 @@ class CostModel:
         precision: Precision | None = None,
         efficiency: KernelEfficiency | None = None,
     ):
-        if model.attention != "mla":
-            raise ConfigError(
-                f"{model.name}: the kernel cost model covers MLA attention only "
-                f"({model.attention} is not modelled yet)",
-                field="model",
-            )
+        check_attention(model)
         self.model = model
         self.die = die
         self.precision = precision or Precision()
@@ -182,6 +204,67 @@ class CostModel:
         return self.kernel(
             name, 2.0 * tokens * k * n, wbytes + act, "cube_int8" if int8 else "cube_bf16"
         )
+
+    # -- attention, whichever the model's family ---------------------------------------------
+    def attention_prolog(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:
+        """The kernels before the attention core on ``tokens``: :meth:`mla_prolog` or
+        :meth:`gqa_prolog` (``absorb`` is MLA's; GQA has no absorbed form)."""
+        if self.model.attention == "mla":
+            return self.mla_prolog(tokens, absorb=absorb)
+        return self.gqa_prolog(tokens)
+
+    def attention_core(
+        self, seqs: int, tokens_per_seq: float, context: int, *, layer: int | None = None
+    ) -> Kernel:
+        """Decode attention over ``context`` cached tokens: :meth:`mla_attention` or
+        :meth:`gqa_attention`."""
+        if self.model.attention == "mla":
+            return self.mla_attention(seqs, tokens_per_seq, context, layer=layer)
+        return self.gqa_attention(seqs, tokens_per_seq, context, layer=layer)
+
+    def attention_output(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:
+        """The kernels after the attention core: :meth:`mla_output` or :meth:`gqa_output`."""
+        if self.model.attention == "mla":
+            return self.mla_output(tokens, absorb=absorb)
+        return self.gqa_output(tokens)
+
+    # -- GQA kernels -------------------------------------------------------------------------
+    def gqa_prolog(self, tokens: float) -> list[Kernel]:
+        """GQA before attention: input RMSNorm, the fused q/k/v projection (``heads`` query
+        and ``kv_heads`` key and value heads of ``head_dim``) and, with QK-norm, a per-head
+        RMSNorm over the queries and keys (RoPE is fused into the attention kernel)."""
+        m = self.model
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        kernels = [
+            self.kernel("rmsnorm", 5.0 * tokens * m.hidden, 4.0 * tokens * m.hidden, "vector"),
+            self._gemm("qkv_proj", tokens, m.hidden, q + 2 * kv, self.precision.mla_int8),
+        ]
+        if m.qk_norm:
+            kernels.append(
+                self.kernel("qk_norm", 5.0 * tokens * (q + kv), 4.0 * tokens * (q + kv), "vector")
+            )
+        return kernels
+
+    def gqa_attention(
+        self, seqs: int, tokens_per_seq: float, context: int, *, layer: int | None = None
+    ) -> Kernel:
+        """GQA attention over ``context`` cached tokens for ``seqs`` sequences of
+        ``tokens_per_seq`` query tokens: each query head scores every cached key and sums the
+        values (2 x 2 x head_dim FLOPs per head and cached token); the keys and values are
+        read once per sequence, shared by the query heads of a group."""
+        m, p = self.model, self.precision
+        tokens = seqs * tokens_per_seq
+        flops = 4.0 * tokens * m.heads * context * m.head_dim
+        kv_bytes = seqs * context * m.kv_bytes_per_token_layer(int8_nope=p.kv_int8_nope)
+        engine: Engine = "cube_int8" if p.int8_attention(layer) else "cube_bf16"
+        return self.kernel("gqa_attention", flops, kv_bytes, engine, attention=True)
+
+    def gqa_output(self, tokens: float) -> list[Kernel]:
+        """GQA after attention: the output projection (heads x head_dim -> hidden)."""
+        m = self.model
+        return [
+            self._gemm("o_proj", tokens, m.heads * m.head_dim, m.hidden, self.precision.mla_int8)
+        ]
 
     # -- decode kernels ----------------------------------------------------------------------------
     def mla_prolog(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:
@@ -318,9 +401,9 @@ class CostModel:
         """
         tokens = seqs * tokens_per_seq
         kernels = [
-            *self.mla_prolog(tokens),
-            self.mla_attention(seqs, tokens_per_seq, context, layer=layer),
-            *self.mla_output(tokens),
+            *self.attention_prolog(tokens),
+            self.attention_core(seqs, tokens_per_seq, context, layer=layer),
+            *self.attention_output(tokens),
             self.kernel(
                 "post_norm",
                 5.0 * tokens * self.model.hidden,

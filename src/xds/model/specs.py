@@ -37,6 +37,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     v_head_dim: int = 0
     softmax_layers: int = 0
     """For hybrid attention: how many layers use softmax (GQA) attention."""
+    qk_norm: bool = False
+    """GQA: an RMSNorm over each query and key head before RoPE (Qwen3, GLM-4.5)."""
     routed_experts: int
     top_k: int
     shared_experts: int
@@ -81,17 +83,32 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden * self.moe_intermediate
 
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """GQA: the KV heads one of ``tp`` attention ranks holds (a rank needs at least one:
+        with more ranks than KV heads each head is replicated on ``tp / kv_heads`` ranks)."""
+        return -(-self.kv_heads // tp)
+
+    def kv_rank_share(self, tp: int = 1) -> float:
+        """The share of a token's KV cache one of ``tp`` attention ranks holds: MLA's latent
+        is replicated on every rank (1.0); GQA splits the KV heads
+        (:meth:`kv_heads_per_rank` of ``kv_heads``)."""
+        if self.attention == "mla":
+            return 1.0
+        return self.kv_heads_per_rank(tp) / self.kv_heads
+
     @property
     def mla_down_params(self) -> int:
         """MLA's down-projections of one layer, Wq_a and Wkv_a (hidden -> q LoRA rank, and ->
         KV LoRA rank + RoPE key): every TP rank holds them whole (it projects its own tokens
-        down, then the ranks all-gather the latents)."""
+        down, then the ranks all-gather the latents). 0 for a model without MLA."""
         return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
 
     @property
     def mla_head_params(self) -> int:
         """MLA's per-head projections of one layer, Wq_b and Wo, split over TP ranks by head
-        (INT8-quantised with Wq_a and Wkv_a, SPEC 9.2)."""
+        (INT8-quantised with Wq_a and Wkv_a, SPEC 9.2). 0 for a model without MLA."""
+        if self.attention != "mla":
+            return 0
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.q_lora_rank * self.heads * qk + self.heads * self.v_head_dim * self.hidden
 
@@ -100,19 +117,66 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """MLA's ``kv_b_proj`` of one layer (W_UK and W_UV: latent -> each head's no-RoPE key
         and value), split by head. The absorbed form folds it into its per-head kernels,
         prefill's non-absorbed form up-projects the latent with it; SPEC 9.2 does not
-        quantise it, so it stays BF16 (16.8M of DeepSeek-V3's 187M per layer)."""
+        quantise it, so it stays BF16 (16.8M of DeepSeek-V3's 187M per layer). 0 for a model
+        without MLA."""
         return self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property
+    def gqa_qo_params(self) -> int:
+        """GQA's query and output projections of one layer (hidden -> heads x head_dim and
+        back), split over TP ranks by head. 0 for an MLA model."""
+        if self.attention == "mla":
+            return 0
+        return 2 * self.hidden * self.heads * self.head_dim
+
+    def gqa_kv_params(self, tp: int = 1) -> int:
+        """GQA's key and value projections one of ``tp`` attention ranks holds for one layer
+        (its :meth:`kv_heads_per_rank` heads). 0 for an MLA model."""
+        if self.attention == "mla":
+            return 0
+        return 2 * self.hidden * self.kv_heads_per_rank(tp) * self.head_dim
+
+    @property
     def attention_layer_params(self) -> int:
-        """MLA projection parameters of one layer: Wq_a, Wkv_a, Wq_b, Wo and ``kv_b_proj``."""
-        return self.mla_down_params + self.mla_head_params + self.kv_b_params
+        """Attention projection parameters of one layer: MLA's Wq_a, Wkv_a, Wq_b, Wo and
+        ``kv_b_proj``; GQA's q, k, v and o projections."""
+        return (
+            self.mla_down_params
+            + self.mla_head_params
+            + self.kv_b_params
+            + self.gqa_qo_params
+            + self.gqa_kv_params()
+        )
 
     @property
     def attention_params(self) -> int:
-        """MLA projection parameters of all decoder layers (:attr:`attention_layer_params`
+        """Attention projection parameters of all decoder layers (:attr:`attention_layer_params`
         each)."""
         return self.layers * self.attention_layer_params
+
+    @property
+    def total_params(self) -> int:
+        """Parameters of the main model (MTP layers excluded): attention projections, dense
+        MLPs, every routed and shared expert of the MoE layers, embedding and LM head (what
+        the attention family's projections count: :attr:`attention_layer_params`; a hybrid
+        model's linear-attention layers are counted as its GQA layers, which undercounts
+        them)."""
+        experts = self.routed_experts + self.shared_experts
+        return self._params(experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: as :attr:`total_params` with ``top_k``
+        routed experts and the shared ones per MoE layer."""
+        return self._params(self.top_k + self.shared_experts)
+
+    def _params(self, experts_per_layer: int) -> int:
+        return (
+            self.attention_params
+            + self.dense_mlp_params
+            + self.moe_layers * experts_per_layer * self.expert_params
+            + self.embedding_params
+        )
 
     @property
     def mtp_projection_params(self) -> int:
@@ -183,6 +247,7 @@ QWEN3_235B = ModelSpec(
     heads=64,
     kv_heads=4,
     head_dim=128,
+    qk_norm=True,
     routed_experts=128,
     top_k=8,
     shared_experts=0,
@@ -200,6 +265,7 @@ GLM_45 = ModelSpec(
     heads=96,
     kv_heads=8,
     head_dim=128,
+    qk_norm=True,
     routed_experts=160,
     top_k=8,
     shared_experts=1,

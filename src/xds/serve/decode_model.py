@@ -25,7 +25,14 @@ from ..docfields import document_fields
 from ..errors import ConfigError
 from ..fabric.xccl.moe import ExpertMap, PullOrder, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384, DieSpec
-from ..model import MODELS, CostModel, KernelEfficiency, ModelSpec, Precision
+from ..model import (
+    MODELS,
+    CostModel,
+    KernelEfficiency,
+    ModelSpec,
+    Precision,
+    check_attention,
+)
 from ..runtime import now_ns, rng, sleep_until_ns
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
@@ -130,12 +137,15 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(
                 f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
             )
-        if MODELS[self.model].attention != "mla":
-            raise ConfigError(
-                f"{self.model}: the decode cost model covers MLA models only", field="model"
-            )
-        self.precision.check_layers(MODELS[self.model])
         m = MODELS[self.model]
+        check_attention(m)
+        self.precision.check_layers(m)
+        if self.shared_expert_dies and not m.shared_experts:
+            raise ConfigError(
+                f"{m.name} has no shared expert: set shared_expert_dies = 0 (got "
+                f"{self.shared_expert_dies})",
+                field="shared_expert_dies",
+            )
         resolve_mtp(self.mtp, m)  # checks it
         if self.dies > m.routed_experts + self.shared_expert_dies:
             raise ConfigError(
@@ -219,6 +229,8 @@ class Breakdown(msgspec.Struct):
 
     attention: int = 0
     mla_other: int = 0
+    """The attention side's projections and norms: MLA's prolog and output kernels (Figure
+    20's name); for a GQA model its q/k/v and o projections and norms."""
     gating: int = 0
     dispatch: int = 0
     experts: int = 0
@@ -338,10 +350,10 @@ class KernelTimes:
         if len(self._attn_cache) >= 65_536:
             self._attn_cache.clear()
         tokens = seqs * tokens_per_seq
-        attn = c.mla_attention(seqs, tokens_per_seq, context, layer=layer).time_ns if seqs else 0
+        attn = c.attention_core(seqs, tokens_per_seq, context, layer=layer).time_ns if seqs else 0
         other = (
-            sum(k.time_ns for k in c.mla_prolog(tokens))
-            + sum(k.time_ns for k in c.mla_output(tokens))
+            sum(k.time_ns for k in c.attention_prolog(tokens))
+            + sum(k.time_ns for k in c.attention_output(tokens))
             + c.kernel(
                 "post_norm",
                 5.0 * tokens * self.model.hidden,

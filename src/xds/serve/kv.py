@@ -33,9 +33,13 @@ def kv_capacity_blocks(
     int8_nope: bool = True,
     workspace_fraction: float = WORKSPACE_FRACTION,
     mtp: bool = False,
+    tp: int = 1,
 ) -> int:
     """Blocks that fit in one die's HBM after ``weight_bytes`` of weights and a workspace
-    (activations, communication buffers: ``workspace_fraction`` of HBM, an emulator choice)."""
+    (activations, communication buffers: ``workspace_fraction`` of HBM, an emulator choice),
+    the die being one of ``tp`` attention ranks that share a block's tokens
+    (:meth:`~xds.model.ModelSpec.kv_rank_share`: MLA's latent is replicated on every rank,
+    GQA's KV heads are split over them)."""
     free = die.hbm_bytes * (1 - workspace_fraction) - weight_bytes
     if free <= 0:
         raise ConfigError(
@@ -44,6 +48,8 @@ def kv_capacity_blocks(
             field="weight_bytes",
         )
     per_block = model.kv_bytes_per_token(int8_nope=int8_nope, mtp=mtp) * block_tokens
+    if tp > 1:
+        per_block *= model.kv_rank_share(tp)
     return int(free // per_block)
 
 

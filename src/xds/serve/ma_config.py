@@ -28,7 +28,7 @@ from ..fabric.xccl.a2e import AEConfig, AEGroup
 from ..fabric.xccl.a2e import Mode as AEMode
 from ..fabric.xccl.moe import ExpertMap, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384
-from ..model import MODELS, KernelEfficiency, ModelSpec, Precision
+from ..model import MODELS, KernelEfficiency, ModelSpec, Precision, check_attention
 from ..runtime import now_ns, rng, run, sleep_until_ns
 from ..units import MS, US
 from .decode_model import resolve_mtp
@@ -110,10 +110,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"
             )
         m = self.spec
-        if m.attention != "mla":
-            raise ConfigError(
-                f"{m.name}: the decode cost model covers MLA models only", field="model"
-            )
+        check_attention(m)
         self.precision.check_layers(m)
         if self.microbatches > self.batch_per_die:
             raise ConfigError(
@@ -125,6 +122,12 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError(
                 f"must be >= 0 and below expert_dies ({self.expert_dies}), got "
                 f"{self.shared_expert_dies}",
+                field="shared_expert_dies",
+            )
+        if self.shared_expert_dies and not m.shared_experts:
+            raise ConfigError(
+                f"{m.name} has no shared expert: set shared_expert_dies = 0 (got "
+                f"{self.shared_expert_dies})",
                 field="shared_expert_dies",
             )
         if self.expert_dies - self.shared_expert_dies > m.routed_experts:

@@ -46,6 +46,23 @@ def _tokens(piece: Piece) -> float:
     return piece[0] / _sp(piece)
 
 
+def check_attention_tp(model: ModelSpec, tp: int, *, field: str = "prefill.attention_tp") -> None:
+    """``model``'s attention splits over ``tp`` ranks by head: its query heads evenly, and a
+    GQA model's KV heads evenly or each replicated on an equal number of ranks."""
+    if model.heads % tp:
+        raise ConfigError(
+            f"{model.name}'s {model.heads} attention heads do not split evenly over "
+            f"attention_tp = {tp} ranks",
+            field=field,
+        )
+    if model.attention == "gqa" and model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(
+            f"{model.name}'s {model.kv_heads} KV heads neither split evenly over nor "
+            f"replicate evenly on attention_tp = {tp} ranks",
+            field=field,
+        )
+
+
 class PrefillCost:
     """Step time of one Prefill TE (all its DP groups in lockstep). ``link`` is the one its
     all-to-all and SP ring run over (:func:`prefill_te_link`), ``tp_link`` the one inside a
@@ -63,12 +80,8 @@ class PrefillCost:
         *,
         mtp: bool | None = None,
     ):
-        if model.heads % config.attention_tp:
-            raise ConfigError(
-                f"{model.name}'s {model.heads} attention heads do not split evenly over "
-                f"attention_tp = {config.attention_tp} ranks",
-                field="prefill.attention_tp",
-            )
+        check_attention_tp(model, config.attention_tp)
+        tp = config.attention_tp
         self.model = model
         self.mtp = bool(model.mtp_layers) and (mtp is None or mtp)
         """Whether a step runs the MTP layer after the main model (the deployment drafts;
@@ -81,7 +94,10 @@ class PrefillCost:
         ep = config.dies_per_te
         self.a2a_share = collective_efficiency(engines, ep - 1)
         self._kv_token = model.kv_bytes_per_token_layer(int8_nope=config.precision.kv_int8_nope)
-        """Latent-cache bytes of one token in one layer."""
+        """KV-cache bytes of one token in one layer (MLA: the latent and RoPE key)."""
+        self._rank_kv_token = self._kv_token * model.kv_rank_share(tp)
+        """Of them, what one TP rank holds, reads and passes round the SP ring (MLA's latent
+        is replicated on the ranks; GQA's KV heads are split over them)."""
         self._blom = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25)) if ep > 1 else 0.0
         self._work: tuple[float, float, float] | None = None
         self._kinds: list[tuple[bool, int]] | None = None
@@ -174,14 +190,14 @@ class PrefillCost:
         c, m, cfg = self.cost, self.model, self.config
         tp = cfg.attention_tp
         tokens = float(sum(_tokens(p) for p in group))
-        kv_token = self._kv_token
+        kv_token = self._rank_kv_token
         mha, absorbed = self._attention_plan(group, int8_attention)
         attn = self._attention_ns(mha.flops, mha.kv_bytes, int8_attention) + self._attention_ns(
             absorbed.flops, absorbed.kv_bytes, int8_attention
         )
         up = self._context_up_projection(mha.up_tokens)
         absorb = absorbed.absorb_tokens
-        # SP ring: each share's latent KV travels to the other sp - 1 groups, overlapped with
+        # SP ring: each share's KV (MLA: latent) travels to the other sp - 1 groups, overlapped with
         # the attention compute, at the rate of one link
         ring = max(
             (
@@ -195,10 +211,10 @@ class PrefillCost:
         # its heads' keys and values)
         gather, scatter = self._tp_exchange(tokens)
         attn_side = [
-            *self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=absorb)], tp),
+            *self._scaled([k.time_ns for k in c.attention_prolog(tokens, absorb=absorb)], tp),
             *gather,
             max(attn + up, ring),
-            *self._scaled([k.time_ns for k in c.mla_output(tokens, absorb=absorb)], tp),
+            *self._scaled([k.time_ns for k in c.attention_output(tokens, absorb=absorb)], tp),
             *scatter,
         ]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
@@ -250,6 +266,9 @@ class PrefillCost:
         if hit is None:
             if len(self._cheaper) >= 16_384:
                 self._cheaper.clear()
+            if self.model.attention != "mla":
+                hit = self._cheaper[key] = (0, self._gqa_form(piece))
+                return hit
             mha, absorbed = self._forms(piece, int8_attention)
             if self._form_ns(mha, int8_attention) <= self._form_ns(absorbed, int8_attention):
                 hit = (0, mha)
@@ -296,6 +315,22 @@ class PrefillCost:
         )
         return mha, absorbed
 
+    def _gqa_form(self, piece: Piece) -> _Form:
+        """A piece's causal GQA attention per die (GQA has one form, :meth:`_forms` for the
+        split): this rank's query heads score and sum over ``head_dim``-wide keys and values
+        (2 x 2 x head_dim FLOPs per attended pair and head), reading its KV heads' cached keys
+        and values over the whole context once; no up-projection, no absorb kernels."""
+        m = self.model
+        new, cached, sp = piece[0], piece[1], _sp(piece)
+        heads = m.heads / self.config.attention_tp
+        pairs = 2.0 * new * (cached + new / 2) * heads / sp
+        return _Form(
+            flops=pairs * 2 * m.head_dim,
+            kv_bytes=float(cached + new) * self._rank_kv_token,
+            up_tokens=0.0,
+            absorb_tokens=0.0,
+        )
+
     def _form_ns(self, form: _Form, int8_attention: bool) -> int:
         """The time a form's attention work takes on its own: the attention kernel (compute
         or K/V reads), the up-projection and the absorb kernels (per rank)."""
@@ -310,7 +345,7 @@ class PrefillCost:
             return 0
         engine = "cube_int8" if int8_attention else "cube_bf16"
         return self.cost.kernel(
-            "mla_prefill_attention", flops, kv_bytes, engine, attention=True
+            f"{self.model.attention}_prefill_attention", flops, kv_bytes, engine, attention=True
         ).time_ns
 
     def _absorb_ns(self, tokens: float) -> int:

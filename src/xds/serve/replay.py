@@ -66,7 +66,13 @@ from .job_executor import (
 from .kv import kv_capacity_blocks
 from .policies import binds, policy_name, require_callable
 from .prefill import PrefillConfig, PrefillJob, PrefillPlacement, PrefillTE, least_work
-from .prefill_cost import PrefillCost, prefill_hardware, prefill_te_link, prefill_tp_link
+from .prefill_cost import (
+    PrefillCost,
+    check_attention_tp,
+    prefill_hardware,
+    prefill_te_link,
+    prefill_tp_link,
+)
 from .probe import LinkMonitor, LinkVerdict, ProbeConfig, ProbeResult
 from .recovery import KVMask, MemoryFault, NodeFault, RecoveryConfig, Restart, TEFailover
 from .routing import DecodeRouting, lowest_kv
@@ -157,6 +163,7 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         self.prefill.precision.check_layers(  # prefill serves the decode TE's model
             self.decode.spec, field="prefill.precision.attention_int8_layers"
         )
+        check_attention_tp(self.decode.spec, self.prefill.attention_tp)
         if self.kv_transfer == "xccl" and self.prefill.hardware != "910c":
             raise ConfigError(
                 "the xccl KV tier runs on the UB fabric: it needs 910c prefill (910B KV moves "
@@ -1110,8 +1117,8 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
     """KV blocks of one prefill DP group: a die's HBM after its weights (attention, dense
     layers and embeddings split by TP; its share of the routed experts and the shared expert,
     at the prefill's precision; the MTP layer's when the decode drafts) and the workspace.
-    MLA's latent cache is replicated on the TP ranks; a block holds the MTP layer's KV too when
-    the decode drafts."""
+    MLA's latent cache is replicated on the TP ranks, GQA's KV heads are split over them; a
+    block holds the MTP layer's KV too when the decode drafts."""
     m = d.spec
     experts = max(1, m.routed_experts // p.dies_per_te) + m.shared_experts
     weights = p.precision.weight_bytes(m, experts=experts, tp=p.attention_tp, mtp=d.drafts)
@@ -1122,6 +1129,7 @@ def _prefill_kv_blocks(p: PrefillConfig, d: DecodeConfig, die) -> int:
         block_tokens=p.block_tokens,
         int8_nope=p.precision.kv_int8_nope,
         mtp=d.drafts,
+        tp=p.attention_tp,
     )
 
 
