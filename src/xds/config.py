@@ -15,6 +15,7 @@ import math
 import numbers
 import re
 import tomllib
+from collections.abc import Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
@@ -403,3 +404,69 @@ def split_spec(spec: str, kinds: Any) -> tuple[str, dict[str, str]]:
             raise ConfigError(f"{spec!r}: {key} is given twice", field="fault")
         fields[key] = value
     return kind, fields
+
+
+_SETTING_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_BARE_WORD = re.compile(r"[\w.+\-/:]+")
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` as (dotted field path, value): VALUE is a TOML value (``5``, ``0.9``,
+    ``true``, ``"x"``, ``[1, 2]``, ``{ k = 1 }``) or a bare word taken as a string
+    (``decode.model=qwen3-235b``)."""
+    path, eq, raw = text.partition("=")
+    path, raw = path.strip(), raw.strip()
+    if not eq or not _SETTING_PATH.fullmatch(path):
+        raise ConfigError(
+            "a setting is FIELD=VALUE with FIELD a dotted field path (decode.model=kimi-k2, "
+            "prefill.tes=5)",
+            source=f"setting {text!r}",
+        )
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if not _BARE_WORD.fullmatch(raw):
+            raise ConfigError(
+                f'cannot read {raw!r} as a TOML value (quote a string: {path}="...")',
+                source=f"setting {text!r}",
+            ) from None
+        value = raw
+    return path, value
+
+
+def apply_settings(config: T, settings: Sequence[str]) -> T:
+    """``config`` (a msgspec Struct) with ``FIELD=VALUE`` ``settings`` (:func:`parse_setting`)
+    laid over it, later ones over earlier ones, then checked as a file would be: an unknown
+    field (with a "did you mean"), a value of the wrong type or a failed check is a
+    :class:`ConfigError` naming the setting and the field (or, when a check fails on a field
+    no setting wrote, saying so). A setting inside an optional table that is off
+    (``decode.eplb`` None) turns the table on with its defaults for the rest."""
+    if not settings:
+        return config
+    data: Any = msgspec.to_builtins(config)
+    parsed = [(text, *parse_setting(text)) for text in settings]
+    for _, path, value in parsed:
+        update: Any = value
+        for key in reversed(path.split(".")):
+            update = {key: update}
+        data = _merged(data, update)
+    try:
+        return convert(data, type(config))
+    except ConfigError as exc:
+        field = exc.field or ""
+        culprit = next(
+            (
+                text
+                for text, path, _ in reversed(parsed)
+                if field == path or field.startswith((path + ".", path + "["))
+            ),
+            None,
+        )
+        if culprit is not None:
+            raise ConfigError(exc.message, field=exc.field, source=f"setting {culprit!r}") from None
+        written = ", ".join(repr(text) for text, _, _ in parsed)
+        raise ConfigError(
+            f"{exc.message} (no setting writes this field: with the settings {written}, the "
+            "deployment's own value fails; set it too)",
+            field=exc.field,
+        ) from None

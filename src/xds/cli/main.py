@@ -318,6 +318,19 @@ def _import_plugin(name: str, option: str = "--import") -> Any:
             sys.path.remove(added)
 
 
+def _set_option(f):
+    """--set FIELD=VALUE, repeatable: settings laid over every deployment."""
+    return click.option(
+        "--set",
+        "settings",
+        multiple=True,
+        metavar="FIELD=VALUE",
+        help="Change a field of the deployment (of every one given), e.g. --set prefill.tes=5 "
+        "--set decode.model=kimi-k2: FIELD a dotted path, VALUE a TOML value or a bare word. "
+        "Repeatable. One deployment's own: --deployment 'NAME@FIELD=VALUE@...'.",
+    )(f)
+
+
 @app.command()
 def version() -> None:
     """Print the xds version."""
@@ -561,7 +574,7 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
     "--deployment",
     default="peak-decode",
     show_default=True,
-    help="A preset name or a .toml/.json file of DecodeConfig fields.",
+    help="A preset name or a .toml/.json file of DecodeConfig fields (then @FIELD=VALUE ...).",
 )
 @click.option(
     "--iterations",
@@ -579,6 +592,7 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_plot_option
+@_set_option
 def decode(
     deployment: str,
     iterations: int | None,
@@ -586,6 +600,7 @@ def decode(
     seed: int,
     as_json: bool,
     plot_path: str | None = None,
+    settings: tuple[str, ...] = (),
 ) -> None:
     """Run a colocated decode deployment and print its serving numbers."""
     import msgspec
@@ -593,7 +608,7 @@ def decode(
     from xds.reproduce.peak_decode import measure
     from xds.serve.presets import decode_config
 
-    cfg = decode_config(deployment)
+    cfg = decode_config(deployment, settings)
     _check_plot(plot_path)
     res = measure(cfg, iterations=iterations, seed=seed, tier=tier)
 
@@ -653,7 +668,7 @@ def decode(
     "--deployment",
     default="ma-peak-decode",
     show_default=True,
-    help="A preset name or a .toml/.json file of MADecodeConfig fields.",
+    help="A preset name or a .toml/.json file of MADecodeConfig fields (then @FIELD=VALUE ...).",
 )
 @click.option(
     "--iterations",
@@ -671,6 +686,7 @@ def decode(
 @click.option("--full", is_flag=True, help="Decode every sequence to the end instead.")
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_set_option
 def ma_decode(
     deployment: str,
     iterations: int,
@@ -678,6 +694,7 @@ def ma_decode(
     full: bool,
     seed: int,
     as_json: bool,
+    settings: tuple[str, ...] = (),
 ) -> None:
     """Run a MoE-attention disaggregated decode deployment (SPEC 10.3) and print its numbers."""
     import msgspec
@@ -686,7 +703,7 @@ def ma_decode(
     from xds.serve.ma_decode import MADecodeInstance, ae_curve
     from xds.serve.presets import ma_config
 
-    cfg = ma_config(deployment)
+    cfg = ma_config(deployment, settings)
     if full and from_token is not None:
         raise click.UsageError("--from-token sets a window; --full runs the whole decode")
     if full and _given("iterations"):
@@ -899,8 +916,9 @@ def _deployments_option(note: str):
         multiple=True,
         default=["production-4p1d"],
         show_default=True,
-        help="A PD preset name or a .toml/.json file of PDConfig fields; repeat it to compare "
-        f"deployments {note}.",
+        help="A PD preset name or a .toml/.json file of PDConfig fields, then any "
+        "@FIELD=VALUE settings of its own (production-4p1d@prefill.tes=5); repeat it to "
+        f"compare deployments {note}.",
     )
 
 
@@ -1220,7 +1238,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
     "--deployment",
     default="production-4p1d",
     show_default=True,
-    help="A PD preset name or a .toml/.json file of PDConfig fields.",
+    help="A PD preset name or a .toml/.json file of PDConfig fields (then @FIELD=VALUE ...).",
 )
 @_replayed_workload_options()
 @click.option("--out", "out_dir", default=None, help="Write requests.jsonl and summary.json here.")
@@ -1249,6 +1267,7 @@ def _built_in(n: int, rate: float, seed: int, unique_prompts: bool, block_tokens
 @_plot_option
 @_timeline_option
 @_policy_option
+@_set_option
 def replay(
     trace: str | None,
     fmt: str | None,
@@ -1275,11 +1294,12 @@ def replay(
     plot_path: str | None = None,
     timeline_path: str | None = None,
     policy_specs: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (),
 ) -> None:
     """Replay a request trace (or the built-in workload) on a PD deployment."""
     import msgspec
 
-    from xds.serve.presets import pd_config
+    from xds.serve.presets import PD_PRESETS, pd_config, with_settings
     from xds.serve.replay import check_distflow_faults
     from xds.serve.replay import replay as run_replay
 
@@ -1288,6 +1308,7 @@ def replay(
     _check_built_in_options(trace, fmt, unique_prompts)
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
+    deployment = with_settings(deployment, settings, PD_PRESETS)  # as the summary names it
     cfg = pd_config(deployment)
     if probe:
         from xds.serve.probe import ProbeConfig
@@ -1815,6 +1836,7 @@ def _ms(value: float, digits: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_plot_option
 @_policy_option
+@_set_option
 def capacity(
     trace: str | None,
     fmt: str | None,
@@ -1843,6 +1865,7 @@ def capacity(
     spread_ties: bool = False,
     plot_path: str | None = None,
     policy_specs: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (),
 ) -> None:
     """Find the highest arrival rate at which a PD deployment meets its SLA.
 
@@ -1856,7 +1879,7 @@ def capacity(
     import msgspec
 
     from xds.serve.capacity import search_capacity
-    from xds.serve.presets import pd_config
+    from xds.serve.presets import PD_PRESETS, pd_config, with_settings
     from xds.serve.speculative import default_jobs
     from xds.trace.metrics import SLA
 
@@ -1874,6 +1897,7 @@ def capacity(
         )
     if criterion != "goodput" and _given("goodput_target"):
         raise click.UsageError("--goodput applies to --criterion goodput")
+    deployments = tuple(with_settings(d, settings, PD_PRESETS) for d in deployments)
     configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
     policies = _policies(policy_specs)
     _check_plot(plot_path)
@@ -2118,6 +2142,7 @@ def capacity(
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @_fault_option("each deployment's [recovery] mode")
 @_policy_option
+@_set_option
 def compare(
     trace: str | None,
     fmt: str | None,
@@ -2141,6 +2166,7 @@ def compare(
     spread_ties: bool = False,
     fault_specs: tuple[str, ...] = (),
     policy_specs: tuple[str, ...] = (),
+    settings: tuple[str, ...] = (),
 ) -> None:
     """Compare deployments or policies on one workload over several seeds.
 
@@ -2154,7 +2180,7 @@ def compare(
 
     from xds.serve.compare import Variant
     from xds.serve.compare import compare as run_compare
-    from xds.serve.presets import pd_config
+    from xds.serve.presets import PD_PRESETS, pd_config, with_settings
     from xds.serve.speculative import default_jobs
 
     _check_trace_options(trace, fmt, sort)
@@ -2162,6 +2188,7 @@ def compare(
     twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
     if twice is not None:
         raise click.UsageError(f"--deployment {twice} is given twice")
+    deployments = tuple(with_settings(d, settings, PD_PRESETS) for d in deployments)
     variants: dict[str, Any] = {name: pd_config(name) for name in deployments}
     policies = _policies(policy_specs)
     if policies:  # named as the user wrote them

@@ -3,17 +3,22 @@
 ``peak-decode`` is SPEC 12.2's colocated DP288/EP288 run; ``ma-peak-decode`` SPEC 12.3's
 MoE-attention disaggregated one (for ``xds ma-decode``); ``production-4p1d`` is SPEC 12.4's
 PD-disaggregated deployment (for ``xds replay``).
+
+Every loader takes a preset name or a file, optionally followed by ``@FIELD=VALUE`` settings
+(``production-4p1d@prefill.tes=5@decode.batch_per_die=48``), and ``settings`` laid over it
+before those (:func:`xds.config.apply_settings`).
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
-from ..config import in_file, load_config
+from ..config import apply_settings, in_file, load_config
 from ..errors import ConfigError
 from .decode import DecodeConfig
 from .ma_config import MADecodeConfig
@@ -38,7 +43,42 @@ MA_PRESETS: dict[str, MADecodeConfig] = {
 """SPEC 12.3: 3 domains x 160 attention dies + 288 expert dies on the whole pod."""
 
 
-def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
+def split_settings(name_or_path: str, presets: dict[str, Any]) -> tuple[str, list[str]]:
+    """``NAME@FIELD=VALUE@...`` as (NAME, its settings); a preset's name or an existing
+    file's path is taken whole, ``@`` and all."""
+    if name_or_path in presets or "@" not in name_or_path or Path(name_or_path).exists():
+        return name_or_path, []
+    parts = name_or_path.split("@")
+    for i in range(len(parts) - 1, 0, -1):  # the longest preset or file before an @
+        base = "@".join(parts[:i])
+        if base in presets or Path(base).exists():
+            return base, parts[i:]
+    return parts[0], parts[1:]
+
+
+def with_settings(name_or_path: str, settings: Sequence[str], presets: dict[str, Any]) -> str:
+    """``name_or_path`` with ``settings`` written into it, before its own ``@`` settings:
+    the one name a loader reads as both (``production-4p1d@prefill.tes=5``)."""
+    if not settings:
+        return name_or_path
+    name, inline = split_settings(name_or_path, presets)
+    return "@".join([name, *settings, *inline])
+
+
+def _lookup(
+    name_or_path: str,
+    presets: dict[str, T],
+    kind: type[T],
+    what: str,
+    settings: Sequence[str] = (),
+) -> T:
+    """The preset or file ``name_or_path`` names, with ``settings`` then its own ``@``
+    settings laid over it."""
+    name, inline = split_settings(name_or_path, presets)
+    return apply_settings(_named(name, presets, kind, what), [*settings, *inline])
+
+
+def _named(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
     if name_or_path in presets:
         return presets[name_or_path]
     if Path(name_or_path).suffix.lower() in (".toml", ".json"):
@@ -59,15 +99,16 @@ def _lookup(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) 
     )
 
 
-def decode_config(name_or_path: str) -> DecodeConfig:
-    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields, checked
-    before anything runs: its fixed batch fits a die's KV, and its EPLB policy exists (both
-    errors name the file)."""
+def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConfig:
+    """A preset by name, or a ``.toml``/``.json`` file of :class:`DecodeConfig` fields (and
+    settings, see the module), checked before anything runs: its fixed batch fits a die's KV,
+    and its EPLB policy exists (both errors name the file, when no setting is in play)."""
     from .decode import check_batch_fits
     from .eplb.policies import policy
 
-    config = _lookup(name_or_path, PRESETS, DecodeConfig, "deployment")
-    source = None if name_or_path in PRESETS else name_or_path
+    config = _lookup(name_or_path, PRESETS, DecodeConfig, "deployment", settings)
+    name, inline = split_settings(name_or_path, PRESETS)
+    source = None if name in PRESETS or settings or inline else name
     try:
         check_batch_fits(config)
         if config.eplb is not None:
@@ -82,16 +123,17 @@ def decode_config(name_or_path: str) -> DecodeConfig:
     return config
 
 
-def ma_config(name_or_path: str) -> MADecodeConfig:
+def ma_config(name_or_path: str, settings: Sequence[str] = ()) -> MADecodeConfig:
     """A MoE-attention disaggregated preset by name, or a ``.toml``/``.json`` file of
-    :class:`~xds.serve.ma_config.MADecodeConfig` fields."""
-    return _lookup(name_or_path, MA_PRESETS, MADecodeConfig, "MA deployment")
+    :class:`~xds.serve.ma_config.MADecodeConfig` fields (and settings, see the module)."""
+    return _lookup(name_or_path, MA_PRESETS, MADecodeConfig, "MA deployment", settings)
 
 
-def pd_config(name_or_path: str, **overrides: Any) -> PDConfig:
-    """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields, with
+def pd_config(name_or_path: str, settings: Sequence[str] = (), **overrides: Any) -> PDConfig:
+    """A PD preset by name, or a ``.toml``/``.json`` file of :class:`PDConfig` fields (and
+    settings, see the module: ``pd_config("production-4p1d", ["prefill.tes=5"])``), with
     ``overrides`` replacing top-level fields (e.g. ``kv_transfer="xccl"``)."""
-    config = _lookup(name_or_path, PD_PRESETS, PDConfig, "PD deployment")
+    config = _lookup(name_or_path, PD_PRESETS, PDConfig, "PD deployment", settings)
     if not overrides:
         return config
     fields = PDConfig.__struct_fields__

@@ -1,0 +1,116 @@
+"""FIELD=VALUE settings over a deployment: the API (apply_settings, the presets' loaders) and
+the CLI's --set and NAME@FIELD=VALUE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xds.cli.main import main
+from xds.config import apply_settings, parse_setting
+from xds.errors import ConfigError
+from xds.serve.presets import decode_config, ma_config, pd_config
+from xds.serve.probe import ProbeConfig
+
+
+def test_values_read_as_toml_or_as_a_bare_word():
+    assert parse_setting("prefill.tes=5") == ("prefill.tes", 5)
+    assert parse_setting(" sla.ttft_ms = 1.5e3 ") == ("sla.ttft_ms", 1500.0)
+    assert parse_setting("decode.jitter.enabled=true") == ("decode.jitter.enabled", True)
+    assert parse_setting("decode.model=kimi-k2") == ("decode.model", "kimi-k2")
+    assert parse_setting('decode.model="glm-4.5"') == ("decode.model", "glm-4.5")
+    assert parse_setting("x.attention_int8_layers=[3, 4]") == ("x.attention_int8_layers", [3, 4])
+    assert parse_setting("probe={ period_ns = 5 }") == ("probe", {"period_ns": 5})
+    for bad in ("prefill.tes", "=5", "a b=1", "a..b=1", "1x=2"):
+        with pytest.raises(ConfigError, match="FIELD=VALUE") as exc:
+            parse_setting(bad)
+        assert exc.value.source == f"setting {bad!r}"
+    with pytest.raises(ConfigError, match="quote a string"):
+        parse_setting("decode.model=two words")
+
+
+def test_settings_change_only_what_they_write_and_are_checked_as_a_file_is():
+    base = pd_config("production-4p1d")
+    cfg = apply_settings(
+        base, ["decode.model=qwen3-235b", "decode.shared_expert_dies=0", "prefill.tes=5"]
+    )
+    assert (cfg.decode.model, cfg.decode.shared_expert_dies, cfg.prefill.tes) == (
+        "qwen3-235b",
+        0,
+        5,
+    )
+    assert cfg.decode.dies == base.decode.dies
+    assert cfg.prefill.dies_per_te == base.prefill.dies_per_te
+    assert apply_settings(base, []) is base
+    assert apply_settings(base, ["prefill.tes=2", "prefill.tes=3"]).prefill.tes == 3  # last wins
+    # a table that is off turns on with its defaults for the rest
+    probed = apply_settings(base, ["probe.period_ns=500_000_000"])
+    assert probed.probe == ProbeConfig(period_ns=500_000_000)
+
+    with pytest.raises(ConfigError, match="did you mean 'tes'") as exc:
+        apply_settings(base, ["prefill.tess=5"])
+    assert (exc.value.source, exc.value.field) == ("setting 'prefill.tess=5'", "prefill.tess")
+    with pytest.raises(ConfigError, match=">= 1") as exc:
+        apply_settings(base, ["prefill.tes=2", "prefill.tes=0"])
+    assert exc.value.source == "setting 'prefill.tes=0'"
+    with pytest.raises(ConfigError, match="Expected `int`, got `str`"):
+        apply_settings(base, ['prefill.tes="5"'])
+    # a check failing on a field no setting wrote says so
+    with pytest.raises(ConfigError, match="no setting writes this field") as exc:
+        apply_settings(base, ["decode.model=qwen3-235b"])
+    assert exc.value.field == "decode.shared_expert_dies" and exc.value.source is None
+
+
+def test_every_loader_takes_settings_and_its_own_at_settings(tmp_path):
+    assert pd_config("production-4p1d@prefill.tes=5").prefill.tes == 5
+    assert pd_config("production-4p1d", ["prefill.tes=5"]).prefill.tes == 5
+    # the spec's own settings come after the shared ones
+    assert pd_config("production-4p1d@prefill.tes=3", ["prefill.tes=5"]).prefill.tes == 3
+    assert decode_config("peak-decode@batch_per_die=8").batch_per_die == 8
+    assert ma_config("ma-peak-decode", ["batch_per_die=48"]).batch_per_die == 48
+    with pytest.raises(ConfigError, match="KV blocks"):  # the loader's checks still run
+        decode_config("peak-decode", ["batch_per_die=800"])
+    dep = tmp_path / "mine@v2.toml"  # an existing file is taken whole, @ and all
+    dep.write_text("[prefill]\ntes = 2\n")
+    assert pd_config(str(dep)).prefill.tes == 2
+    assert pd_config(f"{dep}@prefill.tes=3").prefill.tes == 3
+    plain = tmp_path / "plain.toml"
+    plain.write_text("[prefill]\ntes = 2\n")
+    assert pd_config(f"{plain}@prefill.tes=3").prefill.tes == 3
+    with pytest.raises(ConfigError, match="did you mean 'production-4p1d'"):
+        pd_config("production-4p1@prefill.tes=5")
+
+
+def test_cli_set_and_at_settings(capsys):
+    argv = ["replay", "--synthetic", "12", "--rate", "2", "--json"]
+    assert main([*argv, "--set", "decode.model=kimi-k2", "--set", "prefill.tes=2"]) == 0
+    kimi = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--deployment", "production-4p1d@decode.model=kimi-k2@prefill.tes=2"]) == 0
+    assert json.loads(capsys.readouterr().out) == kimi
+    assert kimi["deployment"] == "production-4p1d@decode.model=kimi-k2@prefill.tes=2"
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) != kimi
+    assert main([*argv, "--set", "prefill.tess=2"]) == 2
+    assert "setting 'prefill.tess=2': prefill.tess: unknown field (did you mean 'tes'?)" in (
+        capsys.readouterr().err
+    )
+    assert main(["decode", "--iterations", "2", "--json", "--set", "batch_per_die=4"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    compare = ["compare", "--synthetic", "12", "--rate", "2", "--seeds", "2", "--json"]
+    assert main([*compare, "--deployment", "production-4p1d", "--deployment",
+                 "production-4p1d@prefill.tes=2"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [v["name"] for v in out["variants"]] == [
+        "production-4p1d",
+        "production-4p1d@prefill.tes=2",
+    ]
+    # --set applies to every deployment, before each one's own settings; names say both
+    assert main([*compare, "--set", "prefill.tes=3", "--deployment", "production-4p1d",
+                 "--deployment", "production-4p1d@prefill.tes=2"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [v["name"] for v in out["variants"]] == [
+        "production-4p1d@prefill.tes=3",
+        "production-4p1d@prefill.tes=3@prefill.tes=2",
+    ]
+    assert [v["chips"] for v in out["variants"]] == [64 + 48, 64 + 32]
