@@ -63,6 +63,12 @@ def test_gqa_decode_kernels_match_hand_arithmetic():
     assert qkv.engine == "cube_int8"  # W8A8 like MLA's projections
     assert qkv.flops == 2.0 * 32 * 4096 * (64 * 128 + 2 * 4 * 128)
     assert qkv.bytes == 4096 * 9216 + 32 * (4096 + 9216) * 2
+    # one of 8 TP ranks: 8 query heads and one KV head (each of the 4 on two ranks), for
+    # every token; it norms its eighth of the tokens
+    rank = cm.gqa_prolog(32.0, tp=8)
+    assert rank[1].flops == 2.0 * 32 * 4096 * (8 * 128 + 2 * 1 * 128)
+    assert rank[0].flops == prolog[0].flops / 8
+    assert cm.gqa_output(32.0, tp=8)[0].flops == 2.0 * 32 * 1024 * 4096
     (o_proj,) = cm.attention_output(32.0)
     assert (o_proj.name, o_proj.flops) == ("o_proj", 2.0 * 32 * 8192 * 4096)
     names = [k.name for k in cm.decode_layer(seqs=32, tokens_per_seq=1.0, context=4096)]
@@ -104,7 +110,16 @@ def test_gqa_prefill_attends_in_one_form_over_its_ranks_kv_heads():
     short, long = cost.step_ns([[(1000, 0)]]), cost.step_ns([[(8000, 0)]])
     assert short < cost.step_ns([[(1000, 7000)]]) < long
     assert cost.step_ns(cost.sp_step(32_000, 0)) < cost.step_ns([[(32_000, 0)]])
-    # the smaller model prefills faster than DeepSeek-R1 on the same TE
+    # the SP ring passes a rank's own KV heads only: a quarter of each token's KV here
+    slow = PrefillCost(
+        QWEN3_235B, cfg, die, PodConfig().engines, msgspec.structs.replace(link, bandwidth=1e6)
+    )
+    sp = cfg.dps_per_te
+    ring = round(
+        (sp - 1) * 8000 / sp * QWEN3_235B.kv_bytes_per_token_layer(int8_nope=True) / 4e6 * 1e9
+    )
+    assert ring in slow.layer_times(slow.sp_step(8000, 0))[0]
+    # the fewer query heads make its prefill faster than DeepSeek-R1's on the same TE
     r1 = PrefillCost(DEEPSEEK_V3, cfg, die, PodConfig().engines, link)
     assert cost.step_ns([[(8000, 0)]]) < r1.step_ns([[(8000, 0)]])
 
@@ -170,6 +185,39 @@ def test_gqa_pd_replay_completes_every_request():
     assert res.summary.ttft_ms.mean < r1.ttft_ms.mean  # 22B active parameters against 37B
 
 
+def test_a_prefill_rank_caches_its_kv_heads_only():
+    from xds.serve.replay import _prefill_kv_blocks
+
+    base = pd_config("production-4p1d")
+    qwen = msgspec.structs.replace(base.decode, model="qwen3-235b", shared_expert_dies=0)
+    die = prefill_hardware(base.prefill)[0]
+    blocks = {}
+    for tp in (1, 4):
+        p = msgspec.structs.replace(base.prefill, attention_tp=tp)
+        blocks[tp] = _prefill_kv_blocks(p, qwen, die)
+        weights = p.precision.weight_bytes(QWEN3_235B, experts=128 // 32, tp=tp)
+        assert blocks[tp] == kv_capacity_blocks(QWEN3_235B, die, weight_bytes=weights, tp=tp)
+    assert blocks[4] > 3.5 * blocks[1]  # a quarter of each token's KV, less weight per rank
+
+
+def test_spec_dimensions_are_checked_by_field():
+    bad = [
+        (QWEN3_235B, {"kv_heads": 0}, "kv_heads", ">= 1"),
+        (QWEN3_235B, {"head_dim": 0}, "head_dim", ">= 1"),
+        (QWEN3_235B, {"kv_heads": 3}, "kv_heads", "divisor of heads"),
+        (QWEN3_235B, {"kv_heads": 128}, "kv_heads", "divisor of heads"),
+        (QWEN3_235B, {"top_k": 200}, "top_k", "<= 128"),
+        (QWEN3_235B, {"dense_layers": 94}, "dense_layers", "0..93"),
+        (DEEPSEEK_V3, {"attention": "gqa", "kv_heads": 8, "head_dim": 128}, "q_lora_rank", "MLA"),
+        (DEEPSEEK_V3, {"kv_lora_rank": 0}, "kv_lora_rank", ">= 1"),
+        (MINIMAX_M1, {"softmax_layers": 0}, "softmax_layers", "1..80"),
+    ]
+    for spec, change, field, match in bad:
+        with pytest.raises(ConfigError, match=match) as exc:
+            msgspec.structs.replace(spec, **change)
+        assert exc.value.field == field
+
+
 def test_unmodelled_attention_and_mismatched_layouts_are_clear_errors():
     with pytest.raises(ConfigError, match="lightning") as exc:
         CostModel(MINIMAX_M1, DIE)
@@ -208,10 +256,11 @@ def test_cli_decodes_a_gqa_deployment_file(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("model", "total_b", "active_b"),
-    [  # the model cards' figures (REFERENCE.md 2); GLM-4.5's 32B active is rounded down
+    [  # the model cards' figures (REFERENCE.md 2); GLM-4.5's card leaves out its 1.55B of
+        # embedding and LM head, which DeepSeek's counts (and xds does)
         (DEEPSEEK_V3, 671, 37),
         (QWEN3_235B, 235, 22),
-        (GLM_45, 355, 32),
+        (GLM_45, 355, 32 + 1.55),
     ],
 )
 def test_parameter_counts_match_the_published_sizes(model, total_b, active_b):

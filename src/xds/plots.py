@@ -220,18 +220,20 @@ def capacity_figure(
     return fig
 
 
-def decode_figure(result: DecodeResult, *, title: str = "") -> Figure:
+def decode_figure(result: DecodeResult, *, title: str = "", attention: str = "mla") -> Figure:
     """A colocated decode run (``xds decode``): each kernel's time per iteration, Figure 20
     style (the kernels of the slowest die as the iteration charges them), and every
     iteration's time over the run (its tail shows sequences finishing; online EPLB shows as
-    steps down)."""
+    steps down). ``attention``: the model's family (a GQA model's projections read
+    ``gqa_other``)."""
     fig, ax = _figure(1, 2, title)
     bd, n = result.breakdown, max(result.iterations, 1)
     names = list(bd.__struct_fields__)
     per_iteration = [getattr(bd, k) / n / 1e6 for k in names]
     total = sum(per_iteration) or 1.0
     kernels = ax[0, 0]
-    kernels.barh(names, per_iteration, color=_MET)
+    labels = [f"{attention}_other" if k == "mla_other" else k for k in names]
+    kernels.barh(labels, per_iteration, color=_MET)
     for y, ms in enumerate(per_iteration):
         kernels.text(ms, y, f" {ms:.2f} ms ({ms / total:.0%})", va="center", fontsize=8)
     kernels.invert_yaxis()  # in the breakdown's order, top down

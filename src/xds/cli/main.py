@@ -616,7 +616,7 @@ def decode(
         from xds.plots import decode_figure
 
         title = f"decode: {deployment} ({cfg.dies} dies, batch {cfg.batch_per_die}, seed {seed})"
-        return decode_figure(res, title=title)
+        return decode_figure(res, title=title, attention=cfg.spec.attention)
 
     chips = cfg.dies / 2
     total = res.tokens / (res.elapsed_ns / 1e9)

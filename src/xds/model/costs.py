@@ -229,14 +229,21 @@ class CostModel:
         return self.gqa_output(tokens)
 
     # -- GQA kernels -------------------------------------------------------------------------
-    def gqa_prolog(self, tokens: float) -> list[Kernel]:
+    def gqa_prolog(self, tokens: float, *, tp: int = 1) -> list[Kernel]:
         """GQA before attention: input RMSNorm, the fused q/k/v projection (``heads`` query
         and ``kv_heads`` key and value heads of ``head_dim``) and, with QK-norm, a per-head
-        RMSNorm over the queries and keys (RoPE is fused into the attention kernel)."""
+        RMSNorm over the queries and keys (RoPE is fused into the attention kernel).
+
+        With ``tp`` > 1, one rank's kernels: it norms its 1/tp of the ``tokens`` (the ranks
+        then all-gather the hidden states) and projects every token to its ``heads / tp``
+        query heads and its :meth:`~xds.model.ModelSpec.kv_heads_per_rank` KV heads (a KV
+        head replicated on several ranks is computed on each)."""
         m = self.model
-        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        q = m.heads // tp * m.head_dim
+        kv = m.kv_heads_per_rank(tp) * m.head_dim
+        own = tokens / tp
         kernels = [
-            self.kernel("rmsnorm", 5.0 * tokens * m.hidden, 4.0 * tokens * m.hidden, "vector"),
+            self.kernel("rmsnorm", 5.0 * own * m.hidden, 4.0 * own * m.hidden, "vector"),
             self._gemm("qkv_proj", tokens, m.hidden, q + 2 * kv, self.precision.mla_int8),
         ]
         if m.qk_norm:
@@ -259,12 +266,13 @@ class CostModel:
         engine: Engine = "cube_int8" if p.int8_attention(layer) else "cube_bf16"
         return self.kernel("gqa_attention", flops, kv_bytes, engine, attention=True)
 
-    def gqa_output(self, tokens: float) -> list[Kernel]:
-        """GQA after attention: the output projection (heads x head_dim -> hidden)."""
+    def gqa_output(self, tokens: float, *, tp: int = 1) -> list[Kernel]:
+        """GQA after attention: the output projection (heads x head_dim -> hidden); with
+        ``tp`` > 1 one rank's, from its ``heads / tp`` heads (row-parallel: the ranks then
+        reduce-scatter the partial sums)."""
         m = self.model
-        return [
-            self._gemm("o_proj", tokens, m.heads * m.head_dim, m.hidden, self.precision.mla_int8)
-        ]
+        heads = m.heads // tp
+        return [self._gemm("o_proj", tokens, heads * m.head_dim, m.hidden, self.precision.mla_int8)]
 
     # -- decode kernels ----------------------------------------------------------------------------
     def mla_prolog(self, tokens: float, *, absorb: float | None = None) -> list[Kernel]:

@@ -15,6 +15,7 @@ import msgspec
 
 from ..config import check_fields
 from ..docfields import document_fields
+from ..errors import ConfigError
 
 Attention = Literal["mla", "gqa", "lightning+gqa"]
 
@@ -49,6 +50,56 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_fields(self)
+        positive = ["layers", "hidden", "heads", "routed_experts", "top_k", "vocab"]
+        positive += ["moe_intermediate"]
+        if self.attention == "mla":
+            positive += ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"]
+            positive += ["v_head_dim"]
+        else:
+            positive += ["kv_heads", "head_dim"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"{self.name}: must be >= 1 for {self.attention} attention, got "
+                    f"{getattr(self, name)}",
+                    field=name,
+                )
+        checks = [
+            ("dense_layers", 0 <= self.dense_layers < self.layers, f"in 0..{self.layers - 1}"),
+            ("top_k", self.top_k <= self.routed_experts, f"<= {self.routed_experts} (routed)"),
+            ("shared_experts", self.shared_experts >= 0, ">= 0"),
+            ("mtp_layers", self.mtp_layers >= 0, ">= 0"),
+            ("dense_intermediate", self.dense_intermediate >= (1 if self.dense_layers else 0),
+             ">= 1 with dense layers"),
+        ]  # fmt: skip
+        if self.attention != "mla":
+            mla_set = [
+                f
+                for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+                if getattr(self, f)
+            ]
+            checks += [
+                (
+                    "kv_heads",
+                    self.heads % self.kv_heads == 0,
+                    f"a divisor of heads ({self.heads}): each KV head serves a group of query "
+                    "heads",
+                ),
+                (
+                    mla_set[0] if mla_set else "attention",
+                    not mla_set,
+                    f"0: an MLA dimension on a {self.attention} model (or set attention = 'mla')",
+                ),
+            ]
+        if self.attention == "lightning+gqa":
+            checks.append(
+                ("softmax_layers", 1 <= self.softmax_layers <= self.layers, f"in 1..{self.layers}")
+            )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(
+                    f"{self.name}: must be {rule}, got {getattr(self, name, None)!r}", field=name
+                )
 
     @property
     def moe_layers(self) -> int:
@@ -101,6 +152,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         """MLA's down-projections of one layer, Wq_a and Wkv_a (hidden -> q LoRA rank, and ->
         KV LoRA rank + RoPE key): every TP rank holds them whole (it projects its own tokens
         down, then the ranks all-gather the latents). 0 for a model without MLA."""
+        if self.attention != "mla":
+            return 0
         return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
 
     @property
@@ -119,6 +172,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
         prefill's non-absorbed form up-projects the latent with it; SPEC 9.2 does not
         quantise it, so it stays BF16 (16.8M of DeepSeek-V3's 187M per layer). 0 for a model
         without MLA."""
+        if self.attention != "mla":
+            return 0
         return self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property

@@ -206,17 +206,17 @@ class PrefillCost:
             ),
             default=0,
         )
-        # projections split over the TP ranks; the attention kernel is already per die (its
-        # FLOPs count this rank's heads; each rank reads the whole context, as latents or as
-        # its heads' keys and values)
+        # projections split over the TP ranks (MLA's by token, GQA's by head); the attention
+        # kernel is already per die (its FLOPs count this rank's heads; each rank reads the
+        # whole context, as latents or as its heads' keys and values)
         gather, scatter = self._tp_exchange(tokens)
-        attn_side = [
-            *self._scaled([k.time_ns for k in c.attention_prolog(tokens, absorb=absorb)], tp),
-            *gather,
-            max(attn + up, ring),
-            *self._scaled([k.time_ns for k in c.attention_output(tokens, absorb=absorb)], tp),
-            *scatter,
-        ]
+        if m.attention == "mla":  # each rank projects its own tokens: 1/tp of the work
+            prolog = self._scaled([k.time_ns for k in c.mla_prolog(tokens, absorb=absorb)], tp)
+            output = self._scaled([k.time_ns for k in c.mla_output(tokens, absorb=absorb)], tp)
+        else:  # each rank projects every token to its heads
+            prolog = [k.time_ns for k in c.gqa_prolog(tokens, tp=tp)]
+            output = [k.time_ns for k in c.gqa_output(tokens, tp=tp)]
+        attn_side = [*prolog, *gather, max(attn + up, ring), *output, *scatter]
         dense = [*attn_side, -(-c.dense_mlp(tokens).time_ns // tp)]
         shared = c.expert(tokens / tp, name="shared_expert").time_ns if m.shared_experts else 0
         copies = tokens / tp * m.top_k  # each TP rank dispatches its share of the tokens
@@ -241,7 +241,8 @@ class PrefillCost:
         tp, m = self.config.attention_tp, self.model
         if tp == 1:
             return [], []
-        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim if m.kv_lora_rank else m.hidden
+        mla = m.attention == "mla"
+        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim if mla else m.hidden
         steps = (tp - 1) * self.tp_link.latency_ns
         share = (tp - 1) / tp * tokens * 2 / self.tp_link.bandwidth * 1e9  # per BF16 element
         return [steps + round(share * latent)], [steps + round(share * m.hidden)]
