@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from xds.cli.main import main
@@ -56,10 +57,29 @@ def test_settings_change_only_what_they_write_and_are_checked_as_a_file_is():
     assert exc.value.source == "setting 'prefill.tes=0'"
     with pytest.raises(ConfigError, match="Expected `int`, got `str`"):
         apply_settings(base, ['prefill.tes="5"'])
+    # a path through a value, or through an unknown table, blames that setting
+    with pytest.raises(ConfigError, match=r"runs through prefill\.tes") as exc:
+        apply_settings(base, ["prefill.tes.x=1"])
+    assert exc.value.source == "setting 'prefill.tes.x=1'"
+    with pytest.raises(ConfigError, match="unknown field") as exc:
+        apply_settings(base, ["prefill.nope.x=1"])
+    assert exc.value.source == "setting 'prefill.nope.x=1'"
+    with pytest.raises(ConfigError, match="one line"):
+        apply_settings(base, ["prefill.tes=5\nx=1"])
+    # everything but what the settings write stays as it was
+    flat_before, flat_after = _flat(msgspec.to_builtins(base)), _flat(msgspec.to_builtins(cfg))
+    changed = {k for k in flat_before if flat_before[k] != flat_after[k]}
+    assert changed == {"decode.model", "decode.shared_expert_dies", "prefill.tes"}
     # a check failing on a field no setting wrote says so
     with pytest.raises(ConfigError, match="no setting writes this field") as exc:
         apply_settings(base, ["decode.model=qwen3-235b"])
     assert exc.value.field == "decode.shared_expert_dies" and exc.value.source is None
+
+
+def _flat(data, prefix=""):
+    if isinstance(data, dict):
+        return {k: v for key, x in data.items() for k, v in _flat(x, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
 
 
 def test_every_loader_takes_settings_and_its_own_at_settings(tmp_path):
@@ -69,8 +89,18 @@ def test_every_loader_takes_settings_and_its_own_at_settings(tmp_path):
     assert pd_config("production-4p1d@prefill.tes=3", ["prefill.tes=5"]).prefill.tes == 3
     assert decode_config("peak-decode@batch_per_die=8").batch_per_die == 8
     assert ma_config("ma-peak-decode", ["batch_per_die=48"]).batch_per_die == 48
-    with pytest.raises(ConfigError, match="KV blocks"):  # the loader's checks still run
+    with pytest.raises(ConfigError, match="KV blocks") as exc:  # the loader's checks run
         decode_config("peak-decode", ["batch_per_die=800"])
+    assert exc.value.source == "setting 'batch_per_die=800'"
+    # settings never go through a file name: long ones, and values holding an @
+    long = "decode.model=" + "x" * 300
+    with pytest.raises(ConfigError, match="unknown model") as exc:
+        pd_config("production-4p1d", [long])
+    assert exc.value.source == f"setting {long!r}"
+    with pytest.raises(ConfigError, match="unknown model 'a@b'"):
+        pd_config("production-4p1d", ['decode.model="a@b"'])
+    with pytest.raises(ConfigError, match="unknown model"):
+        pd_config("production-4p1d@" + "@".join(["prefill.tes=4"] * 40) + "@decode.model=x")
     dep = tmp_path / "mine@v2.toml"  # an existing file is taken whole, @ and all
     dep.write_text("[prefill]\ntes = 2\n")
     assert pd_config(str(dep)).prefill.tes == 2
@@ -97,6 +127,12 @@ def test_cli_set_and_at_settings(capsys):
     )
     assert main(["decode", "--iterations", "2", "--json", "--set", "batch_per_die=4"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    assert main(["decode", "--iterations", "2", "--set", "batch_per_die=4"]) == 0
+    assert "peak-decode@batch_per_die=4" in capsys.readouterr().out.replace("\n", "")
+    assert main(["replay", "--synthetic", "12", "--set", 'decode.model="a@b"']) == 2
+    assert "setting 'decode.model=\"a@b\"': decode.model: unknown model 'a@b'" in (
+        capsys.readouterr().err
+    )
     compare = ["compare", "--synthetic", "12", "--rate", "2", "--seeds", "2", "--json"]
     assert main([*compare, "--deployment", "production-4p1d", "--deployment",
                  "production-4p1d@prefill.tes=2"]) == 0  # fmt: skip

@@ -416,6 +416,8 @@ def parse_setting(text: str) -> tuple[str, Any]:
     (``decode.model=qwen3-235b``)."""
     path, eq, raw = text.partition("=")
     path, raw = path.strip(), raw.strip()
+    if "\n" in raw:
+        raise ConfigError("a setting is one line", source=f"setting {text!r}")
     if not eq or not _SETTING_PATH.fullmatch(path):
         raise ConfigError(
             "a setting is FIELD=VALUE with FIELD a dotted field path (decode.model=kimi-k2, "
@@ -453,20 +455,27 @@ def apply_settings(config: T, settings: Sequence[str]) -> T:
     try:
         return convert(data, type(config))
     except ConfigError as exc:
-        field = exc.field or ""
-        culprit = next(
-            (
-                text
-                for text, path, _ in reversed(parsed)
-                if field == path or field.startswith((path + ".", path + "["))
-            ),
-            None,
-        )
-        if culprit is not None:
-            raise ConfigError(exc.message, field=exc.field, source=f"setting {culprit!r}") from None
-        written = ", ".join(repr(text) for text, _, _ in parsed)
-        raise ConfigError(
-            f"{exc.message} (no setting writes this field: with the settings {written}, the "
-            "deployment's own value fails; set it too)",
-            field=exc.field,
-        ) from None
+        raise settings_error(exc, settings) from None
+
+
+def settings_error(exc: ConfigError, settings: Sequence[str]) -> ConfigError:
+    """``exc``, raised by a config built with ``settings``, naming the setting that wrote its
+    field (or one inside it, or the value a setting's path runs through), or saying that no
+    setting wrote it."""
+    field = exc.field or ""
+    for text in reversed(settings):
+        path = parse_setting(text)[0]
+        if field == path or field.startswith((path + ".", path + "[")):
+            return ConfigError(exc.message, field=exc.field, source=f"setting {text!r}")
+        if path.startswith(field + "."):  # the path runs through this field
+            return ConfigError(
+                f"{exc.message} (the setting's path runs through {field}; is it a table?)",
+                field=exc.field,
+                source=f"setting {text!r}",
+            )
+    written = ", ".join(repr(text) for text in settings)
+    return ConfigError(
+        f"{exc.message} (no setting writes this field: with the settings {written}, the "
+        "deployment's own value fails; set it too)",
+        field=exc.field,
+    )

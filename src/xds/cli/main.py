@@ -606,9 +606,10 @@ def decode(
     import msgspec
 
     from xds.reproduce.peak_decode import measure
-    from xds.serve.presets import decode_config
+    from xds.serve.presets import PRESETS, decode_config, with_settings
 
     cfg = decode_config(deployment, settings)
+    deployment = with_settings(deployment, settings, PRESETS)  # as the titles name it
     _check_plot(plot_path)
     res = measure(cfg, iterations=iterations, seed=seed, tier=tier)
 
@@ -701,9 +702,10 @@ def ma_decode(
 
     from xds.runtime import run
     from xds.serve.ma_decode import MADecodeInstance, ae_curve
-    from xds.serve.presets import ma_config
+    from xds.serve.presets import MA_PRESETS, ma_config, with_settings
 
     cfg = ma_config(deployment, settings)
+    deployment = with_settings(deployment, settings, MA_PRESETS)  # as the title names it
     if full and from_token is not None:
         raise click.UsageError("--from-token sets a window; --full runs the whole decode")
     if full and _given("iterations"):
@@ -1308,8 +1310,8 @@ def replay(
     _check_built_in_options(trace, fmt, unique_prompts)
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
+    cfg = pd_config(deployment, settings)
     deployment = with_settings(deployment, settings, PD_PRESETS)  # as the summary names it
-    cfg = pd_config(deployment)
     if probe:
         from xds.serve.probe import ProbeConfig
 
@@ -1897,8 +1899,11 @@ def capacity(
         )
     if criterion != "goodput" and _given("goodput_target"):
         raise click.UsageError("--goodput applies to --criterion goodput")
-    deployments = tuple(with_settings(d, settings, PD_PRESETS) for d in deployments)
-    configs = [(name, pd_config(name)) for name in deployments]  # bad files fail up front
+    # bad files fail up front; the output names each deployment with the settings it ran
+    configs = [
+        (with_settings(d, settings, PD_PRESETS), pd_config(d, settings)) for d in deployments
+    ]
+    deployments = tuple(name for name, _ in configs)
     policies = _policies(policy_specs)
     _check_plot(plot_path)
     if plot_path is not None and n_seeds > 1:
@@ -2188,8 +2193,10 @@ def compare(
     twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
     if twice is not None:
         raise click.UsageError(f"--deployment {twice} is given twice")
-    deployments = tuple(with_settings(d, settings, PD_PRESETS) for d in deployments)
-    variants: dict[str, Any] = {name: pd_config(name) for name in deployments}
+    variants: dict[str, Any] = {  # named with the settings each runs
+        with_settings(d, settings, PD_PRESETS): pd_config(d, settings) for d in deployments
+    }
+    deployments = tuple(variants)
     policies = _policies(policy_specs)
     if policies:  # named as the user wrote them
         plugged = ", ".join(policy_specs)

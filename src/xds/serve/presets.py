@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..config import apply_settings, in_file, load_config
+from ..config import apply_settings, in_file, load_config, settings_error
 from ..errors import ConfigError
 from .decode import DecodeConfig
 from .ma_config import MADecodeConfig
@@ -46,19 +46,27 @@ MA_PRESETS: dict[str, MADecodeConfig] = {
 def split_settings(name_or_path: str, presets: dict[str, Any]) -> tuple[str, list[str]]:
     """``NAME@FIELD=VALUE@...`` as (NAME, its settings); a preset's name or an existing
     file's path is taken whole, ``@`` and all."""
-    if name_or_path in presets or "@" not in name_or_path or Path(name_or_path).exists():
+    if name_or_path in presets or "@" not in name_or_path or _exists(name_or_path):
         return name_or_path, []
     parts = name_or_path.split("@")
     for i in range(len(parts) - 1, 0, -1):  # the longest preset or file before an @
         base = "@".join(parts[:i])
-        if base in presets or Path(base).exists():
+        if base in presets or _exists(base):
             return base, parts[i:]
     return parts[0], parts[1:]
 
 
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name too long to be a file's, say
+        return False
+
+
 def with_settings(name_or_path: str, settings: Sequence[str], presets: dict[str, Any]) -> str:
-    """``name_or_path`` with ``settings`` written into it, before its own ``@`` settings:
-    the one name a loader reads as both (``production-4p1d@prefill.tes=5``)."""
+    """``name_or_path`` with ``settings`` written into it, before its own ``@`` settings: how
+    a deployment loaded with both is named (``production-4p1d@prefill.tes=5``). For display:
+    load with the loaders' ``settings`` argument (a value may hold an ``@``)."""
     if not settings:
         return name_or_path
     name, inline = split_settings(name_or_path, presets)
@@ -108,7 +116,7 @@ def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConf
 
     config = _lookup(name_or_path, PRESETS, DecodeConfig, "deployment", settings)
     name, inline = split_settings(name_or_path, PRESETS)
-    source = None if name in PRESETS or settings or inline else name
+    every = [*settings, *inline]
     try:
         check_batch_fits(config)
         if config.eplb is not None:
@@ -117,9 +125,13 @@ def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConf
             except ConfigError as exc:
                 raise ConfigError(exc.message, field="eplb.policy") from None
     except ConfigError as exc:
-        if source is None:
+        if every:  # a setting wrote the field, or none did (and a preset's value fails)
+            blamed = settings_error(exc, every)
+            if blamed.source is not None or name in PRESETS:
+                raise blamed from None
+        if name in PRESETS:
             raise
-        raise in_file(exc, source) from None
+        raise in_file(exc, name) from None
     return config
 
 
