@@ -312,3 +312,13 @@ def test_a_misspelt_key_or_preset_gets_a_suggestion(tmp_path):
         pd_config(str(f))  # nothing close: no suggestion
     with pytest.raises(ConfigError, match="did you mean 'production-4p1d'"):
         pd_config("production-4pld")
+
+
+def test_a_config_nested_too_deeply_is_one_clear_error(tmp_path):
+    from xds.serve.replay import PDConfig
+
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a":' * 5000 + "1" + "}" * 5000)
+    with pytest.raises(ConfigError, match="nested too deeply") as exc:
+        load_config(deep, PDConfig)
+    assert exc.value.source == str(deep)

@@ -1742,3 +1742,35 @@ def test_a_max_output_reservation_holds_more_decode_kv_than_the_oracle(monkeypat
     monkeypatch.setattr(DecodeTE, "reserve", watched)
     replay(_workload((0, 1_000, 10)), cfg(2_000, 64))
     assert seen == {0: 24}  # ceil((1,000 + 2,000) / 128) blocks, not ceil(1,010 / 128) = 8
+
+
+def test_the_job_executor_avoids_a_decode_te_whose_kv_faults_masked_away():
+    """Every DP group of D0 lost its KV to memory faults: the Job Executor offers the policy
+    only the Decode TEs that could still hold the sequence (D1), instead of failing every
+    request D0 would have been given; with no such TE, requests fail saying why."""
+    from xds.serve.recovery import MemoryFault
+
+    base = pd_config("production-4p1d")
+    cfg = msgspec.structs.replace(
+        base,
+        decode_tes=2,
+        prefill=msgspec.structs.replace(base.prefill, tes=1, dies_per_te=4),
+        decode=msgspec.structs.replace(
+            base.decode, dies=8, shared_expert_dies=0, model="qwen3-235b", kv_blocks_per_die=60
+        ),
+    )
+    wl = Workload([Request(i, int(0.1 * i * S), 100, 10) for i in range(10)], source="masked")
+
+    def masked(*tes):
+        return [
+            MemoryFault(at_ns=0, dp=d, decode_te=te, first_block=0, blocks=60)
+            for te in tes
+            for d in range(8)
+        ]
+
+    res = replay(wl, cfg, faults=masked(0))
+    assert res.summary.completed == 10
+    assert {r.decode_placement.split("/")[0] for r in res.records} == {"D1"}
+    res = replay(wl, cfg, faults=masked(0, 1))
+    assert res.summary.failed == 10
+    assert all("usable KV" in r.reason for r in res.records)

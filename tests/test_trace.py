@@ -49,6 +49,13 @@ def test_mooncake_jsonl(tmp_path):
             "line 2 field 'timestamp'",
         ),
         ("not json\n", "line 1: invalid JSON"),
+        (  # an ignored key nested past the decoder's recursion limit
+            '{"timestamp": 1, "input_length": 1, "output_length": 2, "x": '
+            + "[" * 5000
+            + "]" * 5000
+            + "}\n",
+            "line 1: invalid JSON (nested too deeply to read)",
+        ),
         (
             '{"timestamp": "5", "input_length": 1, "output_length": 2}\n',
             "line 1 field 'timestamp': expected a number, got the string '5'",

@@ -64,6 +64,8 @@ def _read(path: Path) -> Any:
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse: {exc}", source=str(path)) from None
+    except RecursionError:
+        raise ConfigError("cannot parse: nested too deeply", source=str(path)) from None
     except _DuplicateKey as exc:
         raise ConfigError(
             f"key {exc.args[0]!r} appears twice in one object (which value is meant?)",

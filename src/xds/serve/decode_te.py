@@ -568,6 +568,16 @@ class DecodeTE:
             if head and self._held:  # the next one in line may fit too
                 self._held[0].set()
 
+    def could_ever_hold(self, input_tokens: int, output_tokens: int) -> bool:
+        """Whether some DP group in service could hold a sequence of these lengths once its
+        other requests are gone (memory faults mask part of a group's KV)."""
+        tokens = input_tokens + self.reserved_output(output_tokens)
+        if not self._masked_dps:
+            return any(self.alive) and self.kv[0].blocks_for(tokens) <= self.kv_capacity
+        return any(
+            self.alive[dp] and self.kv[dp].could_ever_admit(tokens) for dp in range(len(self.kv))
+        )
+
     def reserved_output(self, output_tokens: int) -> int:
         """The output tokens whose KV this TE reserves for a request of ``output_tokens``
         (:attr:`DecodeConfig.reserve_output_tokens`)."""

@@ -525,13 +525,17 @@ class Replay(Failover):
     def select_decode(self, req: Request, prefill_te: int) -> DecodeTE | None:
         """By real-time load (P099): the ``decode_te_selection`` policy (by default
         :func:`~xds.serve.job_executor.fewest_sequences`) over the Decode TEs whose DistFlow
-        pair with ``prefill_te`` has not failed (None if every one has)."""
+        pair with ``prefill_te`` has not failed (None if every one has) and, where memory
+        faults masked KV, that could still hold the sequence (all of them if none could: the
+        chosen one then fails it, saying why)."""
+        usable = self._decode_tes_from(prefill_te)
+        if not usable:
+            return None
+        fit = [d for d in usable if d.could_ever_hold(req.input_tokens, req.output_tokens)]
         offer = [
             DecodeTEView(d.index, d.router.sequences, d.router.kv_used_blocks)
-            for d in self._decode_tes_from(prefill_te)
+            for d in fit or usable
         ]
-        if not offer:
-            return None
         return self.decode[
             checked_choice(self.decode_te_selection, req, offer, "decode_te_selection")
         ]

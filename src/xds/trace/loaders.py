@@ -269,6 +269,10 @@ def _json_objects(p: Path, keys: Collection[str]) -> Iterator[tuple[int, dict[st
                 if line_no == 1 and not raw.lstrip().startswith(b"{"):
                     hint = "; a JSONL trace has one JSON object per line: is --format right?"
                 raise TraceError(f"invalid JSON ({why}){hint}", path=str(p), line=line_no) from None
+            except RecursionError:
+                raise TraceError(
+                    "invalid JSON (nested too deeply to read)", path=str(p), line=line_no
+                ) from None
             if not isinstance(obj, dict):
                 raise TraceError("expected a JSON object", path=str(p), line=line_no)
             if (key := _key_twice(raw, keys)) is not None:
