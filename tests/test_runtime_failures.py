@@ -618,3 +618,24 @@ def test_an_interrupt_raised_into_trios_loop_surfaces_as_itself():
     with pytest.raises(Interrupt, match="from outside the model") as info:
         xds.run(main, backend="trio")
     assert info.value.__cause__ is None
+
+
+def test_a_model_calling_sys_exit_ends_the_run_as_itself_and_quietly(capfd, caplog):
+    import gc
+    import sys
+
+    async def child():
+        await xds.sleep_ns(10)
+        sys.exit(3)  # say, from a policy the model calls
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+            await xds.sleep_ns(100)
+
+    with pytest.raises(SystemExit) as exc:
+        xds.run(main)
+    assert exc.value.code == 3
+    gc.collect()  # asyncio reports the root task's exception at shutdown or collection
+    assert capfd.readouterr().err == ""
+    assert not [r for r in caplog.records if r.name == "asyncio"]  # nor logs it

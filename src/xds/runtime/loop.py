@@ -116,11 +116,22 @@ class _VirtualSelector(selectors.SelectSelector):
 def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """An exception escaped a plain callback: that is a model bug, so fail the run loudly."""
     exc = context.get("exception")
+    if not loop.is_running():  # reported after the run (a collected task, or shutdown)
+        if not _only_exits(exc):  # a model's sys.exit or Ctrl-C ended the run as itself
+            loop.default_exception_handler(context)
+        return
     handler = getattr(loop, "_on_callback_error", None)
     if isinstance(exc, BaseException) and handler is not None:
         handler(exc)
     else:
         loop.default_exception_handler(context)
+
+
+def _only_exits(exc: object) -> bool:
+    """Whether ``exc`` is a SystemExit or KeyboardInterrupt, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_exits(e) for e in exc.exceptions)
+    return isinstance(exc, SystemExit | KeyboardInterrupt)
 
 
 class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
