@@ -1774,3 +1774,19 @@ def test_the_job_executor_avoids_a_decode_te_whose_kv_faults_masked_away():
     res = replay(wl, cfg, faults=masked(0, 1))
     assert res.summary.failed == 10
     assert all("usable KV" in r.reason for r in res.records)
+
+
+def test_a_long_replay_on_the_xccl_tier_warns_of_its_wall_time():
+    from xds.serve.replay import XCCL_WARN_BYTES, _warn_xccl_volume
+
+    cfg = pd_config("production-4p1d", kv_transfer="xccl")
+    per_token = cfg.decode.spec.kv_bytes_per_token(int8_nope=True, mtp=True)
+    n = XCCL_WARN_BYTES // per_token + 1
+    with pytest.warns(UserWarning, match="s of wall time; the closed-form tier"):
+        _warn_xccl_volume(cfg, Workload([Request(0, 0, n, 3)], source="long"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_xccl_volume(cfg, Workload([Request(0, 0, n - 1, 3)], source="short"))
+        _warn_xccl_volume(pd_config("production-4p1d"), Workload([Request(0, 0, n, 3)]))

@@ -20,6 +20,7 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
@@ -1174,6 +1175,29 @@ def _checked(config: object, workload: Workload, faults: object) -> tuple[PDConf
     return cfg, workload
 
 
+XCCL_WARN_BYTES = 2 * 2**30
+"""A replay on the ``xccl`` KV tier moving more than this warns: every chunk of every
+transfer is a message on the modelled fabric, which costs wall time in proportion to the
+bytes (about 7 s a GB on a 2-core machine; a 60K-token Qwen3-235B prompt takes 42 s)."""
+
+
+def _warn_xccl_volume(cfg: PDConfig, workload: Workload) -> None:
+    if cfg.kv_transfer != "xccl":
+        return
+    spec = cfg.decode.spec
+    per_token = spec.kv_bytes_per_token(
+        int8_nope=cfg.prefill.precision.kv_int8_nope, mtp=cfg.decode.drafts
+    )
+    total = per_token * sum(r.input_tokens for r in workload.requests)
+    if total > XCCL_WARN_BYTES:
+        warnings.warn(
+            f"kv_transfer = 'xccl' moves every KV byte as XCCL messages: {total / 1e9:,.1f} GB "
+            f"here, about {7 * total / 1e9:,.0f} s of wall time; the closed-form tier "
+            "(kv_transfer = 'closed-form') replays long traces in a fraction of it",
+            stacklevel=3,
+        )
+
+
 def _set_up(
     workload: Workload,
     cfg: PDConfig,
@@ -1257,6 +1281,7 @@ def replay(
     with a hard bound: the run stops there with :class:`~xds.errors.ModelTimeLimit`. Both
     errors name what each task waits for (e.g. a ``kv_mover`` that never returns)."""
     cfg, workload = _checked(config, workload, faults)
+    _warn_xccl_volume(cfg, workload)
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
