@@ -392,3 +392,50 @@ def test_spares_fit_in_the_pod_and_are_counted_apart(tmp_path, capsys):
     toml.write_text("[recovery]\nspare_servers = 2\n")
     assert main(["replay", "--synthetic", "5", "--deployment", str(toml)]) == 0
     assert "chips + 16 spare)" in capsys.readouterr().out
+
+
+def _one_prefill_te():
+    """production-4p1d with one Prefill TE (servers 0-1) and its Decode TE (servers 2-9),
+    failing over independently; one-token requests (prefill only) every 10 s."""
+    from xds.serve.presets import pd_config
+
+    base = pd_config("production-4p1d")
+    cfg = msgspec.structs.replace(
+        base,
+        prefill=msgspec.structs.replace(base.prefill, tes=1),
+        recovery=msgspec.structs.replace(base.recovery, mode="independent"),
+    )
+    return cfg, Workload(tuple(Request(i, i * 10 * S, 1000, 1) for i in range(40)))
+
+
+def test_faults_detected_together_are_all_tainted_before_a_layout_is_chosen():
+    cfg, wl = _one_prefill_te()
+    rc = cfg.recovery
+    # three Decode servers lost at once, for good: killing the Prefill TE (2 servers) could
+    # not restart the Decode TE (8), so it is not killed and every request is served
+    res = replay(wl, cfg, faults=[NodeFault(at_ns=S, server=s) for s in (2, 3, 4)])
+    (decode,) = res.failovers
+    assert decode.te == "D0" and decode.back_ns == -1
+    assert res.summary.completed == len(wl)
+    # two lost at once: the Prefill TE's servers make up for both, and the Decode TE is not
+    # placed on the second failed server (it comes back after one restart, not two)
+    res = replay(wl, cfg, faults=[NodeFault(at_ns=S, server=s) for s in (2, 3)])
+    decode, killed = res.failovers
+    assert killed.te == "P0" and decode.back_ns == decode.down_ns + rc.decode_restart_ns
+    assert not {2, 3} & set(decode.servers)
+
+
+def test_a_prefill_te_killed_for_a_decode_te_that_then_stays_down_comes_back():
+    cfg, wl = _one_prefill_te()
+    rc = cfg.recovery
+    faults = [NodeFault(at_ns=S // 2, server=3), NodeFault(at_ns=S // 2, server=4)]
+    faults.append(NodeFault(at_ns=S, server=2))  # after P0 was killed for the first two
+    res = replay(wl, cfg, faults=faults)
+    decode, killed = res.failovers
+    assert killed.te == "P0" and decode.back_ns == -1
+    # the Decode TE gave up after its restart found server 2 lost: P0's servers came back
+    gave_up = decode.down_ns + rc.decode_restart_ns
+    assert killed.back_ns == gave_up + rc.prefill_restart_ns and killed.servers == [0, 1]
+    served = [r for r in res.records if r.arrival_ns > killed.back_ns]
+    assert served and all(r.outcome == "completed" for r in served)
+    assert res.summary.completed + res.summary.failed == len(wl)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from .decode_te import DecodeLoad
@@ -232,6 +233,9 @@ class Failover(Elastic):
         await sleep_ns(rc.detect_ns)
         self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
         emit("k8s", "taint", server=fault.server)
+        # faults detected at this same instant taint their servers before anyone decides: a
+        # layout chosen on one taint of several would use a server already lost
+        await anyio.lowlevel.checkpoint()
         if fault.repair_ns:
             assert self._system is not None
             self._pending_repairs += 1
@@ -356,7 +360,8 @@ class Failover(Elastic):
         TE stops waiting for them); False once it is not and nothing can change it: no repair
         pending and no Decode TE waiting (which may leave spares when it is served)."""
         while not enough():
-            if not self._pending_repairs and not self._decode_waiting:
+            restarting = self._decode_down - self._decode_lost.keys()  # may give servers back
+            if not self._pending_repairs and not self._decode_waiting and not restarting:
                 return False
             with waiting_for(f"a repair ({self._pending_repairs} pending) freeing servers"):
                 await self._servers_freed.wait()
@@ -431,8 +436,15 @@ class Failover(Elastic):
             servers = self._decode_servers(d, need)
             if servers is None:
                 if not self._pending_repairs and not self._prefill_restarting:
-                    self._stop_waiting(d)
                     self._decode_lost[d] = f"{reason}; too few healthy servers to restart it"
+                    # its healthy servers (a killed Prefill TE's among them) idle as spares,
+                    # for a Prefill TE that waits to come back
+                    self._spares.extend(
+                        s for s in self.placement.decode[d] if s not in self.tainted
+                    )
+                    self.placement.decode[d] = []
+                    self._stop_waiting(d)
+                    self._free_servers()
                     self._decode_back.set()  # waiting requests learn it
                     self._decode_back = anyio.Event()
                     emit("failover", "stays-down", te=f"D{d}")
@@ -455,6 +467,7 @@ class Failover(Elastic):
         rec.back_ns, rec.servers = now_ns(), self.placement.decode[d]
         self._decode_back.set()
         self._decode_back = anyio.Event()
+        self._free_servers()  # a Prefill TE waiting to come back looks again
         emit("failover", "back", te=f"D{d}")
 
     def _stop_waiting(self, d: int) -> None:

@@ -1281,7 +1281,8 @@ def replay(
     with a hard bound: the run stops there with :class:`~xds.errors.ModelTimeLimit`. Both
     errors name what each task waits for (e.g. a ``kv_mover`` that never returns)."""
     cfg, workload = _checked(config, workload, faults)
-    _warn_xccl_volume(cfg, workload)
+    if not any(isinstance(f, NodeFault | MemoryFault) for f in faults):  # (xccl refuses them)
+        _warn_xccl_volume(cfg, workload)
     holder: dict[str, Replay] = {}
     if grid is None:  # dispatch/combine costs: collective-tier runs of their own
         grid = comm_grid(cfg.decode, seed=seed)
