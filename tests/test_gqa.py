@@ -150,6 +150,21 @@ def test_gqa_models_decode_every_token_and_free_their_kv(model):
     assert longer.breakdown.attention > 4 * res.breakdown.attention  # memory-bound KV reads
 
 
+def _decode_tier(config: DecodeConfig, tier: str):
+    async def run():
+        comm = CommCosts(config.batch_per_die, 60_000, 110_000)
+        inst = DecodeInstance(config, comm, CommCosts(6, 35_000, 60_000), tier=tier)
+        return await inst.serve(config.dies * config.batch_per_die, max_iterations=8)
+
+    return xds.run(run, seed=0, event_log=False)
+
+
+def test_gqa_layer_tier_matches_iteration_tier():
+    cfg = DecodeConfig(model="qwen3-235b", **SMALL)
+    a, b = _decode_tier(cfg, "iteration"), _decode_tier(cfg, "layer")
+    assert a.iteration_ns == b.iteration_ns and a.breakdown == b.breakdown
+
+
 def test_gqa_ma_decode_generates_every_token():
     cfg = MADecodeConfig(
         model="qwen3-235b",

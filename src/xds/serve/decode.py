@@ -358,7 +358,7 @@ class DecodeInstance:
 
                 dmlp = dm.dense_mlp_ns(float(s) * tps)
                 gate = dm.attention_part(s, tps, int(ctx[r]))[2]
-                mtp_pass = tps == 1.0 and not dense
+                mtp_pass = first == m.layers  # (a main pass may also carry 1 token, no dense)
                 await sleep_ns(eff.graph_launch_ns + (mtp_proj if mtp_pass else 0))
                 lead = sum(layer_ns(first + i) - gate + dmlp for i in range(dense))
                 await sleep_ns(lead + layer_ns(first + dense) + jit)
