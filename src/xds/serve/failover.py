@@ -19,7 +19,8 @@ ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
     untainted servers plus spares; if that is not enough, **kill-P-to-preserve-D**: the Prefill
     TEs holding the fewest requests are killed, as many as it takes (their requests fail), and
     their servers go to the Decode TE; a killed Prefill TE comes back when repairs free
-    servers.
+    servers, or when the Decode TE cannot restart after all and gives its healthy servers
+    back.
 
 * ``scale_down`` (stage 2 with EPLB, P119): as ``independent``, except that a **Decode** TE
   drops the failed server's DP groups and EP ranks and serves on with the rest, and takes
@@ -29,7 +30,9 @@ ways (:attr:`RecoveryConfig.mode <xds.serve.recovery.RecoveryConfig.mode>`):
   ``independent``.
 
 From the fault until it is handled (``detect_ns``), the struck TE hangs: its next all-to-all
-includes the dead dies, so the iteration or prefill step in flight never completes.
+includes the dead dies, so the iteration or prefill step in flight never completes. A
+detection (the taint, a repair's bookkeeping, a spare leaving the pool) is a timed callback,
+so every detection due at an instant lands before any task decides a layout then.
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 
-from ..runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
+from ..runtime import call_at_ns, emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from .decode_te import DecodeLoad
 from .elastic import Elastic
 from .recovery import KVMask, NodeFault, Placement, Restart, TEFailover, restart_placement
@@ -228,21 +230,30 @@ class Failover(Elastic):
                 if self._live_decode(te):
                     te.resume()
 
-    async def _handle_node_fault(self, fault: NodeFault) -> None:
-        rc = self.config.recovery
-        await sleep_ns(rc.detect_ns)
+    def _detected(self, fault: NodeFault, idle: list[bool]) -> None:
+        """Kubernetes taints the server (a timed callback: it runs before any task that wakes
+        at the same instant, so every decision then sees every taint due then)."""
         self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
         emit("k8s", "taint", server=fault.server)
-        # faults detected at this same instant taint their servers before anyone decides: a
-        # layout chosen on one taint of several would use a server already lost
-        await anyio.lowlevel.checkpoint()
         if fault.repair_ns:
             assert self._system is not None
             self._pending_repairs += 1
             self._system.start_soon(self._repair, fault)
-        why = f"NPU fault on server {fault.server}"
-        if fault.server in self._spares:  # an idle server: nothing to recover
+        if fault.server in self._spares:
             self._spares.remove(fault.server)
+            idle.append(True)
+
+    async def _handle_node_fault(self, fault: NodeFault) -> None:
+        rc = self.config.recovery
+        idle: list[bool] = []
+        detection = call_at_ns(now_ns() + rc.detect_ns, self._detected, fault, idle)
+        try:
+            await sleep_ns(rc.detect_ns)
+        except BaseException:  # cancelled before the detection (the replay ended, say)
+            detection.cancel()
+            raise
+        why = f"NPU fault on server {fault.server}"
+        if idle:  # an idle server: nothing to recover
             return
         if rc.mode == "restart_world":
             await self._restart_world(f"restart-the-world after an {why}")
@@ -358,12 +369,16 @@ class Failover(Elastic):
     async def _await_servers(self, enough: Callable[[], bool]) -> bool:
         """Wait until ``enough()`` (re-checked whenever servers return to the pool or a Decode
         TE stops waiting for them); False once it is not and nothing can change it: no repair
-        pending and no Decode TE waiting (which may leave spares when it is served)."""
+        pending, no Decode TE waiting (which may leave spares when it is served) and none
+        restarting (which gives its healthy servers back if it cannot come back)."""
         while not enough():
             restarting = self._decode_down - self._decode_lost.keys()  # may give servers back
             if not self._pending_repairs and not self._decode_waiting and not restarting:
                 return False
-            with waiting_for(f"a repair ({self._pending_repairs} pending) freeing servers"):
+            with waiting_for(
+                f"a repair ({self._pending_repairs} pending) or a restarting Decode TE "
+                "freeing servers"
+            ):
                 await self._servers_freed.wait()
         return True
 
@@ -543,10 +558,13 @@ class Failover(Elastic):
     def _servers_for(self, own: list[int], need: int) -> list[int] | None:
         """A TE's untainted servers topped up from the spares (taken only if enough)."""
         servers = [s for s in own if s not in self.tainted]
-        if len(servers) + len(self._spares) < need:
+        spares = [s for s in self._spares if s not in self.tainted]  # (a spare is untainted
+        if len(servers) + len(spares) < need:  # once detected; never place one that is not)
             return None
         while len(servers) < need:
-            servers.append(self._spares.pop(0))
+            spare = spares.pop(0)
+            self._spares.remove(spare)
+            servers.append(spare)
         return sorted(servers)
 
     def _fail_held(self, held: Callable[[int, Where], bool], reason: str) -> int:
