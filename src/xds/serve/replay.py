@@ -1185,8 +1185,8 @@ def _warn_xccl_volume(cfg: PDConfig, workload: Workload) -> None:
     if cfg.kv_transfer != "xccl":
         return
     spec = cfg.decode.spec
-    per_token = spec.kv_bytes_per_token(
-        int8_nope=cfg.prefill.precision.kv_int8_nope, mtp=cfg.decode.drafts
+    per_token = spec.kv_bytes_per_token(  # as the transfers size it
+        int8_nope=cfg.decode.precision.kv_int8_nope, mtp=cfg.decode.drafts
     )
     total = per_token * sum(r.input_tokens for r in workload.requests)
     if total > XCCL_WARN_BYTES:
