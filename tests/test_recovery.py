@@ -439,3 +439,21 @@ def test_a_prefill_te_killed_for_a_decode_te_that_then_stays_down_comes_back():
     served = [r for r in res.records if r.arrival_ns > killed.back_ns]
     assert served and all(r.outcome == "completed" for r in served)
     assert res.summary.completed + res.summary.failed == len(wl)
+
+
+def test_a_prefill_te_that_stopped_waiting_returns_when_servers_come_back_later():
+    """P0 is killed for D0, which comes back; P0 stops waiting (nothing could free servers).
+    Later D0 loses a third server for good, cannot restart, and gives its healthy servers
+    back: P0 looks again and returns on two of them."""
+    cfg, wl = _one_prefill_te()
+    rc = cfg.recovery
+    faults = [NodeFault(at_ns=S // 2, server=s) for s in (3, 4)]
+    faults.append(NodeFault(at_ns=200 * S, server=5))
+    res = replay(wl, cfg, faults=faults)
+    first, killed, second = res.failovers
+    assert (first.te, killed.te, second.te) == ("D0", "P0", "D0")
+    assert first.back_ns > 0 and second.back_ns == -1
+    assert killed.back_ns == second.down_ns + rc.prefill_restart_ns
+    assert not {3, 4, 5} & set(killed.servers)
+    late = [r for r in res.records if r.arrival_ns > killed.back_ns]
+    assert late and all(r.outcome == "completed" for r in late)

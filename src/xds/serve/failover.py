@@ -128,6 +128,9 @@ class Failover(Elastic):
         """Decode TEs waiting for servers to restart on (they go before any Prefill TE)."""
         self._pending_repairs = 0
         self._prefill_restarting = 0
+        self._prefill_gave_up: dict[int, TEFailover] = {}
+        """Prefill TEs down whose comeback found nothing that could free servers for them:
+        they look again whenever servers return to the pool."""
         self._servers_freed = anyio.Event()
         """Set (and replaced) when servers return to the pool (a repair, a TE left down)."""
         per_p, per_d = cfg.prefill_servers_per_te, cfg.decode_servers // cfg.decode_tes
@@ -298,6 +301,13 @@ class Failover(Elastic):
     def _free_servers(self) -> None:
         self._servers_freed.set()
         self._servers_freed = anyio.Event()
+        if self._prefill_gave_up:  # a Prefill TE that stopped waiting looks again
+            assert self._system is not None
+            for k in sorted(self._prefill_gave_up):
+                rec = self._prefill_gave_up.pop(k)
+                self._system.start_soon(
+                    self._prefill_comeback, k, rec, name=f"prefill-comeback-{k}"
+                )
 
     # -- stage 1 ---------------------------------------------------------------------------------
     async def _restart_world(self, reason: str) -> None:
@@ -404,12 +414,14 @@ class Failover(Elastic):
     async def _prefill_comeback(self, k: int, rec: TEFailover) -> None:
         """A Prefill TE left down for want of servers (or killed to preserve a Decode TE)
         restarts once repairs give it a whole group of servers that no Decode TE is waiting
-        for (Decode has priority, P118-P119); without pending repairs it stays down."""
+        for (Decode has priority, P118-P119); with nothing pending that could free them it
+        stops waiting, and looks again when servers next return to the pool."""
         need = self.config.prefill_servers_per_te
         while True:
             if not await self._await_servers(
                 lambda: not self._decode_waiting and len(self._spares) >= need
             ):
+                self._prefill_gave_up[k] = rec
                 return
             servers = self._servers_for([], need)
             assert servers is not None
