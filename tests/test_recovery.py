@@ -457,3 +457,24 @@ def test_a_prefill_te_that_stopped_waiting_returns_when_servers_come_back_later(
     assert not {3, 4, 5} & set(killed.servers)
     late = [r for r in res.records if r.arrival_ns > killed.back_ns]
     assert late and all(r.outcome == "completed" for r in late)
+
+
+@pytest.mark.parametrize("detect_ns", [0, None])
+@pytest.mark.parametrize("servers", [(2, 3, 4), (0, 3), (0, 1, 5)])
+def test_simultaneous_faults_recover_the_same_whatever_their_order_and_backend(servers, detect_ns):
+    cfg, wl = _one_prefill_te()
+    if detect_ns is not None:  # detected as they strike
+        cfg = msgspec.structs.replace(
+            cfg, recovery=msgspec.structs.replace(cfg.recovery, detect_ns=detect_ns)
+        )
+
+    def run(order, backend):
+        faults = [NodeFault(at_ns=S, server=s, repair_ns=(5 * S if s == 4 else 0)) for s in order]
+        res = replay(wl, cfg, faults=faults, backend=backend)
+        return res.failovers, [(r.outcome, r.reason, r.finish_ns) for r in res.records]
+
+    first = run(servers, "asyncio")
+    assert run(tuple(reversed(servers)), "asyncio") == first
+    assert run(tuple(reversed(servers)), "trio") == first
+    # the lowest server's handler decides first: the reasons name it
+    assert str(min(servers)) in first[0][0].reason

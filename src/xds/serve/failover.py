@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from ..runtime import call_at_ns, emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from .decode_te import DecodeLoad
@@ -128,6 +129,8 @@ class Failover(Elastic):
         """Decode TEs waiting for servers to restart on (they go before any Prefill TE)."""
         self._pending_repairs = 0
         self._prefill_restarting = 0
+        self._detections: dict[int, list[int]] = {}
+        """Servers whose faults were detected, by instant (handlers decide in server order)."""
         self._prefill_gave_up: dict[int, TEFailover] = {}
         """Prefill TEs down whose comeback found nothing that could free servers for them:
         they look again whenever servers return to the pool."""
@@ -237,6 +240,7 @@ class Failover(Elastic):
         """Kubernetes taints the server (a timed callback: it runs before any task that wakes
         at the same instant, so every decision then sees every taint due then)."""
         self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
+        self._detections.setdefault(now_ns(), []).append(fault.server)
         emit("k8s", "taint", server=fault.server)
         if fault.repair_ns:
             assert self._system is not None
@@ -249,15 +253,23 @@ class Failover(Elastic):
     async def _handle_node_fault(self, fault: NodeFault) -> None:
         rc = self.config.recovery
         idle: list[bool] = []
-        detection = call_at_ns(now_ns() + rc.detect_ns, self._detected, fault, idle)
-        try:
-            await sleep_ns(rc.detect_ns)
-        except BaseException:  # cancelled before the detection (the replay ended, say)
-            detection.cancel()
-            raise
+        if rc.detect_ns:
+            detection = call_at_ns(now_ns() + rc.detect_ns, self._detected, fault, idle)
+            try:
+                await sleep_ns(rc.detect_ns)
+            except BaseException:  # cancelled before the detection (the replay ended, say)
+                detection.cancel()
+                raise
+        else:  # detected as it strikes: the faults striking now all detect before a decision
+            self._detected(fault, idle)
+            await anyio.lowlevel.checkpoint()
         why = f"NPU fault on server {fault.server}"
         if idle:  # an idle server: nothing to recover
             return
+        # faults detected together are handled in server order, one decision a scheduling
+        # round, whatever order they were given in and whichever backend runs
+        for _ in range(sorted(set(self._detections[now_ns()])).index(fault.server)):
+            await anyio.lowlevel.checkpoint()
         if rc.mode == "restart_world":
             await self._restart_world(f"restart-the-world after an {why}")
             return
