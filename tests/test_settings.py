@@ -150,3 +150,12 @@ def test_cli_set_and_at_settings(capsys):
         "production-4p1d@prefill.tes=3@prefill.tes=2",
     ]
     assert [v["chips"] for v in out["variants"]] == [64 + 48, 64 + 32]
+
+
+def test_a_missing_file_whose_name_holds_an_at_is_named_whole(tmp_path):
+    missing = tmp_path / "v@2.toml"
+    with pytest.raises(ConfigError, match="file not found") as exc:
+        pd_config(f"{missing}@prefill.tes=3")
+    assert exc.value.source == str(missing)
+    with pytest.raises(ConfigError, match="FIELD=VALUE"):  # a trailing @: an empty setting
+        pd_config("production-4p1d@prefill.tes=3@")

@@ -53,7 +53,12 @@ def split_settings(name_or_path: str, presets: dict[str, Any]) -> tuple[str, lis
         base = "@".join(parts[:i])
         if base in presets or _exists(base):
             return base, parts[i:]
-    return parts[0], parts[1:]
+    # none exists: settings are the trailing parts that read FIELD=VALUE (a missing file's
+    # name may hold an @ too, and is then named whole)
+    first = len(parts)
+    while first > 1 and ("=" in parts[first - 1] or not parts[first - 1]):
+        first -= 1
+    return "@".join(parts[:first]), parts[first:]
 
 
 def _exists(path: str) -> bool:
