@@ -214,7 +214,7 @@ def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):
     )
     assert main(["ma-decode", "--deployment", str(dep), "--full", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert sum(sum(d["tokens"]) for d in res["domains"]) == 2 * 4 * 4 * 5
+    assert sum(sum(d["tokens"]) for d in res["domains"]) == 2 * 4 * 4 * (5 - 1)
     assert set(res["stream_busy"]) == {"a2e", "moe", "e2a"}
     # the headline figures the table prints are in the JSON too
     assert res["tpot_ns"] == res["mean_iteration_ns"] / res["mean_tokens_per_step"]
@@ -286,6 +286,11 @@ def test_dataflow_compares_the_modes(capsys):
     assert "tokens equal the dense reference" in out and "NO" not in out
     assert main(["dataflow", "--slow", "gpu:0:1"]) == 2
     assert "--slow gpu:0:1: component must be" in capsys.readouterr().err
+    # three requests on four workers: the idle ones show "-", not nan
+    assert main(["dataflow", "--duplicates", "1", "--requests", "3", "--queue-depth", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "on attention worker 3" in out
+    assert "still on their way" in out.replace("\n", " ")
 
 
 def test_out_of_range_fault_numbers_are_one_line_errors(capsys):

@@ -208,6 +208,8 @@ def test_mtp_defaults_to_the_models_own_and_needs_an_mtp_layer(tmp_path):
 
     with pytest.raises(ConfigError, match=r"layers 0\.\.60 \(no MTP layer\)"):
         DecodeConfig(**kimi, precision=Precision(attention_int8_layers=(61,)))
+    with pytest.raises(ConfigError, match=r"layer\(s\) \[3\] more than once"):
+        Precision(attention_int8_layers=(3, 4, 3))
 
 
 def test_memory_that_cannot_exist_is_refused():

@@ -142,7 +142,8 @@ def test_the_last_microbatch_is_exposed(small_curve):
 
 def test_every_token_is_generated_once(small_curve):
     _, res = _serve(SMALL, small_curve, record=False)
-    assert res.tokens == SMALL.attention_dies * SMALL.batch_per_die * SMALL.output_tokens
+    # prefill made each first token: decode makes the rest
+    assert res.tokens == SMALL.attention_dies * SMALL.batch_per_die * (SMALL.output_tokens - 1)
     # MTP acceptance may finish a domain an iteration early: the rotation then skips it
     assert {len(d.iteration_ns) for d in res.domains} <= {res.iterations - 1, res.iterations}
     assert 1.0 <= res.mean_tokens_per_step <= 1 + SMALL.mtp_config.k
@@ -420,3 +421,11 @@ def test_asyncio_and_trio_give_the_same_run(small_curve):
 
 def test_serving_closes_the_pools_streams(small_curve, streams_left_open):
     assert streams_left_open(lambda: _serve(SMALL, small_curve, max_iterations=2)) == []
+
+
+def test_output_tokens_mean_what_they_mean_in_colocated_decode():
+    """Prefill makes each sequence's first token in both deployments: a sequence needs two
+    output tokens to decode at all, and decode makes output_tokens - 1 of them."""
+    with pytest.raises(ConfigError, match=">= 2") as exc:
+        msgspec.structs.replace(SMALL, output_tokens=1)
+    assert exc.value.field == "output_tokens"

@@ -2544,10 +2544,13 @@ def dataflow(
         xs = [x.finished_ns - x.admitted_ns for x in r.requests if worker in (None, x.worker)]
         return sum(xs) / len(xs) / 1e6 if xs else float("nan")
 
+    def ms(value: float) -> str:
+        return "-" if math.isnan(value) else f"{value:.2f} ms"  # (a worker given no request)
+
     row("virtual time", lambda r: fmt_ns(r.elapsed_ns))
-    row("mean request latency", lambda r: f"{latency(r):.2f} ms")
+    row("mean request latency", lambda r: ms(latency(r)))
     for w in range(base.attention_workers):
-        row(f"  on attention worker {w}", lambda r, w=w: f"{latency(r, w):.2f} ms")
+        row(f"  on attention worker {w}", lambda r, w=w: ms(latency(r, w)))
     row("messages", lambda r: f"{r.messages:,}")
     row("duplicates sent / dropped", lambda r: f"{r.duplicates_sent} / {r.duplicates_dropped}")
     row("largest queue (inbox / link)", lambda r: f"{r.max_queue['inbox']} / {r.max_queue['link']}")
@@ -2555,6 +2558,11 @@ def dataflow(
         "tokens equal the dense reference",
         lambda r: "yes" if [x.tokens for x in r.requests] == reference else "NO",
     )
+    if any(r.duplicates_sent != r.duplicates_dropped for r in results.values()):
+        table.caption = (
+            "a duplicate is dropped when it reaches its receiver: the rest were still on their "
+            "way when the last request finished"
+        )
     console.print(table)
 
 

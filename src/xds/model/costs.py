@@ -86,6 +86,13 @@ class Precision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def __post_init__(self) -> None:
         check_fields(self)
+        layers = self.attention_int8_layers
+        if len(set(layers)) != len(layers):
+            twice = sorted({x for x in layers if layers.count(x) > 1})
+            raise ConfigError(
+                f"attention_int8_layers names layer(s) {twice} more than once",
+                field="precision.attention_int8_layers",
+            )
         if any(layer < 0 for layer in self.attention_int8_layers):
             raise ConfigError(
                 f"attention_int8_layers must be layer numbers >= 0, got "

@@ -134,7 +134,8 @@ class DataflowResult(msgspec.Struct, kw_only=True):
     computes a duplicated copy sends one more result)."""
     duplicates_sent: int
     duplicates_dropped: int
-    """Results discarded by their tag (applied at most once)."""
+    """Results discarded by their tag (applied at most once). ``duplicates_sent`` exceeds it
+    by the duplicates still on their way when the last request finished."""
     max_queue: dict[str, int]
     """Largest occupancy seen per kind of queue (``inbox``, ``link``); never above
     ``queue_depth``."""

@@ -105,6 +105,12 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for name in ("poll_ns", "scheduler_gap_ns"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
+        if self.output_tokens < 2:
+            raise ConfigError(
+                f"must be >= 2 (prefill makes the first token; decode runs the rest), got "
+                f"{self.output_tokens}",
+                field="output_tokens",
+            )
         if self.model not in MODELS:
             raise ConfigError(
                 f"unknown model {self.model!r}; known: {', '.join(MODELS)}", field="model"

@@ -509,10 +509,12 @@ class MADecodeInstance:
     ) -> MADecodeResult:
         """Decode every sequence to ``output_tokens`` (or for ``max_iterations``), starting
         ``from_token`` tokens into the output (a window mid-run: contexts start at
-        ``input_tokens + from_token``). Means and rates skip each domain's first ``warmup``
+        ``input_tokens + from_token``). Prefill made each sequence's first output token, so
+        decode starts at token 1 at the earliest (``from_token`` 0 means 1) and runs the
+        rest, as colocated decode does. Means and rates skip each domain's first ``warmup``
         iterations, where the domains start together rather than in their rotation."""
         cfg = self.config
-        from_token = require_int(from_token, "from_token", high=cfg.output_tokens - 1)
+        from_token = max(1, require_int(from_token, "from_token", high=cfg.output_tokens - 1))
         warmup = require_int(warmup, "warmup")
         if max_iterations is not None:
             max_iterations = require_int(max_iterations, "max_iterations", low=1)
