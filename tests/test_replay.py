@@ -1781,6 +1781,7 @@ def test_a_long_replay_on_the_xccl_tier_warns_of_its_wall_time():
 
     cfg = pd_config("production-4p1d", kv_transfer="xccl")
     per_token = cfg.decode.spec.kv_bytes_per_token(int8_nope=True, mtp=True)
+    assert cfg.decode.kv_bytes_per_token == per_token  # INT8 no-RoPE latent, MTP layer kept
     n = XCCL_WARN_BYTES // per_token + 1
     with pytest.warns(UserWarning, match="s of wall time; the closed-form tier"):
         _warn_xccl_volume(cfg, Workload([Request(0, 0, n, 3)], source="long"))

@@ -51,6 +51,16 @@ NO_MTP = MTPConfig(k=0)
 """The MTP of a model without one: no drafts."""
 
 
+def check_shared_expert_dies(model: ModelSpec, shared_expert_dies: int) -> None:
+    """Shared-expert dies only for a model that has a shared expert."""
+    if shared_expert_dies and not model.shared_experts:
+        raise ConfigError(
+            f"{model.name} has no shared expert: set shared_expert_dies = 0 (got "
+            f"{shared_expert_dies})",
+            field="shared_expert_dies",
+        )
+
+
 def resolve_mtp(mtp: MTPConfig | None, model: ModelSpec, field: str = "mtp.k") -> MTPConfig:
     """A deployment's MTP: ``mtp`` as given (drafts need the model to have an MTP layer), or,
     for None, the model's own: one draft at 0.9 acceptance with an MTP layer, none without."""
@@ -140,12 +150,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         m = MODELS[self.model]
         check_attention(m)
         self.precision.check_layers(m)
-        if self.shared_expert_dies and not m.shared_experts:
-            raise ConfigError(
-                f"{m.name} has no shared expert: set shared_expert_dies = 0 (got "
-                f"{self.shared_expert_dies})",
-                field="shared_expert_dies",
-            )
+        check_shared_expert_dies(m, self.shared_expert_dies)
         resolve_mtp(self.mtp, m)  # checks it
         if self.dies > m.routed_experts + self.shared_expert_dies:
             raise ConfigError(
@@ -182,8 +187,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     field="dies",
                 )
         else:  # an override (a group after a scale-down, a what-if), but never beyond HBM
-            per_token = m.kv_bytes_per_token(int8_nope=self.precision.kv_int8_nope, mtp=self.drafts)
-            block = per_token * self.block_tokens
+            block = self.kv_bytes_per_token * self.block_tokens
             if self.kv_blocks_per_die * block > hbm:
                 raise ConfigError(
                     f"{self.kv_blocks_per_die} blocks of {self.block_tokens} tokens are "
@@ -202,6 +206,13 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         """Whether the deployment drafts (MTP k > 0): it then keeps, and a PD transfer
         moves, the MTP layer's KV too."""
         return self.mtp_config.k > 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes of one token on a decode die, as the cache holds it (its
+        precision; the MTP layer's too when the deployment drafts): what a PD transfer
+        moves per prompt token."""
+        return self.spec.kv_bytes_per_token(int8_nope=self.precision.kv_int8_nope, mtp=self.drafts)
 
     @property
     def spec(self):

@@ -31,7 +31,7 @@ from ..hw import ASCEND_910C_DIE, CloudMatrix384
 from ..model import MODELS, KernelEfficiency, ModelSpec, Precision, check_attention
 from ..runtime import now_ns, rng, run, sleep_until_ns
 from ..units import MS, US
-from .decode_model import resolve_mtp
+from .decode_model import check_shared_expert_dies, resolve_mtp
 from .kv import WORKSPACE_FRACTION, kv_capacity_blocks
 from .mtp import MTPConfig
 
@@ -130,12 +130,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"{self.shared_expert_dies}",
                 field="shared_expert_dies",
             )
-        if self.shared_expert_dies and not m.shared_experts:
-            raise ConfigError(
-                f"{m.name} has no shared expert: set shared_expert_dies = 0 (got "
-                f"{self.shared_expert_dies})",
-                field="shared_expert_dies",
-            )
+        check_shared_expert_dies(m, self.shared_expert_dies)
         if self.expert_dies - self.shared_expert_dies > m.routed_experts:
             raise ConfigError(
                 f"{self.expert_dies - self.shared_expert_dies} routed-expert dies, but "

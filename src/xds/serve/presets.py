@@ -119,9 +119,9 @@ def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConf
     from .decode import check_batch_fits
     from .eplb.policies import policy
 
-    config = _lookup(name_or_path, PRESETS, DecodeConfig, "deployment", settings)
     name, inline = split_settings(name_or_path, PRESETS)
     every = [*settings, *inline]
+    config = apply_settings(_named(name, PRESETS, DecodeConfig, "deployment"), every)
     try:
         check_batch_fits(config)
         if config.eplb is not None:

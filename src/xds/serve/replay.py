@@ -411,9 +411,7 @@ class Replay(Failover):
         self._memory_faults: list[MemoryFault] = []
         self.monitor: LinkMonitor | None = None
         self._picks = 0
-        self.kv_bytes_per_token = model.kv_bytes_per_token(
-            int8_nope=cfg.decode.precision.kv_int8_nope, mtp=drafts
-        )
+        self.kv_bytes_per_token = cfg.decode.kv_bytes_per_token
         self.records: dict[int, RequestRecord] = {}
         self.ended = 0
         self._failed_pairs: dict[tuple[int, int], int] = {}
@@ -1184,11 +1182,7 @@ bytes (about 7 s a GB on a 2-core machine; a 60K-token Qwen3-235B prompt takes 4
 def _warn_xccl_volume(cfg: PDConfig, workload: Workload) -> None:
     if cfg.kv_transfer != "xccl":
         return
-    spec = cfg.decode.spec
-    per_token = spec.kv_bytes_per_token(  # as the transfers size it
-        int8_nope=cfg.decode.precision.kv_int8_nope, mtp=cfg.decode.drafts
-    )
-    total = per_token * sum(r.input_tokens for r in workload.requests)
+    total = cfg.decode.kv_bytes_per_token * sum(r.input_tokens for r in workload.requests)
     if total > XCCL_WARN_BYTES:
         warnings.warn(
             f"kv_transfer = 'xccl' moves every KV byte as XCCL messages: {total / 1e9:,.1f} GB "
