@@ -434,3 +434,26 @@ def test_a_search_per_seed_gives_the_capacity_an_interval(tmp_path, capsys):
     assert "capacity: none to average (2 seed(s) meeting the SLA up to the search cap" in out
     assert main([*argv, *more, "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot draws one search per deployment: give --seeds 1" in capsys.readouterr().err
+
+
+def test_stopping_running_guesses_kills_them_and_never_waits_on_them():
+    """Guesses still computing when the search ends are killed, each on its own pipe: nothing
+    they held (a result half written) can block the search's exit."""
+    import time
+
+    from xds.serve.speculative import Speculator
+
+    def slow(x: float) -> float:
+        time.sleep(60)  # (a worker's wall time: a guess the search will not need)
+        return x
+
+    spec = Speculator(slow, jobs=2)
+    spec.ahead([1.0, 2.0, 3.0])
+    assert spec.speculated == 2  # as many as there are workers
+    guesses = list(spec._pending.values())
+    spec.close()
+    assert all(not g._process.is_alive() for g in guesses)
+    done = Speculator(lambda x: 2 * x, jobs=2)
+    done.ahead([4.0])
+    assert done.get(4.0) == 8.0 and done.get(5.0) == 10.0  # a guess's value, then computed here
+    done.close()

@@ -8,16 +8,19 @@ returns a point's value, from a worker if one computed it, else computed in this
 search sees exactly the values it would have computed alone, in the same order: only the wall
 time changes with ``jobs``. Guesses that the search never asks for are thrown away.
 
-Workers are forked from this process (``multiprocessing`` "fork" context), so ``evaluate`` may
-be a closure over anything, including user policies; each evaluation must be deterministic and
-free of side effects the search relies on (a replay in virtual time is). Where fork is not
+Each guess runs in a process forked from this one for it (``multiprocessing`` "fork"
+context), so ``evaluate`` may be a closure over anything, including user policies; each
+evaluation must be deterministic and free of side effects the search relies on (a replay in
+virtual time is). A guess sends its value back on a pipe of its own, so stopping a guess (a
+kill) can never leave a lock held that another guess or this process waits on (a
+``multiprocessing.Pool`` terminated while a worker writes a result can hang). Where fork is not
 available, or with ``jobs=1``, everything runs in this process.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.pool
+import multiprocessing.connection
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -33,9 +36,46 @@ def default_jobs() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _evaluate_in_worker(x: float) -> Any:
+def _evaluate_in_worker(x: float, conn: multiprocessing.connection.Connection) -> None:
+    """A forked guess: its value (or that it failed) on ``conn``."""
     assert _EVALUATE is not None
-    return _EVALUATE(x)
+    try:
+        value = _EVALUATE(x)
+    except Exception:  # recomputed in the parent, where the error surfaces as itself
+        conn.send((False, None))
+    else:
+        conn.send((True, value))
+    finally:
+        conn.close()
+
+
+class _Guess:
+    """One guess running in a process of its own, its value coming back on its own pipe."""
+
+    def __init__(self, context: Any, x: float):
+        self._conn, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=_evaluate_in_worker, args=(x, send), daemon=True)
+        self._process.start()
+        send.close()  # (the child holds its end: EOF here once it is gone)
+
+    def ready(self) -> bool:
+        """Whether its value (or its end) has arrived."""
+        return self._conn.poll()
+
+    def get(self) -> tuple[bool, Any]:
+        """(True, value), or (False, None) if it failed or died."""
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return False, None
+        finally:
+            self._conn.close()
+            self._process.join()
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.join()
+        self._conn.close()
 
 
 class Speculator(Generic[T]):
@@ -45,18 +85,18 @@ class Speculator(Generic[T]):
         global _EVALUATE
         self.evaluate = evaluate
         self.jobs = jobs
-        self._pool: multiprocessing.pool.Pool | None = None
-        self._pending: dict[float, multiprocessing.pool.AsyncResult] = {}
+        self._context: Any = None
+        self._pending: dict[float, _Guess] = {}
         self.speculated = 0
         """Points evaluated in workers (used or not)."""
         if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
             _EVALUATE = evaluate
-            self._pool = multiprocessing.get_context("fork").Pool(jobs)
+            self._context = multiprocessing.get_context("fork")
 
     def ahead(self, xs: Sequence[float]) -> None:
         """Points the search may ask for next, most likely first: start as many as there are
         idle workers (a point already started or done is not started again)."""
-        if self._pool is None:
+        if self._context is None:
             return
         running = sum(1 for r in self._pending.values() if not r.ready())
         for x in xs:
@@ -64,7 +104,7 @@ class Speculator(Generic[T]):
                 break
             if x in self._pending:
                 continue
-            self._pending[x] = self._pool.apply_async(_evaluate_in_worker, (x,))
+            self._pending[x] = _Guess(self._context, x)
             self.speculated += 1
             running += 1
 
@@ -73,21 +113,20 @@ class Speculator(Generic[T]):
         (so an error is raised here, as itself)."""
         pending = self._pending.pop(x, None)
         if pending is not None:
-            try:
-                return pending.get()
-            except Exception:  # recomputed here, where the real error surfaces as itself
-                pass
+            ok, value = pending.get()
+            if ok:
+                return value
         return self.evaluate(x)
 
     def close(self) -> None:
         """Stop the workers (guesses still running are abandoned)."""
         global _EVALUATE
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-            _EVALUATE = None
+        for guess in self._pending.values():
+            guess.stop()
         self._pending.clear()
+        if self._context is not None:
+            self._context = None
+            _EVALUATE = None
 
     def __enter__(self) -> Speculator[T]:
         return self
