@@ -367,3 +367,19 @@ async def test_each_die_names_its_own_failure_before_a_peers_it_cannot_know_yet(
             tg.start_soon(fail_both)
         assert out["receive"][1].die == 20 and out["receive"][0] < 21_000
         assert out["send"][1].die == 0 and 30_000 <= out["send"][0] < 31_000
+
+
+def test_a_later_run_on_the_same_fabric_sees_no_earlier_failure_from_the_start():
+    fab = fabric()
+
+    async def first():
+        async with XCCL(fab) as x:
+            x.fail_die(1)
+            return x.failed_dies()
+
+    async def second():
+        async with XCCL(fab) as x:
+            return x.failed_dies(), x.p2p.aivs(1).free
+
+    assert xds.run(first) == {1: 0}
+    assert xds.run(second) == ({}, 48)  # before any operation of this run

@@ -834,3 +834,56 @@ def test_a_receive_that_does_not_hold_its_aivs_takes_them_when_the_message_is_th
 
     xds.run(main)
     assert seen == {"free while waiting": 48, "field": "hold_aivs"}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    plan=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=6),
+    backend=st.sampled_from(["asyncio", "trio"]),
+)
+def test_an_operation_cancelled_while_waiting_its_turn_lets_no_later_one_overtake(plan, backend):
+    """Sends 2..n+1 on one pair, each sync or async, posted behind a 1 MiB send; those marked
+    are cancelled at 1 us, while still waiting their turn (``Handle.cancel()``, or a cancel
+    scope around a sync send). The receiver asks for the others in posting order and gets
+    each one intact: a cancelled operation hands its turn on to the ones before it."""
+    n_big = MiB
+
+    async def main():
+        fab = fabric()
+        fab.write_local(0, 0, b"\x00" * n_big)
+        for i in range(1, len(plan) + 1):
+            fab.write_local(0, n_big + i * 64, bytes([i]) * 64)
+        kept = [0] + [i + 1 for i, (_, cancel) in enumerate(plan) if not cancel]
+        async with XCCL(fab) as x, anyio.create_task_group() as tg:
+            x.send_async(0, 20, AppBuffer(0, n_big), 1)
+            for i, (sync, cancel) in enumerate(plan, start=1):
+                buf = AppBuffer(n_big + i * 64, 64)
+                if sync:
+
+                    async def send(
+                        buf=buf, i=i, cancel=cancel, task_status=anyio.TASK_STATUS_IGNORED
+                    ):
+                        with anyio.CancelScope() as scope:
+                            task_status.started(scope)
+                            await x.send(0, 20, buf, i + 1)
+
+                    scope = await tg.start(send)
+                    if cancel:
+                        tg.start_soon(_cancel_later, scope.cancel)
+                else:
+                    h = x.send_async(0, 20, buf, i + 1)
+                    if cancel:
+                        tg.start_soon(_cancel_later, h.cancel)
+            got = []
+            for i in kept:
+                n = n_big if i == 0 else 64
+                await x.receive(20, 0, AppBuffer(2 * MiB, n), i + 1)
+                got.append(x.fabric.read_local(20, 2 * MiB, 1))
+        assert got == [b"\x00"] + [bytes([i]) for i in kept[1:]]
+
+    xds.run(main, backend=backend, time_limit_ns=10**9)
+
+
+async def _cancel_later(cancel) -> None:
+    await xds.sleep_ns(1_000)
+    cancel()

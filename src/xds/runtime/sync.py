@@ -27,8 +27,24 @@ async def task_group_raising_single() -> AsyncIterator[anyio.abc.TaskGroup]:
     except BaseExceptionGroup as group:
         leaves = leaf_exceptions(group)
         if len(leaves) == 1:
-            raise leaves[0] from None
+            leaf = leaves[0]
+            for note in _group_notes(group):  # what was said of the group holds for it
+                if note not in getattr(leaf, "__notes__", ()):
+                    leaf.add_note(note)
+            raise leaf from None
         raise
+
+
+def _group_notes(group: BaseExceptionGroup) -> list[str]:
+    """The notes on ``group`` and on the groups nested in it, outermost first."""
+    notes: list[str] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            notes.extend(getattr(e, "__notes__", ()))
+            stack.extend(reversed(e.exceptions))
+    return notes
 
 
 class Streams:

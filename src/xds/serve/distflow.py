@@ -438,8 +438,8 @@ class DistFlow:
                 else:
                     await self._xccl_parts(move)
             del self._on_wire[transfer.transfer_id]
-            if not wire.cancelled_caught:
-                return True
+            if not wire.cancel_called:  # (a mover that shielded itself and went on across a
+                return True  # link that was down moved nothing: it runs again too)
             for srcs, ends in move.bookings:  # its bookings end here: the ports are free
                 self._unbook(srcs, decode_dp, [0.0] * len(srcs), ends)
             if self.xccl is not None:  # every message on these pairs was cancelled with it

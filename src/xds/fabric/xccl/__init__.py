@@ -156,6 +156,11 @@ class Handle:
         self.what = what
         """What the operation is, as error messages and deadlock reports name it."""
         self._done = anyio.Event()
+        self._before: Handle | None = None
+        """The operation posted on the pair before this one, until this one has its turn."""
+        self._had_turn = False
+        """Whether it waited out its turn (every operation posted before it on the pair had
+        finished) before it ended; one cancelled while waiting did not."""
         self._scope: anyio.CancelScope | None = None
         self._cancel_requested = False
         self.completion: Completion | None = None
@@ -238,6 +243,7 @@ class XCCL:
                 "XCCL has closed: an XCCL is entered once; open a new XCCL(xccl.fabric) to go "
                 "on (it shares the fabric's pairs, AIVs and monitor)"
             )
+        self.fabric._enter_run()  # a fabric used by an earlier run starts this one afresh
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg, self._state = tg, "open"
@@ -309,10 +315,10 @@ class XCCL:
         what = f"{op} of die {die} ({'to' if op == 'send' else 'from'} {peer}, eventID {event_id})"
         turn = Handle(what)
         key = (op, die, peer)
-        before = self._post(key, turn)
+        self._post(key, turn)
         fn = self.p2p.send if op == "send" else self.p2p.receive
         try:
-            await _wait_turn(what, before)
+            await _wait_turn(what, turn)
             return await fn(
                 die,
                 peer,
@@ -327,15 +333,19 @@ class XCCL:
             turn._done.set()
             self._retire(key, turn)
 
-    def _post(self, key: tuple[str, int, int], handle: Handle) -> Handle | None:
-        """Post ``handle`` as the latest operation of ``key``; the one before it, if any."""
-        before = self._last_posted.get(key)
+    def _post(self, key: tuple[str, int, int], handle: Handle) -> None:
+        """Post ``handle`` as the latest operation of ``key``, after the one before it."""
+        handle._before = self._last_posted.get(key)
         self._last_posted[key] = handle
-        return before
 
     def _retire(self, key: tuple[str, int, int], handle: Handle) -> None:
+        """``handle`` ended: if it is still the latest operation of ``key``, the next one
+        posted waits for what it waited for (nothing once it had its turn)."""
         if self._last_posted.get(key) is handle:
-            del self._last_posted[key]
+            if handle._before is None:
+                del self._last_posted[key]
+            else:  # cancelled while waiting its turn: the ones before it still run
+                self._last_posted[key] = handle._before
 
     def reset_pair(self, src: int, dst: int) -> int:
         """Re-initialise a pair abandoned by a cancelled or timed-out transfer.
@@ -483,7 +493,7 @@ class XCCL:
         queue = self._queue(die)
         queue._running += 1
         key = (op, die, peer)
-        before = self._post(key, handle)
+        self._post(key, handle)
 
         async def run() -> None:
             try:
@@ -499,7 +509,7 @@ class XCCL:
                 if handle._cancel_requested:  # cancelled before it started
                     scope.cancel()
                 try:
-                    await _wait_turn(what, before)
+                    await _wait_turn(what, handle)
                     await fn(die, peer, buf, event_id, hold_aivs=False, posted_ns=start, **kwargs)
                 except XdsError as exc:  # a protocol failure: reported, the run goes on
                     ok, error = False, str(exc)
@@ -525,13 +535,24 @@ class XCCL:
         return handle
 
 
-async def _wait_turn(what: str, before: Handle | None) -> None:
-    """Wait until ``before``, the operation posted on the pair before ``what``, is done."""
-    if before is not None and not before.done:
-        with waiting_for(
-            f"{what}: {before.what} posted before it to finish (posting order on the pair)"
-        ):
-            await before._done.wait()
+async def _wait_turn(what: str, handle: Handle) -> None:
+    """Wait until every operation posted on the pair before ``handle`` (``what``) is done.
+
+    The one just before it may have ended (cancelled) while still waiting its own turn; then
+    the ones before that one are waited for too, so a cancelled operation never lets a later
+    one overtake an earlier one."""
+    before = handle._before
+    while before is not None:
+        if not before.done:
+            with waiting_for(
+                f"{what}: {before.what} posted before it to finish (posting order on the pair)"
+            ):
+                await before._done.wait()
+        if before._had_turn:
+            break
+        before = before._before
+    handle._before = None  # the chain behind it is done: let it go
+    handle._had_turn = True
 
 
 def _complete_failed(

@@ -196,6 +196,7 @@ class P2P:
         return p
 
     def aivs(self, die: int) -> AivPool:
+        self.fabric._enter_run()  # a pool of an earlier run is not this run's
         pool = self._aivs.get(die)
         if pool is None:
             pool = self._aivs[die] = AivPool(die, self.fabric.pod.spec_of(die).aiv)
@@ -740,6 +741,7 @@ class P2P:
 
     def failed_dies(self) -> dict[int, int]:
         """The dies that have failed and not been repaired: die -> virtual time of failure."""
+        self.fabric._enter_run()  # an earlier run's failures are not this run's
         return self._failed.failed()
 
     def _failure_of(self, pair: _Pair, die: int) -> tuple[FailedDie | None, int]:
