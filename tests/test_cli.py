@@ -149,6 +149,36 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     assert str(tmp_path) not in sys.path
 
 
+def test_a_module_named_by_path_and_by_name_is_imported_once(tmp_path, monkeypatch, capsys):
+    """The README's pattern: one file registers an EPLB policy and holds a routing policy;
+    --import and --policy may name it as a path or a module, in any order."""
+    from xds.serve.eplb import policy_names, unregister_policy
+
+    (tmp_path / "regonce.py").write_text(
+        "from xds.serve.eplb import policy, register_policy\n"
+        "register_policy('once-greedy', policy('xds-greedy'))\n"
+        "def fewest(eligible, dps, reserve):\n    return eligible[0]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    run = ["replay", "--synthetic", "2", "--json"]
+    try:
+        for first, second in (("regonce.py", "regonce.py"), ("regonce.py", "regonce")):
+            args = ["--import", first, *run, "--policy", f"decode_routing={second}:fewest"]
+            assert main(args) == 0, capsys.readouterr().err
+            assert "once-greedy" in policy_names()
+        capsys.readouterr()
+    finally:
+        unregister_policy("once-greedy")
+    (tmp_path / "regtwice.py").write_text(
+        "from xds.serve.eplb import policy, register_policy\n"
+        "register_policy('twice-greedy', policy('xds-greedy'))\n"
+    )
+    try:
+        assert main(["--import", "regtwice", "--import", "regtwice.py", "version"]) == 0
+    finally:
+        unregister_policy("twice-greedy")
+
+
 def test_policy_plugs_your_function_into_replay_and_capacity(tmp_path, monkeypatch, capsys):
     import json
 
@@ -381,6 +411,11 @@ def test_itl_note_says_why_it_is_missing(tmp_path, capsys):
 def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
     import json
 
+    import msgspec
+
+    from xds.serve.presets import pd_config
+    from xds.serve.replay import PDConfig
+
     trace = tmp_path / "b.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n1,10,2\n\n0,11,2\n")
     out = tmp_path / "o"
@@ -399,7 +434,16 @@ def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
     assert main(["replay", "--synthetic", "3", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert (s["trace"], s["trace_format"], s["seed"], s["chips"]) == (None, None, 0, 128)
-    assert s["workload"].startswith("production")
+    assert s["workload"].startswith("production") and s["faults"] == []
+    assert msgspec.convert(s["config"], PDConfig) == pd_config("production-4p1d")
+    # a recovery mode and the faults are part of what was replayed
+    argv = ["replay", "--synthetic", "3", "--json", "--recovery", "scale_down"]
+    assert main([*argv, "--fault", "node:at=5,server=3", "--set", "prefill.tes=5"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["deployment"] == "production-4p1d@prefill.tes=5@recovery.mode=scale_down"
+    assert s["faults"] == ["node:at=5,server=3"]
+    config = msgspec.convert(s["config"], PDConfig)
+    assert (config.recovery.mode, config.prefill.tes) == ("scale_down", 5)
 
 
 def test_replay_says_which_fault_never_struck(tmp_path, capsys):

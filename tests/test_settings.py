@@ -159,3 +159,19 @@ def test_a_missing_file_whose_name_holds_an_at_is_named_whole(tmp_path):
     assert exc.value.source == str(missing)
     with pytest.raises(ConfigError, match="FIELD=VALUE"):  # a trailing @: an empty setting
         pd_config("production-4p1d@prefill.tes=3@")
+
+
+def test_settings_must_be_a_list_of_strings_not_one_string():
+    for load, name in ((pd_config, "production-4p1d"), (decode_config, "peak-decode")):
+        with pytest.raises(ConfigError, match=r"the one string 'x=1' \(write \['x=1'\]\)") as err:
+            load(name, "x=1")
+        assert err.value.field == "settings"
+    with pytest.raises(ConfigError, match="got int") as err:
+        ma_config("ma-peak-decode", [5])
+    assert err.value.field == "settings[0]"
+    with pytest.raises(ConfigError, match="got NoneType"):
+        apply_settings(pd_config("production-4p1d"), None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"a config \(a msgspec Struct\), got int") as err:
+        apply_settings(5, ["a=1"])
+    assert err.value.field == "config"
+    assert pd_config("production-4p1d", ("prefill.tes=5",)).prefill.tes == 5  # a tuple is fine

@@ -438,6 +438,27 @@ def parse_setting(text: str) -> tuple[str, Any]:
     return path, value
 
 
+def check_settings(settings: object) -> None:
+    """``settings`` is a sequence of ``FIELD=VALUE`` strings (not one bare string, which would
+    read as one setting per character); else ConfigError naming ``settings``."""
+    if isinstance(settings, str) or not isinstance(settings, Sequence):
+        raise ConfigError(
+            "settings are a list of FIELD=VALUE strings, got "
+            + (
+                f"the one string {settings!r} (write [{settings!r}])"
+                if isinstance(settings, str)
+                else type(settings).__name__
+            ),
+            field="settings",
+        )
+    for i, text in enumerate(settings):
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"a setting is a FIELD=VALUE string, got {type(text).__name__}",
+                field=f"settings[{i}]",
+            )
+
+
 def apply_settings(config: T, settings: Sequence[str]) -> T:
     """``config`` (a msgspec Struct) with ``FIELD=VALUE`` ``settings`` (:func:`parse_setting`)
     laid over it, later ones over earlier ones, then checked as a file would be: an unknown
@@ -445,6 +466,12 @@ def apply_settings(config: T, settings: Sequence[str]) -> T:
     :class:`ConfigError` naming the setting and the field (or, when a check fails on a field
     no setting wrote, saying so). A setting inside an optional table that is off
     (``decode.eplb`` None) turns the table on with its defaults for the rest."""
+    check_settings(settings)
+    if not isinstance(config, msgspec.Struct):
+        raise ConfigError(
+            f"settings apply to a config (a msgspec Struct), got {type(config).__name__}",
+            field="config",
+        )
     if not settings:
         return config
     data: Any = msgspec.to_builtins(config)

@@ -264,6 +264,23 @@ def app(imports: tuple[str, ...]) -> None:
         _import_plugin(name)
 
 
+_LOADED_FILES: dict[Any, Any] = {}
+"""Modules :func:`_import_plugin` loaded from a .py path, by resolved path."""
+
+
+def _loaded_from(path: Any) -> Any:
+    """The module already loaded from the file ``path`` (by path or by name), or None."""
+    resolved = path.resolve()
+    hit = _LOADED_FILES.get(resolved)
+    if hit is not None:
+        return hit
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).name == resolved.name and Path(file).resolve() == resolved:
+            return module
+    return None
+
+
 def _import_plugin(name: str, option: str = "--import") -> Any:
     """Import ``name`` and return the module: a module importable from the current directory,
     or a .py file (loaded under a private module name, so it never replaces a module of the
@@ -282,11 +299,15 @@ def _import_plugin(name: str, option: str = "--import") -> Any:
             path = Path(name)
             if not path.is_file():
                 raise click.UsageError(f"{option}{name}: no such file")
+            loaded = _loaded_from(path)
+            if loaded is not None:  # imported already (by path or by name): once is enough
+                return loaded
             module_name = f"_xds_import_{path.stem}"
             spec = importlib.util.spec_from_file_location(module_name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
+            _LOADED_FILES[path.resolve()] = module
             spec.loader.exec_module(module)
             return module
         else:
@@ -294,11 +315,20 @@ def _import_plugin(name: str, option: str = "--import") -> Any:
             if cwd not in sys.path and "" not in sys.path:
                 sys.path.append(cwd)
                 added = cwd
+            if name not in sys.modules:
+                spec = importlib.util.find_spec(name)
+                if spec is not None and spec.origin and spec.has_location:
+                    loaded = _loaded_from(Path(spec.origin))
+                    if loaded is not None:  # the same file, given as a path before
+                        sys.modules[name] = loaded
+                        return loaded
             return importlib.import_module(name)
     except click.UsageError:
         raise
     except Exception as exc:  # the user's module failed: say where, in one line
         sys.modules.pop(module_name, None)
+        for key in [k for k, m in _LOADED_FILES.items() if m.__name__ == module_name]:
+            del _LOADED_FILES[key]
         if isinstance(exc, SyntaxError):
             raise click.UsageError(
                 f"{option}{name}: SyntaxError: {exc.msg} ({Path(exc.filename or name).name}, "
@@ -995,6 +1025,8 @@ def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None
         for name, flag in (("fmt", "--format"), ("sort", "--sort"), ("span", "--span")):
             if _given(name):
                 raise click.UsageError(f"{flag} applies to a TRACE")
+    if fmt is None and trace is not None and Path(trace).is_dir():
+        fmt = "servegen"  # as the loader takes a directory
     if _given("spread_ties") and (trace is None or fmt in ("lengths", "servegen")):
         raise click.UsageError(
             "--spread-ties applies to a TRACE with timestamps (not the built-in workload, "
@@ -1310,16 +1342,14 @@ def replay(
     _check_built_in_options(trace, fmt, unique_prompts)
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
+    if recovery is not None:  # a setting: the summary's name spells it
+        settings = (*settings, f"recovery.mode={recovery}")
     cfg = pd_config(deployment, settings)
     deployment = with_settings(deployment, settings, PD_PRESETS)  # as the summary names it
     if probe:
         from xds.serve.probe import ProbeConfig
 
         cfg = msgspec.structs.replace(cfg, probe=cfg.probe or ProbeConfig())
-    if recovery is not None:
-        cfg = msgspec.structs.replace(
-            cfg, recovery=msgspec.structs.replace(cfg.recovery, mode=recovery)
-        )
     faults = [_replay_fault(spec) for spec in fault_specs]
     _no_fault_twice(fault_specs, faults)
     if recovery is not None and not any(spec.startswith("node:") for spec in fault_specs):
@@ -1365,6 +1395,7 @@ def replay(
         trace_format=None if trace is None else _trace_format(trace, fmt),
         workload=workload.source,
         dropped_rows=len(workload.dropped),
+        faults=list(fault_specs),
     )
     if out_dir is not None:
         outcome = None
@@ -1967,7 +1998,12 @@ def capacity(
             )
 
     what = "mean TPOT and mean TTFT" if criterion == "mean" else f"{goodput_target:.0%} of requests"
-    window_hint = "--window" if trace is None else "a longer trace, or --span"
+    if trace is None:
+        window_hint = "--window"
+    elif fmt == "servegen" or (fmt is None and Path(trace).is_dir()):
+        window_hint = "a longer --span"
+    else:
+        window_hint = "a longer trace"
     found = []
     seeded: list[tuple[str, int, Any]] = []
     for name, cfg in configs:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..config import apply_settings, in_file, load_config, settings_error
+from ..config import apply_settings, check_settings, in_file, load_config, settings_error
 from ..errors import ConfigError
 from .decode import DecodeConfig
 from .ma_config import MADecodeConfig
@@ -87,6 +87,7 @@ def _lookup(
 ) -> T:
     """The preset or file ``name_or_path`` names, with ``settings`` then its own ``@``
     settings laid over it."""
+    check_settings(settings)
     name, inline = split_settings(name_or_path, presets)
     return apply_settings(_named(name, presets, kind, what), [*settings, *inline])
 
@@ -119,6 +120,7 @@ def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConf
     from .decode import check_batch_fits
     from .eplb.policies import policy
 
+    check_settings(settings)
     name, inline = split_settings(name_or_path, PRESETS)
     every = [*settings, *inline]
     config = apply_settings(_named(name, PRESETS, DecodeConfig, "deployment"), every)

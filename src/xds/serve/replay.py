@@ -1163,7 +1163,7 @@ def _checked(config: object, workload: Workload, faults: object) -> tuple[PDConf
     cfg = check_pd_config(config)
     workload = _check_workload(workload)
     kinds = DistFlowFault | NodeFault | MemoryFault
-    if isinstance(faults, kinds) or not isinstance(faults, Sequence):
+    if isinstance(faults, kinds | str) or not isinstance(faults, Sequence):
         raise ConfigError(
             "faults is a list of DistFlowFault, NodeFault or MemoryFault, got "
             f"{type(faults).__name__}",
@@ -1329,6 +1329,7 @@ def replay(
         summarize(records, chips=cfg.chips, sla=cfg.sla),
         prefill_busy=busy,
         decode=_decode_stats(load, records, cfg.decode_tes),
+        config=msgspec.to_builtins(cfg),
     )
     return ReplayResult(
         records=records,

@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -207,6 +207,11 @@ class Summary(msgspec.Struct):
     """Rows of a lengths-only CSV left out on request (``--drop-invalid``) among those read."""
     decode: DecodeStats | None = None
     """The Decode TEs' iteration loops (a PD replay fills it)."""
+    faults: list[str] = []
+    """The faults injected, as ``--fault`` specs (``xds replay`` fills it)."""
+    config: dict[str, Any] | None = None
+    """The deployment replayed, every field resolved (``msgspec.to_builtins`` of its
+    ``PDConfig``; a PD replay fills it): ``msgspec.convert(config, PDConfig)`` rebuilds it."""
 
 
 def prefix_hit_ratio(records: Sequence[RequestRecord]) -> float:
