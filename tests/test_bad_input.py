@@ -668,6 +668,6 @@ def test_eplb_layout_and_plan_errors_name_the_real_cause():
 def test_replay_faults_given_as_one_string_are_refused_whole():
     from xds.serve.presets import pd_config
 
-    with pytest.raises(ConfigError, match="faults is a list of .* got str") as err:
+    with pytest.raises(ConfigError, match=r"faults is a list of .* got str") as err:
         replay(production_workload(3, rate_per_s=1.0), pd_config("production-4p1d"), faults="node")
     assert err.value.field == "faults"
