@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import msgspec
 import pytest
@@ -457,3 +458,45 @@ def test_stopping_running_guesses_kills_them_and_never_waits_on_them():
     done.ahead([4.0])
     assert done.get(4.0) == 8.0 and done.get(5.0) == 10.0  # a guess's value, then computed here
     done.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (a zombie waiting to be reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_a_search_and_its_worker_processes():
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xds", "capacity", "--jobs", "2", "--window", "120"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children: list[int] = []
+    for _ in range(600):  # wait for the search's guesses to fork (in wall time)
+        time.sleep(0.05)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            break
+        if children:
+            break
+    assert children, "the search forked no worker"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().endswith("xds: terminated")
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(c) for c in children)

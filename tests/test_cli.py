@@ -501,6 +501,12 @@ def test_a_single_valued_option_given_twice_is_an_error_not_last_wins(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert expected in err and "it takes one value" in err and err.count("\n") == 1
+    # a repeatable option given the same value twice would run the same search twice
+    for command in ("capacity", "compare"):
+        argv = [command, "--deployment", "production-4p1d", "--deployment", "production-4p1d"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == "xds: error: --deployment production-4p1d is given twice\n"
     # a repeatable option stays repeatable, and a value that looks like an option is a value
     argv = ["replay", "--synthetic", "20", "--fault", "node:at=1,server=1"]
     assert main([*argv, "--fault", "node:at=2,server=2", "--json"]) == 0

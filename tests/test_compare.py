@@ -226,6 +226,13 @@ def test_faults_strike_every_replay_alike(tmp_path, capsys):
     assert f"never struck (every request had ended first) in: {toml} seed 0" in (
         capsys.readouterr().err
     )
+    # a fault one preset variant has no place for names that variant
+    xccl = "production-4p1d@kv_transfer=xccl"
+    argv = ["compare", "--synthetic", "8", "--deployment", "production-4p1d", "--deployment", xccl]
+    assert main([*argv, "--fault", "node:at=10,server=3"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"xds: error: --deployment {xccl}: kv_transfer: node faults need"
+    )
 
 
 def test_every_variant_is_checked_before_anything_is_replayed():

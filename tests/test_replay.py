@@ -1791,3 +1791,15 @@ def test_a_long_replay_on_the_xccl_tier_warns_of_its_wall_time():
         warnings.simplefilter("error")
         _warn_xccl_volume(cfg, Workload([Request(0, 0, n - 1, 3)], source="short"))
         _warn_xccl_volume(pd_config("production-4p1d"), Workload([Request(0, 0, n, 3)]))
+
+
+def test_the_cli_gives_a_warning_as_one_line(tmp_path, monkeypatch, capsys):
+    import xds.serve.replay as replay_module
+    from xds.cli.main import main
+
+    monkeypatch.setattr(replay_module, "XCCL_WARN_BYTES", 1)  # warn on a tiny replay
+    trace = tmp_path / "one.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,64,2\n")
+    assert main(["replay", str(trace), "--set", "kv_transfer=xccl", "--json"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xds: warning: kv_transfer = 'xccl' moves")

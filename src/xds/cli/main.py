@@ -11,6 +11,7 @@ import functools
 import math
 import re
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1019,6 +1020,13 @@ def _given(name: str) -> bool:
     return source is not click.core.ParameterSource.DEFAULT
 
 
+def _no_deployment_twice(deployments: Sequence[str]) -> None:
+    """The same --deployment twice would run (and print) the same search twice: refused."""
+    twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
+    if twice is not None:
+        raise click.UsageError(f"--deployment {twice} is given twice")
+
+
 def _check_trace_options(trace: str | None, fmt: str | None, sort: bool) -> None:
     """Usage errors for workload options that would otherwise be ignored silently."""
     if trace is None:
@@ -1587,11 +1595,15 @@ def _replay_fault(spec: str):
                 f"--fault {spec}: {key} must be a number, got {value!r}"
             ) from None
         limit = 1e6 if key in ("at", "repair", "duration") else 1e9  # seconds: about 11 days
+        span = key in ("repair", "duration")  # 0 would mean never: from 1 ns
         if not math.isfinite(values[key]) or not 0 <= values[key] <= limit:
-            raise click.UsageError(f"--fault {spec}: {key} must be in 0..{limit:g}, got {value!r}")
+            low = "1e-09 (1 ns)" if span else "0"
+            raise click.UsageError(
+                f"--fault {spec}: {key} must be in {low}..{limit:g}, got {value!r}"
+            )
         if key not in ("at", "repair", "duration") and not values[key].is_integer():
             raise click.UsageError(f"--fault {spec}: {key} must be a whole number, got {value!r}")
-        if key in ("repair", "duration") and values[key] * 1e9 < 0.5:  # 0 would mean never
+        if span and values[key] * 1e9 < 0.5:
             never = "a link that stays down" if key == "duration" else "a server never repaired"
             raise click.UsageError(
                 f"--fault {spec}: {key} must be at least 1 ns, got {value!r} s (leave it out "
@@ -1930,6 +1942,7 @@ def capacity(
         )
     if criterion != "goodput" and _given("goodput_target"):
         raise click.UsageError("--goodput applies to --criterion goodput")
+    _no_deployment_twice(deployments)
     # bad files fail up front; the output names each deployment with the settings it ran
     configs = [
         (with_settings(d, settings, PD_PRESETS), pd_config(d, settings)) for d in deployments
@@ -2119,8 +2132,8 @@ def capacity(
         from xds.plots import capacity_figure
 
         named: dict[str, Any] = {}
-        for name, _, res in found:  # a deployment given twice is drawn twice
-            named[name if name not in named else f"{name} ({len(named) + 1})"] = res
+        for name, _, res in found:
+            named[name] = res
         title = f"capacity search: {what} within the SLA (seed {seed})"
         return capacity_figure(named, title=title, knob=knob)
 
@@ -2226,9 +2239,7 @@ def compare(
 
     _check_trace_options(trace, fmt, sort)
     _check_built_in_options(trace, fmt, unique_prompts)
-    twice = next((d for i, d in enumerate(deployments) if d in deployments[:i]), None)
-    if twice is not None:
-        raise click.UsageError(f"--deployment {twice} is given twice")
+    _no_deployment_twice(deployments)
     variants: dict[str, Any] = {  # named with the settings each runs
         with_settings(d, settings, PD_PRESETS): pd_config(d, settings) for d in deployments
     }
@@ -2681,8 +2692,12 @@ def _names_variant_file(deployments: Sequence[str]) -> Iterator[None]:
             prefix = f"{variant_field(name)}.config."
             if exc.source is None and (exc.field or "").startswith(prefix):
                 inner = ConfigError(exc.message, field=(exc.field or "")[len(prefix) :])
-                with _names_deployment_file(name):
-                    raise inner from None
+                try:
+                    with _names_deployment_file(name):
+                        raise inner
+                except ConfigError as named:
+                    if named is not inner:  # a file's field, named in the file
+                        raise named from None
                 raise ConfigError(f"--deployment {name}: {inner}") from None  # a preset
         raise
 
@@ -2692,14 +2707,17 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         args = ["--help"]
+    terminated: list[int] = []
     try:
-        result = app.main(args=args, standalone_mode=False, prog_name="xds")
+        with warnings.catch_warnings(), _terminate_as_interrupt(terminated):
+            warnings.showwarning = _show_warning
+            result = app.main(args=args, standalone_mode=False, prog_name="xds")
     except click.UsageError as exc:
         print(f"xds: error: {exc.format_message()}", file=sys.stderr)
         return 2
-    except click.exceptions.Abort:
-        print("xds: aborted", file=sys.stderr)
-        return 130
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        print("xds: terminated" if terminated else "xds: aborted", file=sys.stderr)
+        return 143 if terminated else 130
     except ConfigError as exc:
         flag = _FLAG_OF_FIELD.get(exc.field or "") if exc.source is None else None
         fault = _FAULT_FIELD.match(exc.field or "")
@@ -2717,6 +2735,36 @@ def main(argv: list[str] | None = None) -> int:
         print(policy_error, file=sys.stderr)
         return 1
     return int(result) if isinstance(result, int) else 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt(terminated: list[int]) -> Iterator[None]:
+    """During the command, SIGTERM stops it as Ctrl-C does (worker processes stopped, no
+    traceback), noting the signal in ``terminated``; outside the main thread nothing changes."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning xds gives the user (a UserWarning) as one ``xds: warning:`` line on stderr;
+    any other kind as Python shows it."""
+    if issubclass(category, UserWarning):
+        print(f"xds: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def _policy_error(exc: BaseException) -> str | None:

@@ -19,9 +19,12 @@ available, or with ``jobs=1``, everything runs in this process.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -36,9 +39,10 @@ def default_jobs() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _evaluate_in_worker(x: float, conn: multiprocessing.connection.Connection) -> None:
+def _evaluate_in_worker(x: float, conn: multiprocessing.connection.Connection, parent: int) -> None:
     """A forked guess: its value (or that it failed) on ``conn``."""
     assert _EVALUATE is not None
+    _die_with_parent(parent)
     try:
         value = _EVALUATE(x)
     except Exception:  # recomputed in the parent, where the error surfaces as itself
@@ -49,12 +53,30 @@ def _evaluate_in_worker(x: float, conn: multiprocessing.connection.Connection) -
         conn.close()
 
 
+def _die_with_parent(parent: int) -> None:
+    """In a forked guess: SIGTERM ends it plainly (not through a handler its parent set), and
+    on Linux the kernel kills it when its parent dies (PR_SET_PDEATHSIG), so a parent killed
+    without the chance to stop it leaves no orphan computing on."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no prctl here: the parent's kill still stops it
+            return
+        if os.getppid() != parent:  # it died before the call: nothing will signal this one
+            os._exit(1)
+
+
 class _Guess:
     """One guess running in a process of its own, its value coming back on its own pipe."""
 
     def __init__(self, context: Any, x: float):
         self._conn, send = context.Pipe(duplex=False)
-        self._process = context.Process(target=_evaluate_in_worker, args=(x, send), daemon=True)
+        self._process = context.Process(
+            target=_evaluate_in_worker, args=(x, send, os.getpid()), daemon=True
+        )
         self._process.start()
         send.close()  # (the child holds its end: EOF here once it is gone)
 
