@@ -301,6 +301,8 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     out = lines[0]
     assert out["criterion"] == "mean" and out["found"]["scale"] == 8.0
     assert [p["scale"] for p in out["points"]] == [8.0, 16.0]  # 16 missed: halved once
+    for p in out["points"]:  # the warm flag the README describes is in the JSON too
+        assert p["warm"] == (p["lead_in_s"] >= p["mean_decode_s"])
     assert out["binding"] == "; ".join(out["points"][1]["misses"])
     more = lines[1]  # one more Prefill TE: never sustains less, and queues less at 16
     assert more["found"]["scale"] >= out["found"]["scale"]

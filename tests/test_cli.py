@@ -138,6 +138,10 @@ def test_import_registers_a_policy_a_deployment_file_names(tmp_path, monkeypatch
     )
     assert main(["--import", "missing.py", "version"]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert main(["version", "--import", "mypolicies"]) == 2
+    assert capsys.readouterr().err == (
+        "xds: error: --import goes before the command: xds --import MODULE replay ...\n"
+    )
     # a file named like a standard module never replaces it, and the current directory
     # leaves the import path again
     import random
@@ -490,6 +494,12 @@ def test_a_quick_reproduce_table_is_not_judged(monkeypatch, capsys):
     assert main(["reproduce", "peak-decode"]) == 0
     out = capsys.readouterr().out
     assert "not judged" not in out and "NO" in out  # 81.6 is not within 10 % of 93
+    # --strict: exit 1, naming the rows that missed
+    assert main(["reproduce", "peak-decode", "--strict", "--json"]) == 1
+    assert capsys.readouterr().err == ("xds: --strict: 1 row(s) missed: peak-decode iteration_ms\n")
+    rows[0] = Row("iteration_ms", 93.0, 90.0, "ms", "approx", 0.1)
+    assert main(["reproduce", "peak-decode", "--strict"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_a_single_valued_option_given_twice_is_an_error_not_last_wins(capsys):

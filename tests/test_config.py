@@ -240,6 +240,19 @@ def test_a_pd_file_given_to_xds_decode_says_what_it_is(tmp_path, capsys):
     assert main(["decode", "--deployment", str(f)]) == 2
     err = capsys.readouterr().err
     assert "decode: unknown field (a [decode] table makes this a PD deployment file" in err
+    # a decode file given to ma-decode or replay, an MA file given to decode, say so too
+    (tmp_path / "dc.toml").write_text("dies = 64\n")
+    (tmp_path / "ma.toml").write_text("domains = 2\n")
+    (tmp_path / "neither.toml").write_text("domains = 2\ndies = 64\n")
+    for command, name, says in (
+        ("ma-decode", "dc", "decode"),
+        ("replay", "dc", "decode"),
+        ("decode", "ma", "ma-decode"),
+    ):
+        assert main([command, "--deployment", str(tmp_path / f"{name}.toml")]) == 2
+        assert f"; the file reads as an `xds {says}` deployment" in capsys.readouterr().err
+    assert main(["decode", "--deployment", str(tmp_path / "neither.toml")]) == 2
+    assert "reads as" not in capsys.readouterr().err
 
 
 def test_weights_are_sized_at_the_deployments_precision():

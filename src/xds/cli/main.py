@@ -349,17 +349,22 @@ def _import_plugin(name: str, option: str = "--import") -> Any:
             sys.path.remove(added)
 
 
-def _set_option(f):
-    """--set FIELD=VALUE, repeatable: settings laid over every deployment."""
-    return click.option(
-        "--set",
-        "settings",
-        multiple=True,
-        metavar="FIELD=VALUE",
-        help="Change a field of the deployment (of every one given), e.g. --set prefill.tes=5 "
-        "--set decode.model=kimi-k2: FIELD a dotted path, VALUE a TOML value or a bare word. "
-        "Repeatable. One deployment's own: --deployment 'NAME@FIELD=VALUE@...'.",
-    )(f)
+def _set_option(f=None, *, example: str = "--set prefill.tes=5 --set decode.model=kimi-k2"):
+    """--set FIELD=VALUE, repeatable: settings laid over every deployment (``example``: fields
+    of this command's deployments)."""
+
+    def decorate(f):
+        return click.option(
+            "--set",
+            "settings",
+            multiple=True,
+            metavar="FIELD=VALUE",
+            help=f"Change a field of the deployment (of every one given), e.g. {example}: "
+            "FIELD a dotted path, VALUE a TOML value or a bare word. Repeatable. One "
+            "deployment's own: --deployment 'NAME@FIELD=VALUE@...'.",
+        )(f)
+
+    return decorate if f is None else decorate(f)
 
 
 @app.command()
@@ -570,10 +575,10 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
             f"--quick applies to {', '.join(sorted(QUICK))} (and all); {target} has no shorter run"
         )
     names = target_names() if target == "all" else [target]
-    ok = True
+    missed: list[str] = []
     for name in names:
         result = run_target(name, quick=quick)
-        ok = ok and all(row.ok for row in result.rows)
+        missed += [f"{name} {row.name}" for row in result.rows if not row.ok]
         if as_json:
             print(json.dumps(result.to_json_object()))
             continue
@@ -597,7 +602,10 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
             verdict = "-" if smaller else "yes" if r.ok else "NO"
             rows.add_row(r.name, f"{r.paper:g}", shown, r.unit, rel, verdict)
         console.print(rows)
-    return 0 if ok or not strict else 1
+    if strict and missed:
+        print(f"xds: --strict: {len(missed)} row(s) missed: {', '.join(missed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @app.command()
@@ -623,7 +631,7 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_plot_option
-@_set_option
+@_set_option(example="--set batch_per_die=32 --set model=kimi-k2")
 def decode(
     deployment: str,
     iterations: int | None,
@@ -718,7 +726,7 @@ def decode(
 @click.option("--full", is_flag=True, help="Decode every sequence to the end instead.")
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@_set_option
+@_set_option(example="--set domains=2 --set model=kimi-k2")
 def ma_decode(
     deployment: str,
     iterations: int,
@@ -1018,6 +1026,24 @@ def _given(name: str) -> bool:
     """Whether the user passed option ``name`` (rather than getting its default)."""
     source = click.get_current_context().get_parameter_source(name)
     return source is not click.core.ParameterSource.DEFAULT
+
+
+def _with_warm(result: Any) -> Any:
+    """A capacity result as JSON builtins, each point with its ``warm`` flag (a property,
+    which ``msgspec.to_builtins`` leaves out)."""
+    import msgspec
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            out = {k: walk(v) for k, v in value.items()}
+            if "lead_in_s" in out and "mean_decode_s" in out:
+                out["warm"] = out["lead_in_s"] >= out["mean_decode_s"]
+            return out
+        if isinstance(value, (list, tuple)):  # to_builtins keeps tuples (the points) tuples
+            return [walk(v) for v in value]
+        return value
+
+    return walk(msgspec.to_builtins(result))
 
 
 def _no_deployment_twice(deployments: Sequence[str]) -> None:
@@ -1707,7 +1733,7 @@ def _print_seeded(
     import msgspec
 
     if as_json:
-        line = {"deployment": name, "chips": chips, **msgspec.to_builtins(res), **(extra or {})}
+        line = {"deployment": name, "chips": chips, **_with_warm(res), **(extra or {})}
         if baseline is not None:
             line["difference_from_first"] = msgspec.to_builtins(res.difference(baseline))
         print(msgspec.json.encode(line).decode(), flush=True)
@@ -1816,8 +1842,9 @@ def _ms(value: float, digits: int) -> str:
     type=_Finite(min=0, min_open=True, max=86_400),
     default=600.0,
     show_default=True,
-    help="Without TRACE: seconds of arrivals replayed at each rate (at most a day; a rate "
-    f"whose window holds fewer than {MIN_SEARCH_REQUESTS} arrivals replays that many).",
+    help="Without TRACE: seconds of arrivals replayed at each rate (at most a day). It must "
+    f"hold {MIN_SEARCH_REQUESTS} arrivals at --start; a lower rate the search tries replays "
+    f"{MIN_SEARCH_REQUESTS} arrivals, over a longer span.",
 )
 @click.option(
     "--start",
@@ -2080,7 +2107,7 @@ def capacity(
         )
         found.append((name, cfg.chips, res))
         if as_json:
-            line = {"deployment": name, "chips": cfg.chips, **msgspec.to_builtins(res)}
+            line = {"deployment": name, "chips": cfg.chips, **_with_warm(res)}
             if drop_invalid:
                 line["dropped_rows"] = len(base.dropped)
             print(msgspec.json.encode(line).decode(), flush=True)
@@ -2713,7 +2740,10 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = _show_warning
             result = app.main(args=args, standalone_mode=False, prog_name="xds")
     except click.UsageError as exc:
-        print(f"xds: error: {exc.format_message()}", file=sys.stderr)
+        message = exc.format_message()
+        if isinstance(exc, click.NoSuchOption) and exc.option_name == "--import":
+            message = "--import goes before the command: xds --import MODULE replay ..."
+        print(f"xds: error: {message}", file=sys.stderr)
         return 2
     except (click.exceptions.Abort, KeyboardInterrupt):
         print("xds: terminated" if terminated else "xds: aborted", file=sys.stderr)

@@ -96,7 +96,13 @@ def _named(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -
     if name_or_path in presets:
         return presets[name_or_path]
     if Path(name_or_path).suffix.lower() in (".toml", ".json"):
-        return load_config(name_or_path, kind)
+        try:
+            return load_config(name_or_path, kind)
+        except ConfigError as exc:
+            if "unknown field" not in exc.message or "PD deployment file" in exc.message:
+                raise  # (a [prefill] or [decode] table already says whose file it is)
+            _other_command(exc, name_or_path, kind)
+            raise
     close = difflib.get_close_matches(name_or_path, list(presets), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     for command, kind_presets in (
@@ -111,6 +117,27 @@ def _named(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -
         ".toml/.json file",
         field="deployment",
     )
+
+
+def _other_command(exc: ConfigError, path: str, kind: type) -> None:
+    """If the file ``path``, refused as a ``kind`` for an unknown field (``exc``), reads as
+    another command's deployment, raise ``exc`` saying so."""
+    for command, other in (
+        ("decode", DecodeConfig),
+        ("ma-decode", MADecodeConfig),
+        ("replay", PDConfig),
+    ):
+        if other is kind:
+            continue
+        try:
+            load_config(path, other)
+        except ConfigError:
+            continue
+        raise ConfigError(
+            f"{exc.message}; the file reads as an `xds {command}` deployment",
+            field=exc.field,
+            source=exc.source,
+        ) from None
 
 
 def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConfig:

@@ -22,9 +22,9 @@ from .policies import (
     Plan,
     PlanFunction,
     Policy,
+    as_counts,
     balancedness,
     checked_plan,
-    load_counts,
     plan_layer,
 )
 from .policies import policy as resolve_policy
@@ -40,7 +40,7 @@ class PolicyScore(msgspec.Struct):
 
 
 def _counts(name: str, counts: np.ndarray, n_experts: int) -> np.ndarray:
-    counts = load_counts(counts, name)
+    counts = as_counts(counts, name)
     if counts.ndim != 3 or counts.shape[2] != n_experts:
         raise ConfigError(
             f"must be [time_slice, layer, expert] counts with {n_experts} experts, got shape "

@@ -104,7 +104,7 @@ class Layout(msgspec.Struct, frozen=True):
                 field="primary_die",
             )
         if self.base_load is not None:
-            base = load_counts(self.base_load, "base_load")
+            base = as_counts(self.base_load, "base_load")
             if base.shape != (self.n_dies,):
                 raise ConfigError(
                     f"base_load must hold one load per die ({self.n_dies}), got shape {base.shape}",
@@ -301,7 +301,7 @@ class _Fit:
         return not self.full[e]
 
 
-def load_counts(counts: object, field: str = "counts") -> np.ndarray:
+def as_counts(counts: object, field: str = "counts") -> np.ndarray:
     """Token counts as a float64 array: numeric, finite and non-negative."""
     try:
         arr = np.asarray(counts, dtype=np.float64)
@@ -329,7 +329,7 @@ class NoBalancing:
     name = "none"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
-        counts = load_counts(counts)
+        counts = as_counts(counts)
         _check(counts, layout, budget)
         e = counts.shape[0]
         return Plan(np.ones(e, np.int64), [[int(layout.primary_die[i])] for i in range(e)])
@@ -341,7 +341,7 @@ class XdsGreedy:
     name = "xds-greedy"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
-        counts = load_counts(counts)
+        counts = as_counts(counts)
         budget = _check(counts, layout, budget)
         counts = counts.astype(np.float64)
         copies = np.ones(counts.shape[0])
@@ -422,7 +422,7 @@ class DeepSeekEPLB:
     name = "deepseek-eplb"
 
     def plan(self, counts: np.ndarray, layout: Layout, budget: int) -> Plan:
-        counts = load_counts(counts)
+        counts = as_counts(counts)
         budget = _check(counts, layout, budget)
         w = counts.sum(axis=1).astype(np.float64)
         copies = np.ones(len(w))
@@ -659,7 +659,7 @@ def plan_layer(pol: Policy, counts: np.ndarray, layout: Layout, budget: int, *, 
     """``pol``'s plan for one layer, checked (:func:`checked_plan`): the one way plans enter
     scoring and online EPLB."""
     name = getattr(pol, "name", type(pol).__name__)
-    counts = load_counts(counts)
+    counts = as_counts(counts)
     budget = replica_budget(budget)
     # the policy gets copies: whatever it writes into them cannot reach the caller's arrays
     # or the layout its plan is checked against
