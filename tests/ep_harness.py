@@ -27,18 +27,15 @@ class MoERun:
     dispatch_ns: list[int] = field(default_factory=list)
     combine_ns: list[int] = field(default_factory=list)
     expert_map: ExpertMap | None = None
+    scale_dtype: str = "fp32"
 
     def reference(self, r: int, dispatch_dtype: str, combine_dtype: str) -> np.ndarray:
-        rin = {
+        rounding = {
             "fp32": None,
             "bf16": round_bf16,
-            "int8": lambda v: dequantize_int8(*quantize_int8(v)),
-        }[dispatch_dtype]
-        rout = {
-            "fp32": None,
-            "bf16": round_bf16,
-            "int8": lambda v: dequantize_int8(*quantize_int8(v)),
-        }[combine_dtype]
+            "int8": lambda v: dequantize_int8(*quantize_int8(v, self.scale_dtype)),
+        }
+        rin, rout = rounding[dispatch_dtype], rounding[combine_dtype]
         idx, w = self.routes[r]
         return self.model.forward(self.xs[r], idx, w, round_input=rin, round_output=rout)
 
@@ -61,6 +58,7 @@ def run_moe(
     capacity: int = 256,
     pod: CloudMatrix384 | None = None,
     pull_order: str = "static",
+    scale_dtype: str = "fp32",
 ) -> MoERun:
     shape = shape or TinyMoE()
     rng = np.random.default_rng(seed)
@@ -83,6 +81,7 @@ def run_moe(
         [0] * n_ranks,
         [0] * n_ranks,
         expert_map,
+        scale_dtype,
     )
     delays = delays_ns or [0] * n_ranks
     slot_expert = {}
@@ -104,6 +103,7 @@ def run_moe(
                 combine_dtype=combine_dtype,
                 n_aiv=n_aiv,
                 pull_order=pull_order,
+                scale_dtype=scale_dtype,
             ),
             tier=tier,
         )

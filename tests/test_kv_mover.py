@@ -366,3 +366,36 @@ def test_concurrent_xccl_kv_transfers_never_deadlock_on_the_decode_dies_aivs():
     wl = Workload(tuple(Request(i, 0, 800 + 37 * i, 6) for i in range(12)))
     res = replay(wl, xccl, backend="trio")
     assert [r.outcome for r in res.records] == ["completed"] * 12
+
+
+def test_a_transfer_completes_only_when_its_last_tp_rank_part_has_landed():
+    """SPEC 10.7 TP synchronisation: a Prefill TP=4 -> Decode TP=1 transfer completes (and
+    decode may use the KV) only after every rank's part landed; a part landing early shows
+    nothing. Here rank r starts its part r ms late, so the parts land a millisecond apart."""
+    landed: dict[int, list[int]] = {}  # request -> when each rank's part landed
+
+    async def staggered(move: KVMove) -> None:
+        async def rank(r: int) -> None:
+            await xds.sleep_ns(r * MS)
+            await move.send(r, move.part_bytes[r], move.transfer.transfer_id + 1)
+            landed.setdefault(move.transfer.request_id, []).append(xds.now_ns())
+
+        async with anyio.create_task_group() as tg:
+            for r in range(len(move.sources)):
+                tg.start_soon(rank, r)
+
+    short = Workload(
+        tuple(msgspec.structs.replace(r, input_tokens=r.input_tokens // 5) for r in WL.requests)
+    )
+    xccl = msgspec.structs.replace(SMALL, kv_transfer="xccl")
+    base = {r.request_id: r for r in replay(short, xccl).records}
+    for rec in replay(short, xccl, kv_mover=staggered).records:
+        parts = landed[rec.request_id]
+        assert rec.outcome == "completed" and len(parts) == 4
+        assert max(parts) - min(parts) >= 2 * MS  # the parts really landed apart
+        # the first decode token needs the whole KV: it comes after the last part landed
+        assert rec.token_ns[0] > max(parts)
+        # the transfer took about the 3 ms of stagger longer than all four parts at once (a
+        # little less: the last part, alone on the decode die's port by then, moves faster)
+        gap = rec.kv_transfer_ns - base[rec.request_id].kv_transfer_ns
+        assert 2.5 * MS < gap <= 3 * MS

@@ -62,6 +62,42 @@ def test_int8_round_trip_error_is_within_half_a_scale(rows):
     assert np.all(err <= int8_error_bound(x) * (1 + 1e-5) + 1e-6)
 
 
+@given(
+    st.lists(st.floats(0, 6.5e4, width=32), min_size=1, max_size=16),
+    st.sampled_from(["bf16", "fp16"]),
+)
+def test_a_narrow_int8_scale_is_rounded_up_to_a_value_its_dtype_holds(scales, scale_dtype):
+    from xds.model import round_scale_up
+
+    s = np.array(scales, np.float32)
+    up = round_scale_up(s, scale_dtype)
+    assert np.all(up >= s)  # never smaller: x / s stays within +-127, nothing clips
+    if scale_dtype == "bf16":
+        assert np.array_equal(from_bf16_bits(to_bf16_bits(up)), up)  # held exactly
+        assert np.all(up <= s * (1 + 2.0**-7) + 1e-38)  # at most one BF16 step up
+    else:
+        assert np.array_equal(up.astype(np.float16).astype(np.float32), up)
+
+
+@given(
+    st.lists(
+        st.lists(st.floats(-100, 100, width=32), min_size=4, max_size=4), min_size=1, max_size=8
+    ),
+    st.sampled_from(["fp32", "bf16", "fp16"]),
+)
+def test_int8_with_any_scale_dtype_stays_within_half_its_scale(rows, scale_dtype):
+    x = np.array(rows, np.float32)
+    q, s = quantize_int8(x, scale_dtype)
+    assert np.all(np.abs(q.astype(np.int32)) <= 127)
+    err = np.abs(dequantize_int8(q, s) - x).max(axis=1)
+    assert np.all(err <= int8_error_bound(x, scale_dtype) * (1 + 1e-5) + 1e-6)
+
+
+def test_a_scale_beyond_fp16_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="exceeds FP16's range"):
+        quantize_int8(np.array([[1e7, 0.0]], np.float32), "fp16")
+
+
 CM = CostModel(DEEPSEEK_V3, ASCEND_910C_DIE)
 
 

@@ -1803,3 +1803,33 @@ def test_the_cli_gives_a_warning_as_one_line(tmp_path, monkeypatch, capsys):
     assert main(["replay", str(trace), "--set", "kv_transfer=xccl", "--json"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("xds: warning: kv_transfer = 'xccl' moves")
+
+
+def test_the_prefill_leader_takes_no_steps_while_its_pool_is_empty():
+    """SPEC 6.6: the cooperative scheduler runs only while requests are pending: between two
+    bursts a minute apart the leader neither all-gathers nor steps."""
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    wl = _workload((0, 2_000, 2), (0, 3_000, 2), (60 * S, 2_500, 2))
+    grid = comm_grid(one_te.decode)
+    assigned: list[tuple[int, int]] = []  # (time, pool size) at each of the leader's steps
+
+    async def main():
+        r = Replay(wl, one_te, grid)
+        te = r.prefill[0]
+        assign = te._assign
+
+        def watched():
+            assigned.append((now_ns(), len(te.pool)))
+            return assign()
+
+        te._assign = watched
+        return r, await r.run()
+
+    r, records = run(main)
+    te = r.prefill[0]
+    assert all(rec.outcome == "completed" for rec in records)
+    assert all(size > 0 for _, size in assigned)  # never scheduled an empty pool
+    # one step per burst (the first two prompts batched together): nothing in between
+    assert te.steps == len(assigned) == 2
+    assert assigned[1][0] == 60 * S + one_te.prefill.all_gather_ns
+    assert te.busy_ns < records[0].first_token_ns + records[2].first_token_ns - 60 * S

@@ -27,6 +27,7 @@ def run_ae(
     n_shared=0,
     payload="bytes",
     seed=0,
+    scale_dtype="fp32",
 ):
     shape = TinyMoE(hidden=32, intermediate=16, n_experts=12, top_k=3)
     rng = np.random.default_rng(seed)
@@ -49,7 +50,13 @@ def run_ae(
             list(range(0, 2 * n_exp, 2)),
             emap,
             AEConfig(
-                hidden=32, top_k=3, n_shared=n_shared, a2e_dtype=dtype, e2a_dtype=dtype, mode=mode
+                hidden=32,
+                top_k=3,
+                n_shared=n_shared,
+                a2e_dtype=dtype,
+                e2a_dtype=dtype,
+                mode=mode,
+                scale_dtype=scale_dtype,
             ),
             tier=tier,
         )
@@ -91,10 +98,12 @@ def run_ae(
 
 @pytest.mark.parametrize("mode", ["trampoline", "direct"])
 @pytest.mark.parametrize("tier", ["protocol", "collective"])
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_e2a_of_experts_of_a2e_equals_the_dense_reference(mode, tier, dtype):
-    out = run_ae(mode=mode, tier=tier, dtype=dtype)
-    q = (lambda v: dequantize_int8(*quantize_int8(v))) if dtype == "int8" else None
+@pytest.mark.parametrize(
+    ("dtype", "scale_dtype"), [("fp32", "fp32"), ("int8", "fp32"), ("int8", "bf16")]
+)
+def test_e2a_of_experts_of_a2e_equals_the_dense_reference(mode, tier, dtype, scale_dtype):
+    out = run_ae(mode=mode, tier=tier, dtype=dtype, scale_dtype=scale_dtype)
+    q = (lambda v: dequantize_int8(*quantize_int8(v, scale_dtype))) if dtype == "int8" else None
     for i, y in enumerate(out["ys"]):
         ref = out["model"].forward(out["xs"][i], *out["routes"][i], round_input=q, round_output=q)
         assert np.array_equal(y, ref)

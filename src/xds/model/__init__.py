@@ -7,6 +7,7 @@ from .numerics import (
     int8_error_bound,
     quantize_int8,
     round_bf16,
+    round_scale_up,
     to_bf16_bits,
 )
 from .reference_moe import ReferenceMoE, TinyMoE
@@ -40,5 +41,6 @@ __all__ = [
     "int8_error_bound",
     "quantize_int8",
     "round_bf16",
+    "round_scale_up",
     "to_bf16_bits",
 ]

@@ -33,6 +33,7 @@ from ..model import (
     Precision,
     check_attention,
 )
+from ..model.numerics import ScaleDtype
 from ..runtime import now_ns, rng, sleep_until_ns
 from ..units import MS
 from .eplb.online import OnlineEPLB, OnlineEPLBConfig
@@ -95,6 +96,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     for a model that has one unless that is the question."""
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
+    scale_dtype: ScaleDtype = "fp32"
+    """How an INT8 row's per-token scale travels (fp32: 4 B; bf16, fp16: 2 B; SPEC 9.3)."""
     pull_order: PullOrder = "static"
     """Dispatch/combine pull order over the AIVs (:data:`xds.fabric.xccl.moe.PullOrder`)."""
     scheduler_gap_ns: int = 2 * MS
@@ -749,6 +752,7 @@ def measure_comm(
                 max_tokens_per_rank=max(1, tokens_per_die),
                 dispatch_dtype=config.dispatch_dtype,
                 combine_dtype=config.combine_dtype,
+                scale_dtype=config.scale_dtype,
                 pull_order=config.pull_order,
             ),  # type: ignore[arg-type]
             tier="collective",

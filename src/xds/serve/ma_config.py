@@ -29,6 +29,7 @@ from ..fabric.xccl.a2e import Mode as AEMode
 from ..fabric.xccl.moe import ExpertMap, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384
 from ..model import MODELS, KernelEfficiency, ModelSpec, Precision, check_attention
+from ..model.numerics import ScaleDtype
 from ..runtime import now_ns, rng, run, sleep_until_ns
 from ..units import MS, US
 from .decode_model import check_shared_expert_dies, resolve_mtp
@@ -71,6 +72,8 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     a2e_dtype: WireDtype = "int8"
     e2a_dtype: WireDtype = "int8"
     """P089: expert outputs are quantised before they cross dies too."""
+    scale_dtype: ScaleDtype = "fp32"
+    """How an INT8 row's per-token scale travels (fp32: 4 B; bf16, fp16: 2 B; SPEC 9.3)."""
     mode: AEMode = "trampoline"
     """A2E/E2A through trampolines (P045) or direct fan-out (P044's comparison)."""
     domain_turns: DomainTurns = "exclusive"
@@ -272,6 +275,7 @@ def measure_ae(
                 n_shared=config.shared_expert_dies,
                 a2e_dtype=config.a2e_dtype,
                 e2a_dtype=config.e2a_dtype,
+                scale_dtype=config.scale_dtype,
                 mode=mode or config.mode,
             ),
             tier=tier,

@@ -34,6 +34,7 @@ from msgspec import Meta
 from ...config import check_fields, require_instance
 from ...docfields import document_fields
 from ...errors import ConfigError
+from ...model.numerics import ScaleDtype
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns
 from ..ub import UBFabric
 from . import args, wire
@@ -55,6 +56,9 @@ class AEConfig(msgspec.Struct, frozen=True, kw_only=True):
     a2e_dtype: WireDtype = "int8"
     e2a_dtype: WireDtype = "int8"
     """P089: expert outputs are quantised before they cross dies too."""
+    scale_dtype: ScaleDtype = "fp32"
+    """How an INT8 row's per-token scale travels: FP32 (4 B) or BF16/FP16 (2 B, the scale
+    rounded up to one they hold; SPEC 9.3)."""
     mode: Mode = "trampoline"
     n_aiv: int = 48
 
@@ -169,22 +173,24 @@ class AEGroup:
     # -- row formats ----------------------------------------------------------------------------
     @property
     def row_bytes(self) -> int:
-        return payload_bytes(self.config.hidden, self.config.a2e_dtype) + 12 + 4 * self.width
+        c = self.config
+        return payload_bytes(c.hidden, c.a2e_dtype, c.scale_dtype) + 12 + 4 * self.width
 
     @property
     def back_bytes(self) -> int:
-        return payload_bytes(self.config.hidden, self.config.e2a_dtype) + 12
+        c = self.config
+        return payload_bytes(c.hidden, c.e2a_dtype, c.scale_dtype) + 12
+
+    def _full_dtype(self, side: np.dtype, dtype: WireDtype) -> np.dtype:
+        """A row on the wire: its payload (``dtype``) and then its side information."""
+        c = self.config
+        return np.dtype(wire._payload_fields(c.hidden, dtype, c.scale_dtype) + list(side.descr))
 
     def _rows(self, side: np.ndarray, x: np.ndarray | None, dtype: WireDtype) -> Block:
         data = None
         if x is not None:
-            full = np.zeros(
-                len(side),
-                dtype=np.dtype(
-                    wire._payload_fields(self.config.hidden, dtype) + list(side.dtype.descr)
-                ),
-            )
-            wire.encode_payload(full, x, dtype)
+            full = np.zeros(len(side), dtype=self._full_dtype(side.dtype, dtype))
+            wire.encode_payload(full, x, dtype, self.config.scale_dtype)
             for name in side.dtype.names:
                 full[name] = side[name]
             data = full.tobytes()
@@ -193,11 +199,25 @@ class AEGroup:
     def _decode(self, block: Block, dtype: WireDtype) -> tuple[np.ndarray | None, np.ndarray]:
         if block.data is None:
             return None, block.side
-        full_dt = np.dtype(
-            wire._payload_fields(self.config.hidden, dtype) + list(block.side.dtype.descr)
-        )
-        rows = np.frombuffer(block.data, dtype=full_dt)
+        rows = np.frombuffer(block.data, dtype=self._full_dtype(block.side.dtype, dtype))
         return wire.decode_payload(rows, dtype), block.side
+
+    def _select(self, block: Block, sel: np.ndarray, dtype: WireDtype) -> Block:
+        """The rows ``sel`` picks, forwarded as they arrived (a trampoline moves the bytes: it
+        neither dequantises nor quantises them again)."""
+        side = block.side[sel]
+        if block.data is None:
+            return Block(len(side), None, side)
+        rows = np.frombuffer(block.data, dtype=self._full_dtype(block.side.dtype, dtype))[sel]
+        return Block(len(side), rows.tobytes(), side)
+
+    def _join(self, blocks: list[Block], side_dtype: np.dtype) -> Block:
+        """Blocks gathered from several dies as one, their bytes back to back."""
+        side = np.concatenate([b.side for b in blocks]) if blocks else np.zeros(0, side_dtype)
+        data = None
+        if self.fabric.mode == "bytes":
+            data = b"".join(b.data or b"" for b in blocks)
+        return Block(len(side), data, side)
 
     def _quant_ns(self, n_rows: int, dtype: WireDtype, *, sender: bool = False) -> int:
         """Vector time of token-wise INT8 (de)quantisation of ``n_rows`` rows (0 unless the
@@ -390,10 +410,9 @@ class AEGroup:
                 block = got.get(self.attention[j])
                 forward: dict[int, Block] = {}
                 if block is not None:
-                    xs, side = self._decode(block, cfg.a2e_dtype)
-                    for d in np.unique(side["dest"]):
-                        sel = side["dest"] == d
-                        sub = self._rows(side[sel], None if xs is None else xs[sel], cfg.a2e_dtype)
+                    dest = block.side["dest"]
+                    for d in np.unique(dest):
+                        sub = self._select(block, dest == d, cfg.a2e_dtype)
                         if d == j:
                             blocks.append(sub)  # its own expert's rows: visible after hop 1
                         else:
@@ -495,23 +514,13 @@ class AEGroup:
             sources = [d for d in self.experts if d != me]
             got = await self.push.collect("back2", me, event_id, sources)
             parts = list(got.values()) + ([own] if own is not None else [])
-            side_all = (
-                np.concatenate([b.side for b in parts])
-                if parts
-                else np.zeros(0, _back_side_dtype())
-            )
-            vals_all = None
-            if self.fabric.mode == "bytes":
-                decoded = [self._decode(b, cfg.e2a_dtype)[0] for b in parts]
-                vals_all = (
-                    np.concatenate(decoded) if decoded else np.zeros((0, cfg.hidden), np.float32)
-                )
+            joined = self._join(parts, _back_side_dtype())
             home = self.attention[j]
             await self.push.push(
                 "back1",
                 me,
                 event_id,
-                {home: self._rows(side_all, vals_all, cfg.e2a_dtype)} if len(side_all) else {},
+                {home: joined} if joined.rows else {},
                 [home],
                 self.back_bytes,
                 lanes=1,

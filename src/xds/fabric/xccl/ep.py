@@ -43,6 +43,7 @@ from ...config import check_fields, require_instance
 from ...docfields import document_fields
 from ...errors import ConfigError, ProtocolError
 from ...hw import collective_efficiency
+from ...model.numerics import ScaleDtype
 from ...runtime import emit, now_ns, sleep_ns, sleep_until_ns, waiting_for
 from ..memory import Direction
 from ..ub import UBFabric
@@ -74,6 +75,9 @@ class EPConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Capacity of one (source, destination) block in rows (SPEC 4.2: sized by max batch)."""
     dispatch_dtype: WireDtype = "int8"
     combine_dtype: WireDtype = "bf16"
+    scale_dtype: ScaleDtype = "fp32"
+    """How an INT8 row's per-token scale travels: FP32 (4 B) or BF16/FP16 (2 B, the scale
+    rounded up to one they hold; SPEC 9.3)."""
     n_aiv: int = 48
     pull_order: PullOrder = "static"
     """Which peers each AIV pulls from first (:data:`xds.fabric.xccl.moe.PullOrder`)."""
@@ -241,9 +245,9 @@ class EPGroup:
         topk_idx = args.expert_ids(topk_idx, (n_tokens, cfg.top_k))
         routed = route(topk_idx, self.expert_map, positions)
         lay = layout(routed, self.R)
-        row_bytes = dispatch_row_bytes(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+        row_bytes = dispatch_row_bytes(cfg.hidden, cfg.top_k, cfg.dispatch_dtype, cfg.scale_dtype)
         blocks: list[_Block] = []
-        dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+        dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype, cfg.scale_dtype)
         side_dt = wire.dispatch_side_dtype(cfg.top_k)
         # every destination's side rows at once, destination-major with tokens ascending (the
         # layout's order); each block holds its slice
@@ -260,7 +264,8 @@ class EPGroup:
             data = None
             if bytes_mode:
                 rows = np.zeros(len(tokens), dtype=dt)
-                wire.encode_payload(rows, x[tokens], cfg.dispatch_dtype)  # type: ignore[index]
+                payload = x[tokens]  # type: ignore[index]
+                wire.encode_payload(rows, payload, cfg.dispatch_dtype, cfg.scale_dtype)
                 rows["token"] = side["token"]
                 rows["slots"] = side["slots"]
                 data = rows.tobytes()
@@ -330,7 +335,7 @@ class EPGroup:
         if bytes_mode and expert_out is not None:
             shape = (handle.n_recv, cfg.top_k, cfg.hidden)
             expert_out = args.outputs(expert_out, shape, "expert_out")
-        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
+        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype, cfg.scale_dtype)
         side_dt = wire.combine_side_dtype()
         blocks: list[_Block] = []
         counts = np.zeros(self.R, dtype=np.int64)
@@ -351,7 +356,9 @@ class EPGroup:
                 lo = int(handle.rank_prefix[src])
                 rows_i, rows_j = copy_i[a:b] - lo, copy_j[a:b]
                 copies = np.zeros(len(rows_i), dtype=dt)
-                wire.encode_payload(copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype)
+                wire.encode_payload(
+                    copies, expert_out[lo + rows_i, rows_j], cfg.combine_dtype, cfg.scale_dtype
+                )
                 copies["token"] = side["token"]
                 copies["k"] = side["k"]
                 data = copies.tobytes()
@@ -363,7 +370,7 @@ class EPGroup:
                 f"topk_weights must have shape ({handle.n_tokens}, {cfg.top_k})",
                 field="topk_weights",
             )
-        row_bytes = combine_row_bytes(cfg.hidden, cfg.combine_dtype)
+        row_bytes = combine_row_bytes(cfg.hidden, cfg.combine_dtype, cfg.scale_dtype)
         n_copies_back = int((handle.routed.dest_rank >= 0).sum())
         start = now_ns()
         received, _ = await self._exchange(
@@ -703,7 +710,7 @@ class EPGroup:
         src_rank = np.repeat(np.arange(self.R, dtype=np.int64), counts)
         n_slots = int(self.expert_map.slots_per_rank[rank])
         if self.fabric.mode == "bytes":
-            dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype)
+            dt = wire.dispatch_dtype(cfg.hidden, cfg.top_k, cfg.dispatch_dtype, cfg.scale_dtype)
             rows = (
                 np.concatenate(
                     [
@@ -749,7 +756,7 @@ class EPGroup:
     ) -> np.ndarray:
         """The owner's weighted sum over its tokens' top-k copies, in top-k order."""
         cfg = self.config
-        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype)
+        dt = wire.combine_dtype(cfg.hidden, cfg.combine_dtype, cfg.scale_dtype)
         outs = np.zeros((handle.n_tokens, cfg.top_k, cfg.hidden), dtype=np.float32)
         seen = np.zeros((handle.n_tokens, cfg.top_k), dtype=bool)
         for block in received:

@@ -25,10 +25,10 @@ import numpy as np
 
 from ...config import is_integer
 from ...errors import ConfigError
+from ...model.numerics import SCALE_BYTES, ScaleDtype
 
 WireDtype = Literal["fp32", "bf16", "int8"]
 PAYLOAD_BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "int8": 1}
-SCALE_BYTES = 4  # one float32 scale per INT8 row (token-wise)
 
 
 PullOrder = Literal["static", "staggered"]
@@ -55,21 +55,25 @@ def pull_lanes(rank: int, n_ranks: int, n_aiv: int, order: PullOrder) -> list[li
     return lanes
 
 
-def payload_bytes(hidden: int, dtype: WireDtype) -> int:
-    """Bytes of one token's hidden state on the wire (INT8 adds its per-token scale)."""
+def payload_bytes(hidden: int, dtype: WireDtype, scale_dtype: ScaleDtype = "fp32") -> int:
+    """Bytes of one token's hidden state on the wire (INT8 adds its per-token scale, of
+    ``scale_dtype``)."""
     if dtype not in PAYLOAD_BYTES_PER_ELEMENT:
         raise ConfigError(f"unknown wire dtype {dtype!r}", field="dtype")
-    return hidden * PAYLOAD_BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype == "int8" else 0)
+    scale = SCALE_BYTES[scale_dtype] if dtype == "int8" else 0
+    return hidden * PAYLOAD_BYTES_PER_ELEMENT[dtype] + scale
 
 
-def dispatch_row_bytes(hidden: int, top_k: int, dtype: WireDtype) -> int:
+def dispatch_row_bytes(
+    hidden: int, top_k: int, dtype: WireDtype, scale_dtype: ScaleDtype = "fp32"
+) -> int:
     """A dispatched row: payload + source token index (4 B) + k local expert slots (4 B each)."""
-    return payload_bytes(hidden, dtype) + 4 + 4 * top_k
+    return payload_bytes(hidden, dtype, scale_dtype) + 4 + 4 * top_k
 
 
-def combine_row_bytes(hidden: int, dtype: WireDtype) -> int:
+def combine_row_bytes(hidden: int, dtype: WireDtype, scale_dtype: ScaleDtype = "fp32") -> int:
     """A combined copy: payload + source token index (4 B) + top-k position (4 B)."""
-    return payload_bytes(hidden, dtype) + 8
+    return payload_bytes(hidden, dtype, scale_dtype) + 8
 
 
 class ExpertMap:
