@@ -551,6 +551,50 @@ def test_a_task_swallowing_cancellation_is_stopped_soon_and_named(backend):
     assert "catches the cancellation" in note and "stubborn" in note
 
 
+def test_a_task_swallowing_every_exception_leaves_no_hang_behind_on_trio():
+    """A trio task catching every exception in a loop (``except BaseException: pass``): the run
+    ends with its report, and neither the next run nor the interpreter's exit hangs. (Collecting
+    the abandoned trio run closed that coroutine outside any run, where its awaits raise at
+    once: it spun in close() forever, at the next run or at exit.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    program = textwrap.dedent(
+        """
+        import anyio, xds
+        from xds.errors import ModelDeadlock
+
+        async def swallow():
+            async def t():
+                while True:
+                    try:
+                        await anyio.sleep_forever()
+                    except BaseException:
+                        pass
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(t)
+                await anyio.sleep_forever()
+
+        async def five():
+            await xds.sleep_ns(5)
+            return xds.now_ns()
+
+        try:
+            xds.run(swallow, backend="trio")
+        except ModelDeadlock:
+            print("deadlock reported")
+        print(xds.run(five, backend="asyncio"), xds.run(five, backend="trio"))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["deadlock reported", "5 5"]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_waiting_on_a_worker_thread_is_refused_at_the_call(backend):
     """A thread's result comes back in wall-clock time: whether the run deadlocked or went on

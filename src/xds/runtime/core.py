@@ -221,9 +221,6 @@ class Runtime:
     def run(self, main: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``main(*args)`` to completion in virtual time and return its result."""
         __tracebackhide__ = True  # pytest: a model failure's report, not xds's frames
-        if _debris["pending"]:  # what an earlier, stopped trio run left behind
-            _debris["pending"] = False
-            _collect_quietly()
         if self._used:
             raise RuntimeError("a Runtime runs once; create a new one for another run")
         self._used = True
@@ -332,8 +329,8 @@ class Runtime:
         except trio.TrioInternalError as exc:
             cause = exc.__cause__
             if isinstance(cause, (ModelDeadlock, ModelLivelock, ModelTimeLimit)):
-                # trio's run state, abandoned mid-loop, complains when collected: collect it
-                # now, quietly (the traceback into trio's loop says nothing about the model)
+                # trio's run state, abandoned mid-loop, is never collected (_trio_debris);
+                # the traceback into trio's loop says nothing about the model
                 cause.__traceback__ = cause.__context__ = None
                 del exc
                 self._root_scope = None
@@ -461,32 +458,19 @@ UNWIND_SPIN_LIMIT = 10_000
 """Loop iterations at one instant a failed run may take to unwind before it is stopped hard
 (a task that swallows cancellation would otherwise spin up to ``livelock_limit``)."""
 
-_debris = {"pending": False, "atexit": False}
-
 
 def _trio_debris() -> None:
-    """A trio run was stopped from inside trio's loop: its abandoned run state complains
-    (unraisable-exception reports) when it is collected. Collect it quietly now, again before
-    the next run, and at exit."""
-    _debris["pending"] = True
-    _collect_quietly()
-    if not _debris["atexit"]:
-        import atexit
-
-        atexit.register(_collect_quietly)
-        _debris["atexit"] = True
-
-
-def _collect_quietly() -> None:
-    """Garbage-collect with unraisable-exception reports off."""
+    """A trio run was stopped from inside trio's loop: its run state, abandoned there, is
+    garbage that must never be collected. Collecting it closes its tasks' coroutines outside
+    any run, so a task that catches every exception in a loop (``except BaseException: pass``)
+    would spin in its ``close()`` forever (its awaits raise at once, without a run to yield
+    to), hanging the next run or the interpreter's exit; the others would print
+    unraisable-exception reports. So the garbage collector sets aside every object it tracks
+    now (``gc.freeze``): the abandoned state stays in memory, never finalized, as do today's
+    other objects once they become garbage (a one-off leak, after a run that went wrong)."""
     import gc
 
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda _: None
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = hook
+    gc.freeze()
 
 
 def _name(function: object) -> str:
