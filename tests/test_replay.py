@@ -1833,3 +1833,19 @@ def test_the_prefill_leader_takes_no_steps_while_its_pool_is_empty():
     assert te.steps == len(assigned) == 2
     assert assigned[1][0] == 60 * S + one_te.prefill.all_gather_ns
     assert te.busy_ns < records[0].first_token_ns + records[2].first_token_ns - 60 * S
+
+
+def test_a_hash_over_a_partial_last_block_is_not_cached_as_a_whole_block():
+    """A 600-token prompt's second hash covers 88 tokens: a later prompt whose second block
+    (512 tokens) has that hash reuses only the first block, not 1,024 tokens."""
+    one_te = msgspec.structs.replace(SMALL, prefill=msgspec.structs.replace(SMALL.prefill, tes=1))
+    wl = Workload(
+        (
+            Request(0, 0, 600, 2, (1, 2)),
+            Request(1, 2 * S, 2000, 2, (1, 2, 3, 4)),
+            Request(2, 4 * S, 1100, 2, (1, 2, 5)),
+        ),
+        hash_block_tokens=512,
+    )
+    records = replay(wl, one_te).records
+    assert [r.cached_tokens for r in records] == [0, 512, 1024]  # (1, 2) whole after request 1

@@ -99,6 +99,7 @@ class _Opaque:
         ({"by": {(0, 1): 2}}, "by", "holding tuple (0, 1), which the event log cannot encode"),
         ({"ids": {1, "a"}}, "ids", "cannot record in one order (it sorts sets: '<' not"),
         ({"cb": print}, "cb", "got builtin_function_or_method <built-in function print>"),
+        ({"buf": memoryview(b"ab")}, "buf", "got memoryview <*, which the event log cannot take"),
     ],
 )
 def test_emit_refuses_a_field_the_log_cannot_encode_at_the_call(fields, named, says):

@@ -735,3 +735,21 @@ def test_one_column_for_two_quantities_is_refused(tmp_path):
             p, input_column="n", output_column="n", rng=np.random.default_rng(0), rate_per_s=1
         )
     assert err.value.field == "output_column"
+
+
+def test_timestamps_centuries_apart_are_an_error_naming_the_line_not_an_overflow(tmp_path):
+    f = tmp_path / "azure.csv"
+    f.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "1700-01-01 00:00:00,100,10\n"
+        "2023-11-16 18:17:03,100,10\n"
+    )
+    with pytest.raises(TraceError, match=r"324 years after the first request \(line 2\)") as e:
+        t.load_azure(f)
+    assert (e.value.line, e.value.field) == (3, "TIMESTAMP")
+    # within the clock's range but beyond what a replay serves: the replay names the row
+    from xds.serve.replay import replay
+
+    f.write_text(f.read_text().replace("1700", "1970"))
+    with pytest.raises(ConfigError, match=r"request 1 \(line 3\) arrives 19677.8 days after"):
+        replay(t.load_azure(f))

@@ -355,3 +355,41 @@ def test_per_destination_metadata_work_delays_each_rank_by_its_issue_slot(tier):
     slots = (np.arange(8) // 2 + 1) * issue
     moved = dispatch_ns(issue) - dispatch_ns(0)
     np.testing.assert_allclose(moved, slots, atol=50)  # the pulls' contention shifts a little
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(tier):
+    """Rank 0 gives up waiting at the barrier (a timeout) and dispatches the same eventID
+    again; the others come later. The collective tier once kept the abandoned arrival
+    ("joined twice"); both tiers now end alike, every rank receiving what it would have."""
+    import xds.hw
+
+    async def main():
+        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
+        cfg = EPConfig(
+            hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+        )
+        group = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg, tier=tier)
+        got = {}
+
+        async def rank(r):
+            idx = np.random.default_rng(r).integers(0, 16, (8, 4))
+            x = np.full((8, 16), r + 1, np.float32)
+            if r == 0:
+                with anyio.move_on_after(0):
+                    await group.dispatch(r, x, idx, event_id=1)
+            else:
+                await xds.sleep_ns(10_000)
+            h = await group.dispatch(r, x, idx, event_id=1)
+            got[r] = (xds.now_ns(), h.n_recv, sorted(set(h.recv_x[:, 0].tolist())))
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+        return got
+
+    got = xds.run(main)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert {r: n for r, (_, n, _) in got.items()} == {0: 21, 1: 20, 2: 21, 3: 22}
+    assert all(src == [1.0, 2.0, 3.0, 4.0] for _, _, src in got.values())
+    assert all(16_000 < t < 17_000 for t, _, _ in got.values())

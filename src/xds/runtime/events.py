@@ -214,10 +214,14 @@ def _checked_fields(component: object, event: object, fields: dict[str, Any]) ->
         except (ValueError, OverflowError) as exc:
             problem = f"which the event log cannot encode ({exc})"
         else:
-            if type(recorded) not in _PLAIN:  # a snapshot: later changes do not show
-                recorded = copy.deepcopy(recorded)  # (what sorting sets left shared too)
-            fields[name] = recorded
-            continue
+            try:
+                if type(recorded) not in _PLAIN:  # a snapshot: later changes do not show
+                    recorded = copy.deepcopy(recorded)  # (what sorting sets left shared too)
+            except (TypeError, copy.Error) as exc:  # a memoryview, say: no copy of it
+                problem = f"which the event log cannot take a snapshot of ({exc})"
+            else:
+                fields[name] = recorded
+                continue
         raise ConfigError(
             f"emit({component!r}, {event!r}) got {type(value).__name__} {_short(value)}, "
             f"{problem}; fields take numbers, strs, bools, None, numpy scalars and arrays, "

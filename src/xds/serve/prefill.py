@@ -658,7 +658,10 @@ class PrefillTE:
             t = now_ns()
             for job, ev in placed:
                 job.first_token_ns = t
-                self.cache[job.dp].insert(job.prefix_hashes)
+                # only whole blocks: a hash over a prompt's partial last block holds fewer
+                # tokens than a later prompt's full block with that hash would reuse
+                whole = job.input_tokens // self.config.prefix_block_tokens
+                self.cache[job.dp].insert(job.prefix_hashes[:whole])
                 self.queued_tokens -= job.input_tokens
                 emit("prefill", "done", te=self.index, dp=job.dp, request=job.request_id)
                 ev.set()

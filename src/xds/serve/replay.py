@@ -1092,11 +1092,15 @@ def _check_workload(workload: Workload) -> Workload:
         if r.prefix_hashes:
             _check_hashes(r, block, where)
     if last > MAX_ARRIVAL_NS:
+        i = next(i for i, r in enumerate(plain) if r.arrival_ns > MAX_ARRIVAL_NS)
+        line, first = getattr(plain[i], "source_line", 0), getattr(plain[0], "source_line", 0)
+        where = f"request {i}" + (f" (line {line})" if line else "")
+        since = f"the first request (line {first})" if first else "the first request"
         raise ConfigError(
-            f"{workload.source}: the last request arrives at {last / DAY_NS:.1f} days; xds "
-            f"replays arrivals up to {MAX_ARRIVAL_NS / DAY_NS:.1f} days (half its exact "
-            "virtual-time horizon; the rest is for serving them): shorten the trace or raise "
-            "its rate",
+            f"{workload.source}: {where} arrives {plain[i].arrival_ns / DAY_NS:.1f} days after "
+            f"{since}; xds replays arrivals up to {MAX_ARRIVAL_NS / DAY_NS:.1f} days (half its "
+            "exact virtual-time horizon; the rest is for serving them): check those "
+            "timestamps, shorten the trace or raise its rate",
             field="arrival_ns",
         )
     changed = any(a is not b for a, b in zip(plain, workload.requests, strict=True))

@@ -49,6 +49,8 @@ def not_a_file(p: Path) -> str:
 
 
 MAX_ARRIVAL_NS = 2**63 - 1
+MAX_SPAN_NS = 2**62
+"""Arrivals, measured from the first, stay well inside int64 nanoseconds (about 146 years)."""
 """Arrivals are int64 nanoseconds (about 292 years)."""
 
 
@@ -192,6 +194,15 @@ def _finish(
     if limit is not None and len(rows) >= limit:  # read up to it, or sorted and cut to it
         rows, source = rows[:limit], f"{path}, first {limit}"
     base = rows[0][0] if rows else 0
+    far = next((r for r in rows if r[0] - base >= MAX_SPAN_NS), None)
+    if far is not None:  # beyond int64 nanoseconds
+        raise TraceError(
+            f"arrives {(far[0] - base) / 86_400e9 / 365.25:,.0f} years after the first request "
+            f"(line {rows[0][4]}): beyond the clock's range (int64 nanoseconds, about 146 years)",
+            path=path,
+            line=far[4],
+            field=field,
+        )
     return Workload(
         tuple(Request(i, a - base, x, y, h, line) for i, (a, x, y, h, line) in enumerate(rows)),
         source,

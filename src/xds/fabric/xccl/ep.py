@@ -656,28 +656,36 @@ class EPGroup:
             del self._arrivals[key]
             done.set()
         else:
-            with waiting_for(
-                lambda: self._barrier_note(
-                    rank, [s for s in range(self.R) if s not in arrivals], event_id, phase
-                )
-            ):
-                await done.wait()
+            try:
+                with waiting_for(
+                    lambda: self._barrier_note(
+                        rank, [s for s in range(self.R) if s not in arrivals], event_id, phase
+                    )
+                ):
+                    await done.wait()
+            except BaseException:  # cancelled before every rank arrived: it never joined
+                if not done.is_set():  # (so a retry of the same eventID joins afresh)
+                    del arrivals[rank]
+                    if not arrivals:
+                        del self._arrivals[key], self._results[key]
+                raise
         result = self._completion[key]
-        await sleep_until_ns(int(result.end[rank]))
-        silent = self._failed_before_posting(result)
-        if silent is not None:  # its metadata never came: the barrier never completes, and
-            # this rank waits until it learns of the failure (the protocol tier's behaviour)
-            with waiting_for(
-                f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits for the "
-                f"metadata of die {silent}, which failed before posting it"
-            ):
-                await anyio.Event().wait()
-        received = [result.blocks[s][rank] for s in range(self.R)]
-        result.remaining -= 1
-        if result.remaining == 0:
-            del self._completion[key]
-            del self._results[key]
-        return received, int(result.barrier[rank])
+        try:
+            await sleep_until_ns(int(result.end[rank]))
+            silent = self._failed_before_posting(result)
+            if silent is not None:  # its metadata never came: the barrier never completes,
+                # and this rank waits until it learns of the failure (the protocol tier's)
+                with waiting_for(
+                    f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits for the "
+                    f"metadata of die {silent}, which failed before posting it"
+                ):
+                    await anyio.Event().wait()
+            return [result.blocks[s][rank] for s in range(self.R)], int(result.barrier[rank])
+        finally:  # done with the exchange, or cancelled mid-pull: its rows are not taken
+            result.remaining -= 1
+            if result.remaining == 0:
+                del self._completion[key]
+                del self._results[key]
 
     def _failed_before_posting(self, result: _Completion) -> int | None:
         """A member die that failed before (or at the instant) it was to post its metadata in

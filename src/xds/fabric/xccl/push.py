@@ -184,15 +184,18 @@ class PushExchange:
     ) -> dict[int, Block]:
         out: dict[int, Block] = {}
         ready = now_ns()
+        taken = []  # the arrivals read: they leave only once this die has them (a collect
+        # cancelled before that leaves them for a retry, as the protocol tier's fields do)
         for src in sources:
             key = (name, src, dst, event_id)
+            taken.append(key)
             while key not in self._arrivals:  # that source has not pushed yet
                 pushed = self._pushed.setdefault((name, src, event_id), anyio.Event())
                 with waiting_for(
                     f"{name} eventID {event_id}: die {dst} waits for die {src} to push"
                 ):
                     await pushed.wait()
-            meta_at, block, pushed_at = self._arrivals.pop(key)
+            meta_at, block, pushed_at = self._arrivals[key]
             if self.fabric.failures.failed_by(src, pushed_at):  # it failed at that very
                 # instant: nothing it issued lands (as in the protocol tier); wait until the
                 # group's failure handling stops this die
@@ -202,4 +205,6 @@ class PushExchange:
             if block is not None:
                 out[src] = block
         await sleep_until_ns(ready)
+        for key in taken:
+            del self._arrivals[key]
         return out
