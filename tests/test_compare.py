@@ -303,3 +303,28 @@ def test_spread_invariants(values):
         assert shifted.ci95 == pytest.approx(s.ci95, rel=1e-6, abs=1e-6)
     else:
         assert math.isnan(s.ci95)
+
+
+def test_a_node_fault_striking_different_roles_in_two_deployments_is_a_warning():
+    from xds.serve.presets import pd_config
+    from xds.serve.recovery import NodeFault
+
+    four, five = pd_config("production-4p1d"), pd_config("production-4p1d", ["prefill.tes=5"])
+    assert [four.server_role(s) for s in (0, 7, 8, 15, 16)] == [
+        "Prefill TE 0",
+        "Prefill TE 3",
+        "Decode TE 0",
+        "Decode TE 0",
+        "no server",
+    ]
+    assert five.server_role(9) == "Prefill TE 4"
+    fault = NodeFault(at_ns=10**12, server=9)  # after every request: the warning is the point
+    wl = production_workload(4, rate_per_s=4.0, seed=0)
+    with pytest.warns(UserWarning, match="server 9 strikes Decode TE 0 in 4p, Prefill TE 4 in 5p"):
+        compare(wl, {"4p": four, "5p": five}, seeds=1, faults=[fault], jobs=1)
+    same = NodeFault(at_ns=10**12, server=1)  # Prefill TE 0 in both: no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compare(wl, {"4p": four, "5p": five}, seeds=1, faults=[same], jobs=1)

@@ -230,6 +230,27 @@ def _naming_variant(name: str, several: bool) -> Iterator[None]:
         raise ConfigError(f"{exc.message} (variant {name!r})", field=exc.field) from None
 
 
+def _warn_if_roles_differ(chosen: Mapping[str, Variant], faults: Sequence[object]) -> None:
+    """A node fault names a server by number, and the numbering follows each deployment's
+    layout (Prefill TEs first): one that strikes different roles in different variants
+    compares unlike outages, which the comparison alone would not show."""
+    import warnings
+
+    from .recovery import NodeFault
+
+    for fault in faults:
+        if not isinstance(fault, NodeFault):
+            continue
+        roles = {name: v.config.server_role(fault.server) for name, v in chosen.items()}
+        if len(set(roles.values())) > 1:
+            where = ", ".join(f"{role} in {name}" for name, role in roles.items())
+            warnings.warn(
+                f"the node fault on server {fault.server} strikes {where}: the variants lose "
+                "different parts (servers are numbered Prefill TEs first)",
+                stacklevel=3,
+            )
+
+
 def _variants(variants: Mapping[str, PDConfig | Variant]) -> dict[str, Variant]:
     if not isinstance(variants, Mapping) or not variants:
         raise ConfigError(
@@ -334,6 +355,7 @@ def compare(
     for name, v in chosen.items():  # a mismatch found before any replay, not after some
         with _naming_variant(name, several):
             check_replay(workloads[chosen_seeds[0]], v.config, faults=faults, **v.policies)
+    _warn_if_roles_differ(chosen, faults)
 
     def run(i: float) -> tuple[Summary, int]:
         name, seed = runs[int(i)]

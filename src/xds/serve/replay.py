@@ -255,6 +255,17 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         spare = self.recovery.spare_servers
         return p.tes * self.prefill_servers_per_te + self.decode_servers + spare
 
+    def server_role(self, server: int) -> str:
+        """What server ``server`` (NodeFault numbering) is in this deployment at the start:
+        "Prefill TE k", "Decode TE d", "a spare" or "no server"."""
+        per_p = self.prefill_servers_per_te  # (the failover's numbering)
+        first_d = self.prefill.tes * per_p
+        if server < first_d:
+            return f"Prefill TE {server // per_p}"
+        if server < first_d + self.decode_servers:
+            return f"Decode TE {(server - first_d) // (self.decode_servers // self.decode_tes)}"
+        return "a spare" if server < self.servers else "no server"
+
     @property
     def chips(self) -> int:
         """Chips of the deployment: each TE's dies on whole chips (two dies per 910C chip, so
