@@ -433,8 +433,9 @@ def test_a_prefill_te_killed_for_a_decode_te_that_then_stays_down_comes_back():
     res = replay(wl, cfg, faults=faults)
     decode, killed = res.failovers
     assert killed.te == "P0" and decode.back_ns == -1
-    # the Decode TE gave up after its restart found server 2 lost: P0's servers came back
-    gave_up = decode.down_ns + rc.decode_restart_ns
+    # the Decode TE gave up as soon as server 2, one it was restarting on, was tainted (not
+    # after its restart ran its course on it): P0's servers came back
+    gave_up = S + rc.detect_ns
     assert killed.back_ns == gave_up + rc.prefill_restart_ns and killed.servers == [0, 1]
     served = [r for r in res.records if r.arrival_ns > killed.back_ns]
     assert served and all(r.outcome == "completed" for r in served)
@@ -478,3 +479,18 @@ def test_simultaneous_faults_recover_the_same_whatever_their_order_and_backend(s
     assert run(tuple(reversed(servers)), "trio") == first
     # the lowest server's handler decides first: the reasons name it
     assert str(min(servers)) in first[0][0].reason
+
+
+def test_a_restart_hit_by_a_second_fault_starts_again_at_once():
+    """A Decode TE restarting on a server that then fails restarts again when the taint is
+    seen, not after its first restart has run its course (which took two restarts' time)."""
+    cfg, wl = _one_prefill_te()
+    rc = cfg.recovery
+    cfg = msgspec.structs.replace(cfg, recovery=msgspec.structs.replace(rc, spare_servers=2))
+    first, second = NodeFault(at_ns=S, server=3), NodeFault(at_ns=5 * S, server=4)
+    res = replay(wl, cfg, faults=[first, second])
+    (decode,) = res.failovers
+    assert decode.te == "D0" and decode.down_ns == S + rc.detect_ns
+    assert decode.back_ns == 5 * S + rc.detect_ns + rc.decode_restart_ns
+    assert not {3, 4} & set(decode.servers)
+    assert res.summary.completed + res.summary.failed == len(wl)

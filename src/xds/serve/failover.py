@@ -136,6 +136,8 @@ class Failover(Elastic):
         they look again whenever servers return to the pool."""
         self._servers_freed = anyio.Event()
         """Set (and replaced) when servers return to the pool (a repair, a TE left down)."""
+        self._taint_seen = anyio.Event()
+        """Set (and replaced) when Kubernetes taints a server (a restart on it stops)."""
         per_p, per_d = cfg.prefill_servers_per_te, cfg.decode_servers // cfg.decode_tes
         first_d = cfg.prefill.tes * per_p
         self.placement = Placement(
@@ -242,6 +244,8 @@ class Failover(Elastic):
         self._taints[fault.server] = self._taints.get(fault.server, 0) + 1
         self._detections.setdefault(now_ns(), []).append(fault.server)
         emit("k8s", "taint", server=fault.server)
+        self._taint_seen.set()
+        self._taint_seen = anyio.Event()
         if fault.repair_ns:
             assert self._system is not None
             self._pending_repairs += 1
@@ -441,10 +445,10 @@ class Failover(Elastic):
             emit("failover", "restart-after-repair", te=f"P{k}")
             self._prefill_restarting += 1
             try:
-                await sleep_ns(self.config.recovery.prefill_restart_ns)
+                restarted = await self._restart_on(servers, self.config.recovery.prefill_restart_ns)
             finally:
                 self._prefill_restarting -= 1
-            if not set(servers) & self.tainted:
+            if restarted:
                 break
             self._release_prefill_servers(k)  # a server failed meanwhile: try again
             self._free_servers()
@@ -494,8 +498,7 @@ class Failover(Elastic):
                 continue
             self._stop_waiting(d)
             self.placement.decode[d] = servers
-            await sleep_ns(cfg.recovery.decode_restart_ns)
-            if not set(self.placement.decode[d]) & self.tainted:
+            if await self._restart_on(servers, cfg.recovery.decode_restart_ns):
                 break
             emit("failover", "restart-again", te=f"D{d}")  # a server failed meanwhile
         self.decode[d] = self._new_decode_te(d)  # type: ignore[attr-defined]
@@ -508,6 +511,27 @@ class Failover(Elastic):
         self._decode_back = anyio.Event()
         self._free_servers()  # a Prefill TE waiting to come back looks again
         emit("failover", "back", te=f"D{d}")
+
+    async def _restart_on(self, servers: list[int], restart_ns: int) -> bool:
+        """A TE's restart on ``servers``, ``restart_ns`` long: True once done, False as soon
+        as one of them is tainted meanwhile (the restart starts again then, on other servers,
+        rather than after running its course on a failed one)."""
+        end = now_ns() + restart_ns
+        while True:
+            if set(servers) & self.tainted:
+                return False
+            if now_ns() >= end:
+                return True
+            seen = self._taint_seen
+            async with anyio.create_task_group() as tg:
+
+                async def restart_done() -> None:
+                    await sleep_until_ns(end)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(restart_done)
+                await seen.wait()
+                tg.cancel_scope.cancel()
 
     def _stop_waiting(self, d: int) -> None:
         """Decode TE ``d`` no longer waits for servers: Prefill TEs waiting behind it (they
