@@ -61,6 +61,7 @@ def test_rates_families_and_lengths_come_out_as_described(tmp_path):
         (["0,1,1,Gamma,1,1", "600,1,1"], None, r"chunk-0-trace\.csv:line 2: expected 6 fields"),
         (["0,1,1,Pareto,1,1"], None, "line 1 field 'family'"),
         (["0,x,1,Gamma,1,1"], None, "line 1 field 'rate': not a number"),
+        (["0,1_0,1,Gamma,1,1"], None, "line 1 field 'rate': not a number: '1_0'"),
         (["0,1,1,Gamma,0,1"], None, "line 1: an active window needs"),
         (["0,1,1,Gamma,1,1"], {"input_tokens": "{1: }", "output_tokens": "{2: 1}"}, "0.input"),
     ],
@@ -82,6 +83,12 @@ def test_spans_clients_and_missing_files_are_clear_errors(tmp_path):
     (d / "chunk-0-dataset.json").unlink()
     with pytest.raises(TraceError, match=r"chunk-0-dataset\.json: file not found"):
         load_servegen(d)
+    (tmp_path / "latin1").mkdir()
+    bad = pool(tmp_path / "latin1", {0: ["0,1,1,Gamma,1,1", "600,1,1,Gamma,1,1"]})
+    trace = bad / "chunk-0-trace.csv"
+    trace.write_bytes(trace.read_bytes().replace(b"600,", b"6\xe900,"))
+    with pytest.raises(TraceError, match=r"chunk-0-trace\.csv:line 2: not UTF-8 text"):
+        load_servegen(bad)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(TraceError, match=r"no chunk-<i>-trace\.csv"):

@@ -613,7 +613,7 @@ def load_generic(
         if "hashes" in mapping and mapping["hashes"] in row:
             hashes_seen = True
             raw = row[mapping["hashes"]]
-            if isinstance(raw, str):  # CSV: space- or semicolon-separated integers
+            if isinstance(raw, str) and not from_json:  # CSV: integers, space or ; apart
                 words = raw.replace(";", " ").split()
                 if not all(w.isascii() and w.isdigit() for w in words):
                     raise TraceError(

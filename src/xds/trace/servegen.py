@@ -116,8 +116,9 @@ def _windows(path: Path) -> list[tuple[int, float, float, str, float, float]]:
     out: list[tuple[int, float, float, str, float, float]] = []
     try:
         text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError:
-        raise TraceError("not UTF-8 text", path=str(path)) from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise TraceError("not UTF-8 text", path=str(path), line=line) from None
     for line, row in enumerate(csv.reader(text.splitlines()), start=1):
         if not row:
             continue
@@ -136,6 +137,8 @@ def _windows(path: Path) -> list[tuple[int, float, float, str, float, float]]:
             ("start", "rate", "cv", "shape", "scale"), row[:3] + row[4:], strict=True
         ):
             try:
+                if "_" in raw:  # float() takes 1_0; a trace's number does not
+                    raise ValueError(raw)
                 v = float(raw or 0)
             except ValueError:
                 raise TraceError(
