@@ -393,3 +393,39 @@ def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(
     assert {r: n for r, (_, n, _) in got.items()} == {0: 21, 1: 20, 2: 21, 3: 22}
     assert all(src == [1.0, 2.0, 3.0, 4.0] for _, _, src in got.values())
     assert all(16_000 < t < 17_000 for t, _, _ in got.values())
+
+
+def test_a_rank_cancelled_before_pulling_is_named_when_its_peers_next_exchange_waits():
+    """Rank 0 gives up its dispatch (eventID 1) after posting, before pulling; the others'
+    next dispatch of that parity (eventID 3) waits for rank 0 to pull: the deadlock report
+    says which rank has not pulled."""
+    import xds.hw
+    from xds.errors import ModelDeadlock
+
+    async def main():
+        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
+        cfg = EPConfig(
+            hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+        )
+        group = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg)
+
+        async def rank(r, event_id):
+            idx = np.random.default_rng(r).integers(0, 16, (8, 4))
+            x = np.ones((8, 16), np.float32)
+            if r == 0 and event_id == 1:
+                with anyio.move_on_after(6e-6):  # after posting, before pulling
+                    await group.dispatch(r, x, idx, event_id=event_id)
+            else:
+                await group.dispatch(r, x, idx, event_id=event_id)
+
+        for event_id in (1, 3):
+            async with anyio.create_task_group() as tg:
+                for r in range(4):
+                    tg.start_soon(rank, r, event_id)
+
+    with pytest.raises(ModelDeadlock) as info:
+        xds.run(main)
+    assert "rank 1 waits until every peer has pulled its managed blocks of eventID parity 1; " in (
+        str(info.value)
+    )
+    assert "not yet: rank 0 (it last joined eventID 3)" in str(info.value)

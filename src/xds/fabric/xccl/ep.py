@@ -197,7 +197,8 @@ class EPGroup:
         self._in_flight: set[tuple[int, int, int]] = set()
         """(rank, phase, eventID) of the exchanges ranks are in now (a second join fails)."""
         self._blocks: dict[tuple[int, int, int, int], _Block] = {}
-        self._pending: dict[tuple[int, int, int], int] = {}
+        self._pending: dict[tuple[int, int, int], set[int]] = {}
+        """(rank, phase, parity) -> the ranks that have yet to pull its managed blocks."""
         self._released: dict[tuple[int, int, int], anyio.Event] = {}
         self._arrivals: dict[tuple[int, int], dict[int, _Arrival]] = {}
         self._results: dict[tuple[int, int], anyio.Event] = {}
@@ -484,11 +485,18 @@ class EPGroup:
         await sleep_ns(e.kernel_launch_ns)
         # The block area of this parity must have been pulled by everyone (their releases).
         key = (rank, phase, parity)
-        while self._pending.get(key, 0) > 0:
+        while self._pending.get(key):
             self._released[key] = anyio.Event()
             with waiting_for(
-                f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits until every "
-                f"peer has pulled its managed blocks of eventID parity {parity}"
+                lambda: (
+                    f"{_PHASE_NAMES[phase]} eventID {event_id}: rank {rank} waits until every "
+                    f"peer has pulled its managed blocks of eventID parity {parity}; not yet: "
+                    + "; ".join(
+                        f"rank {r} ({self._last_signal(r, phase)})"
+                        for r in sorted(self._pending.get(key, ()))
+                    )
+                    + " (a rank whose exchange was cancelled never pulls)"
+                )
             ):
                 await self._released[key].wait()
         # Steps 1-3: load, quantise, pack by destination into the own managed area.
@@ -497,7 +505,7 @@ class EPGroup:
         await sleep_until_ns(t.end_ns + pack_vector_ns)
         for dest in range(self.R):
             self._blocks[(rank, phase, parity, dest)] = blocks[dest]
-        self._pending[key] = int((counts > 0).sum())
+        self._pending[key] = {int(d) for d in np.flatnonzero(counts > 0)}
         # Step 4: metadata to every destination; the AIVs issue them in parallel.
         t0 = now_ns()
         for dest in range(self.R):
@@ -566,6 +574,7 @@ class EPGroup:
                     src,
                     phase,
                     parity,
+                    rank,
                 )
                 first = False
 
@@ -602,10 +611,10 @@ class EPGroup:
             else (f"it last joined eventID {joined}")
         )
 
-    def _release(self, src: int, phase: int, parity: int) -> None:
+    def _release(self, src: int, phase: int, parity: int, dest: int) -> None:
         key = (src, phase, parity)
-        self._pending[key] -= 1
-        if self._pending[key] == 0 and key in self._released:
+        self._pending[key].discard(dest)
+        if not self._pending[key] and key in self._released:
             self._released.pop(key).set()
 
     async def _exchange_collective(
