@@ -677,6 +677,8 @@ class EPGroup:
                     del arrivals[rank]
                     if not arrivals:
                         del self._arrivals[key], self._results[key]
+                else:  # the last rank arrived at that instant: it leaves the exchange
+                    self._leave(key)
                 raise
         result = self._completion[key]
         try:
@@ -691,10 +693,15 @@ class EPGroup:
                     await anyio.Event().wait()
             return [result.blocks[s][rank] for s in range(self.R)], int(result.barrier[rank])
         finally:  # done with the exchange, or cancelled mid-pull: its rows are not taken
-            result.remaining -= 1
-            if result.remaining == 0:
-                del self._completion[key]
-                del self._results[key]
+            self._leave(key)
+
+    def _leave(self, key: tuple[int, int]) -> None:
+        """A rank is done with the completed exchange ``key``; the last one clears it."""
+        result = self._completion[key]
+        result.remaining -= 1
+        if result.remaining == 0:
+            del self._completion[key]
+            del self._results[key]
 
     def _failed_before_posting(self, result: _Completion) -> int | None:
         """A member die that failed before (or at the instant) it was to post its metadata in
