@@ -189,3 +189,65 @@ def test_an_expert_receive_cancelled_mid_collect_can_be_retried_alike_on_both_ti
     end, rows = xds.run(main)
     assert rows == {0: 4, 1: 4, 2: 4, 3: 8}
     assert end == 62_814  # as without the timeout: the retry found every row where it was
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+@pytest.mark.parametrize(("sent", "expected"), [(2, 4), (4, 2)])
+def test_dies_that_disagree_on_the_eventid_get_a_protocol_error(tier, sent, expected):
+    """SPEC 3.4 R3: the eventIDs at both ends must match. An attention die pushing A2E under
+    eventID ``sent`` while its trampoline receives ``expected`` (same parity, same buffer)
+    is a ProtocolError naming both, on either tier, at the instant the metadata lands."""
+    from xds.errors import ProtocolError
+
+    async def main():
+        fabric = UBFabric(POD, payload_mode="bytes")
+        cfg = AEConfig(hidden=16, top_k=2, a2e_dtype="fp32", e2a_dtype="fp32")
+        g = AEGroup(fabric, [8], [0, 1], ExpertMap(4, 2), cfg, tier=tier)
+
+        async def att():
+            idx = np.array([[0, 3], [1, 2]])
+            await g.a2e(0, np.ones((2, 16), np.float32), idx, event_id=sent)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(att)
+            tg.start_soon(g.expert_receive, 0, expected)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        xds.run(main)
+    (err,) = info.value.exceptions
+    assert isinstance(err, ProtocolError)
+    assert str(err) == (
+        f"hop1: die 8 wrote eventID {sent} where die 0 expects {expected} (the dies disagree "
+        f"on the eventID, or die 0 skipped eventID {sent})"
+    )
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_a_collect_cancelled_after_some_sources_arrived_takes_nothing(tier):
+    """A die collecting from two sources gives up after the first one's block has landed;
+    its retry of the same eventID gets both blocks (the protocol tier once took the first
+    block before the wait and then reported its metadata 'visible before its data')."""
+    from xds.fabric.xccl.push import Block, PushExchange
+
+    async def main(give_up: bool):
+        fabric = UBFabric(POD, payload_mode="bytes")
+        push = PushExchange(fabric, ("x",), tier=tier)
+        side = np.zeros(1, np.int8)
+
+        async def source(src, delay_ns):
+            await xds.sleep_ns(delay_ns)
+            await push.push("x", src, 3, {0: Block(1, bytes([src]), side)}, [0], 1, lanes=1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(source, 1, 0)
+            tg.start_soon(source, 2, 50_000)
+            if give_up:
+                with anyio.move_on_after(20e-6) as scope:
+                    await push.collect("x", 0, 3, [1, 2])
+                assert scope.cancelled_caught
+            got = await push.collect("x", 0, 3, [1, 2])
+        return {src: block.data for src, block in got.items()}, xds.now_ns()
+
+    got, end = xds.run(main, True)
+    assert got == {1: b"\x01", 2: b"\x02"}
+    assert end == xds.run(main, False)[1] > 50_000

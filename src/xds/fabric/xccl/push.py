@@ -55,13 +55,19 @@ class PushExchange:
         # collective tier: (name, src, dst, event) -> (metadata visible at, block or None,
         # when the source pushed)
         self._arrivals: dict[tuple[str, int, int, int], tuple[int, Block | None, int]] = {}
-        self._pushed: dict[tuple[str, int, int], anyio.Event] = {}
+        self._pushed: dict[tuple[str, int], anyio.Event] = {}  # (name, src): a push happened
+        self._unread: dict[tuple[str, int, int, int], int] = {}
+        """collective tier: (name, src, dst, parity) -> the eventID of an arrival not read yet."""
+        self._seen: dict[tuple[str, int, int, int], int] = {}
+        """(name, src, dst, parity) -> the eventID ``dst`` last read there (protocol tier)."""
 
     def start_idle(self) -> None:
         """A later run on the fabric: no exchange of an earlier timeline is in progress."""
         self._blocks.clear()
         self._arrivals.clear()
         self._pushed.clear()
+        self._seen.clear()
+        self._unread.clear()
 
     def _field_index(self, name: str, parity: int) -> int:
         return self._fields + 2 * self._slot[name] + parity
@@ -123,6 +129,7 @@ class PushExchange:
                     block if has_rows else None,
                     t0,
                 )
+                self._unread[(name, src, dst, parity)] = event_id
             else:
                 fabric.post_meta(
                     meta_at,
@@ -137,7 +144,7 @@ class PushExchange:
             last_issue = max(last_issue, queue_free[lane])
         self.meta_writes[(name, src)] = self.meta_writes.get((name, src), 0) + len(notify)
         if collective:
-            pushed = self._pushed.pop((name, src, event_id), None)
+            pushed = self._pushed.pop((name, src), None)
             if pushed is not None:
                 pushed.set()
         await sleep_until_ns(last_issue)
@@ -154,16 +161,24 @@ class PushExchange:
     async def collect(
         self, name: str, dst: int, event_id: int, sources: list[int]
     ) -> dict[int, Block]:
-        """Wait for every source's metadata for ``event_id``; return their blocks."""
+        """Wait for every source's metadata for ``event_id``; return their blocks.
+
+        A source's field holding a *new* write of another eventID (not the one this die last
+        read there) means the dies disagree on the eventID: a :class:`ProtocolError` naming
+        both, rather than a wait that never ends. Nothing is taken until every source's
+        metadata is in, so a collect cancelled while waiting can be retried."""
         if self.tier == "collective":
             return await self._collect_recorded(name, dst, event_id, sources)
         parity = event_id & 1
         field_index = self._field_index(name, parity)
         mem = self.fabric.memory(dst)
-        out: dict[int, Block] = {}
+        fields = []
         for src in sources:
             field = mem.meta(src, field_index, Direction.COLL)
+            last = self._seen.get((name, src, dst, parity), field.event_id)
             while field.event_id != event_id:
+                if field.event_id != last:
+                    self._disagree(name, src, dst, field.event_id, event_id)
                 with waiting_for(
                     lambda s=src, f=field: (
                         f"{name} eventID {event_id}: die {dst} waits for die "
@@ -171,13 +186,24 @@ class PushExchange:
                     )
                 ):
                     await field.changed()
+            fields.append((src, field))
+        await anyio.lowlevel.checkpoint()
+        out: dict[int, Block] = {}
+        for src, field in fields:
+            self._seen[(name, src, dst, parity)] = event_id
             if field.chunk_id:
                 block = self._blocks.pop((name, src, dst, parity), None)
                 if block is None or block.rows != field.chunk_id:
                     raise ProtocolError(f"{name}: metadata from die {src} visible before its data")
                 out[src] = block
-        await anyio.lowlevel.checkpoint()
         return out
+
+    @staticmethod
+    def _disagree(name: str, src: int, dst: int, written: int, expected: int) -> None:
+        raise ProtocolError(
+            f"{name}: die {src} wrote eventID {written} where die {dst} expects {expected} "
+            f"(the dies disagree on the eventID, or die {dst} skipped eventID {written})"
+        )
 
     async def _collect_recorded(
         self, name: str, dst: int, event_id: int, sources: list[int]
@@ -186,11 +212,17 @@ class PushExchange:
         ready = now_ns()
         taken = []  # the arrivals read: they leave only once this die has them (a collect
         # cancelled before that leaves them for a retry, as the protocol tier's fields do)
+        parity = event_id & 1
         for src in sources:
             key = (name, src, dst, event_id)
             taken.append(key)
             while key not in self._arrivals:  # that source has not pushed yet
-                pushed = self._pushed.setdefault((name, src, event_id), anyio.Event())
+                other = self._unread.get((name, src, dst, parity))
+                if other is not None and other != event_id:  # raised when the protocol
+                    # tier's die would see that metadata
+                    await sleep_until_ns(self._arrivals[(name, src, dst, other)][0])
+                    self._disagree(name, src, dst, other, event_id)
+                pushed = self._pushed.setdefault((name, src), anyio.Event())
                 with waiting_for(
                     f"{name} eventID {event_id}: die {dst} waits for die {src} to push"
                 ):
@@ -207,4 +239,7 @@ class PushExchange:
         await sleep_until_ns(ready)
         for key in taken:
             del self._arrivals[key]
+            unread = (name, key[1], dst, parity)
+            if self._unread.get(unread) == event_id:
+                del self._unread[unread]
         return out
