@@ -395,6 +395,75 @@ def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(
     assert all(16_000 < t < 17_000 for t, _, _ in got.values())
 
 
+def _dispatch_with_rank0_cancelled(tier: str, cancel_s: float | None) -> dict:
+    """Four ranks dispatch eventID 1 at t=0; rank 0's first try is cancelled after
+    ``cancel_s`` (None: not tried) and it retries the same eventID (a ProtocolError it gets
+    is recorded)."""
+    import xds.hw
+    from xds.errors import ProtocolError
+
+    async def main():
+        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
+        cfg = EPConfig(
+            hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+        )
+        group = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg, tier=tier)
+        got = {}
+
+        async def rank(r):
+            idx = np.random.default_rng(r).integers(0, 16, (8, 4))
+            x = np.full((8, 16), r + 1, np.float32)
+            if r == 0 and cancel_s is not None:
+                with anyio.move_on_after(cancel_s):
+                    await group.dispatch(r, x, idx, event_id=1)
+            try:
+                h = await group.dispatch(r, x, idx, event_id=1)
+            except ProtocolError as err:
+                got[r] = str(err)
+            else:
+                got[r] = (xds.now_ns(), h.barrier_ns, h.n_recv, h.recv_x[:, 0].tolist())
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+        return got
+
+    return xds.run(main)
+
+
+def test_a_dispatch_cancelled_after_its_barrier_cannot_be_retried_on_either_tier():
+    """Rank 0 is cancelled mid-pull (5 us; its barrier was at 4.8 us) and retries eventID 1:
+    its peers have consumed its metadata, so the retry is a ProtocolError saying so on both
+    tiers, and the peers finish as if nothing happened. (The collective tier once failed the
+    peers with an internal KeyError; the protocol tier deadlocked, rank 0 waiting on itself.)"""
+    clean = _dispatch_with_rank0_cancelled("protocol", None)
+    for tier in ("protocol", "collective"):
+        got = _dispatch_with_rank0_cancelled(tier, 5e-6)
+        assert clean[0][1] < 5_000 < clean[0][0]  # after the barrier, before the end
+        assert got[0] == (
+            "rank 0 retried dispatch eventID 1, which was cancelled at 5000 ns, after its "
+            f"barrier (at {clean[0][1]} ns): its peers have read its metadata and gone on, so "
+            "the exchange cannot be joined again (a dispatch or combine can be retried only if "
+            "cancelled before its barrier)"
+        )
+        assert {r: got[r] for r in (1, 2, 3)} == {r: clean[r] for r in (1, 2, 3)}
+
+
+def test_a_dispatch_cancelled_between_posting_and_its_barrier_is_retried_alike_on_both_tiers():
+    """Rank 0 is cancelled at 4 us, after posting its blocks and metadata, before its barrier:
+    the retry re-posts the same rows (not waiting for its own unpulled block, which once
+    deadlocked the protocol tier) and receives what it would have; both tiers agree."""
+    clean = _dispatch_with_rank0_cancelled("protocol", None)
+    runs = {tier: _dispatch_with_rank0_cancelled(tier, 4e-6) for tier in ("protocol", "collective")}
+    assert runs["protocol"] == runs["collective"]
+    got = runs["protocol"]
+    assert {r: got[r] for r in (1, 2, 3)} == {r: clean[r] for r in (1, 2, 3)}
+    end, barrier, n_recv, rows = got[0]
+    assert (n_recv, rows) == clean[0][2:]
+    assert barrier > 4_000 + 2_000  # launched and packed again
+    assert end - barrier == clean[0][0] - clean[0][1]  # the same pulls
+
+
 def test_a_rank_cancelled_before_pulling_is_named_when_its_peers_next_exchange_waits():
     """Rank 0 gives up its dispatch (eventID 1) after posting, before pulling; the others'
     next dispatch of that parity (eventID 3) waits for rank 0 to pull: the deadlock report

@@ -152,6 +152,26 @@ class _Arrival(msgspec.Struct):
     blocks: list[_Block]
 
 
+class _Left(msgspec.Struct):
+    """A rank's dispatch or combine cancelled after every rank had arrived (collective tier)
+    or after its own barrier (protocol tier): what a retry of the same eventID needs."""
+
+    event_id: int
+    at_ns: int
+    barrier_ns: int
+    """Its barrier: reached (``at_ns >= barrier_ns``) or, collective tier, still ahead."""
+    blocks: list[_Block] | None = None
+    """Collective tier, left before its barrier: the rows it receives."""
+    lead_ns: int = 0
+    """Collective tier: from joining to posting its metadata (launch and packing)."""
+    tail_ns: int = 0
+    """Collective tier: from its barrier to the end of its exchange (the pulls)."""
+
+    @property
+    def after_barrier(self) -> bool:
+        return self.at_ns >= self.barrier_ns
+
+
 class EPGroup:
     """An expert-parallel group of dies running dispatch and combine."""
 
@@ -200,12 +220,16 @@ class EPGroup:
         self._pending: dict[tuple[int, int, int], set[int]] = {}
         """(rank, phase, parity) -> the ranks that have yet to pull its managed blocks."""
         self._released: dict[tuple[int, int, int], anyio.Event] = {}
+        self._posted: dict[tuple[int, int, int], int] = {}
+        """(rank, phase, parity) -> the eventID whose blocks it last posted (protocol tier)."""
         self._arrivals: dict[tuple[int, int], dict[int, _Arrival]] = {}
         self._results: dict[tuple[int, int], anyio.Event] = {}
         self._completion: dict[tuple[int, int], _Completion] = {}
         self._seen: dict[tuple[int, int, int], int] = {}
         """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
         self._joined: dict[tuple[int, int], int] = {}
+        self._left: dict[tuple[int, int], _Left] = {}
+        """(rank, phase) -> that rank's latest exchange cancelled late (see :class:`_Left`)."""
         """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
         self._failures = GroupFailures(
             fabric, self.ranks, "dispatch/combine", on_new_run=self._start_idle
@@ -217,11 +241,13 @@ class EPGroup:
             self._blocks,
             self._pending,
             self._released,
+            self._posted,
             self._arrivals,
             self._results,
             self._completion,
             self._seen,
             self._joined,
+            self._left,
             self._in_flight,
         ):
             state.clear()
@@ -457,6 +483,17 @@ class EPGroup:
                     f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} twice (it is "
                     "still in the first)"
                 )
+            left = self._left.get((rank, phase))
+            if left is not None and left.event_id != event_id:
+                del self._left[(rank, phase)]
+            elif left is not None and left.after_barrier:
+                raise ProtocolError(
+                    f"rank {rank} retried {_PHASE_NAMES[phase]} eventID {event_id}, which was "
+                    f"cancelled at {left.at_ns} ns, after its barrier (at {left.barrier_ns} ns): "
+                    "its peers have read its metadata and gone on, so the exchange cannot be "
+                    "joined again (a dispatch or combine can be retried only if cancelled "
+                    "before its barrier)"
+                )
             self._in_flight.add(joining)
             self._joined[(rank, phase)] = event_id
             try:
@@ -483,9 +520,12 @@ class EPGroup:
         parity = event_id & 1
         slot = self._fields + phase * 2 + parity
         await sleep_ns(e.kernel_launch_ns)
-        # The block area of this parity must have been pulled by everyone (their releases).
+        # The block area of this parity must have been pulled by everyone (their releases),
+        # unless this retries the eventID posted there (the same rows; peers yet to pull
+        # them pull either copy).
         key = (rank, phase, parity)
-        while self._pending.get(key):
+        retry = self._posted.get(key) == event_id
+        while not retry and self._pending.get(key):
             self._released[key] = anyio.Event()
             with waiting_for(
                 lambda: (
@@ -505,7 +545,9 @@ class EPGroup:
         await sleep_until_ns(t.end_ns + pack_vector_ns)
         for dest in range(self.R):
             self._blocks[(rank, phase, parity, dest)] = blocks[dest]
-        self._pending[key] = {int(d) for d in np.flatnonzero(counts > 0)}
+        receivers = {int(d) for d in np.flatnonzero(counts > 0)}
+        self._pending[key] = receivers & self._pending.get(key, set()) if retry else receivers
+        self._posted[key] = event_id
         # Step 4: metadata to every destination; the AIVs issue them in parallel.
         t0 = now_ns()
         for dest in range(self.R):
@@ -578,11 +620,15 @@ class EPGroup:
                 )
                 first = False
 
-        async with anyio.create_task_group() as tg:
-            for sources in lanes:
-                if sources:
-                    tg.start_soon(lane, sources)
-        await sleep_ns(post_ns)
+        try:
+            async with anyio.create_task_group() as tg:
+                for sources in lanes:
+                    if sources:
+                        tg.start_soon(lane, sources)
+            await sleep_ns(post_ns)
+        except BaseException:  # cancelled mid-pull: the blocks it did not pull stay unpulled
+            self._left[(rank, phase)] = _Left(event_id, now_ns(), barrier)
+            raise
         return received, barrier
 
     def _barrier_note(self, rank: int, waits_on: int | list[int], event_id: int, phase: int) -> str:
@@ -605,11 +651,15 @@ class EPGroup:
 
     def _last_signal(self, rank: int, phase: int) -> str:
         joined = self._joined.get((rank, phase))
-        return (
-            "it has not joined a " + _PHASE_NAMES[phase]
-            if joined is None
-            else (f"it last joined eventID {joined}")
-        )
+        if joined is None:
+            return "it has not joined a " + _PHASE_NAMES[phase]
+        left = self._left.get((rank, phase))
+        if left is not None and left.event_id == joined and left.after_barrier:
+            return (
+                f"it last joined eventID {joined}, cancelled at {left.at_ns} ns after its "
+                "barrier, mid-pull: it never pulls the rest"
+            )
+        return f"it last joined eventID {joined}"
 
     def _release(self, src: int, phase: int, parity: int, dest: int) -> None:
         key = (src, phase, parity)
@@ -630,6 +680,16 @@ class EPGroup:
         """One event per collective: the last rank to arrive computes everyone's completion
         from all arrival times (closed form, same costs); each rank then sleeps until its own."""
         key = (event_id, phase)
+        left = self._left.pop((rank, phase), None)
+        if left is not None:  # (one cancelled after its barrier was refused on joining)
+            return await self._rejoin(rank, phase, left)
+        done_with = self._completion.get(key)
+        if done_with is not None and rank in done_with.left:
+            raise ProtocolError(
+                f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} again after it "
+                "was done with it, while peers are still in it (an eventID names one exchange "
+                "until every rank is done with it)"
+            )
         for (other, other_phase), joined in self._arrivals.items():
             # two events of one parity are never in flight at once (double buffering)
             same_buffer = other_phase == phase and (other - event_id) % 2 == 0
@@ -660,7 +720,10 @@ class EPGroup:
                 now_ns=now_ns(),
             )
             self._completion[key] = _Completion(
-                times, count_matrix, [a.blocks for a in ordered], self.R
+                times,
+                np.array([a.t_ns for a in ordered], dtype=np.int64),
+                count_matrix,
+                [a.blocks for a in ordered],
             )
             del self._arrivals[key]
             done.set()
@@ -678,11 +741,15 @@ class EPGroup:
                     if not arrivals:
                         del self._arrivals[key], self._results[key]
                 else:  # the last rank arrived at that instant: it leaves the exchange
-                    self._leave(key)
+                    self._cancelled_late(key, rank, phase)
                 raise
         result = self._completion[key]
         try:
             await sleep_until_ns(int(result.end[rank]))
+        except BaseException:
+            self._cancelled_late(key, rank, phase)
+            raise
+        try:
             silent = self._failed_before_posting(result)
             if silent is not None:  # its metadata never came: the barrier never completes,
                 # and this rank waits until it learns of the failure (the protocol tier's)
@@ -692,14 +759,43 @@ class EPGroup:
                 ):
                     await anyio.Event().wait()
             return [result.blocks[s][rank] for s in range(self.R)], int(result.barrier[rank])
-        finally:  # done with the exchange, or cancelled mid-pull: its rows are not taken
-            self._leave(key)
+        finally:  # done with the exchange (or cancelled waiting for a failed die's metadata)
+            self._leave(key, rank)
 
-    def _leave(self, key: tuple[int, int]) -> None:
-        """A rank is done with the completed exchange ``key``; the last one clears it."""
+    def _cancelled_late(self, key: tuple[int, int], rank: int, phase: int) -> None:
+        """Collective tier: ``rank`` cancelled after every rank arrived. A retry of the eventID
+        before its barrier re-posts (its peers' metadata is still there); after, it is refused."""
         result = self._completion[key]
-        result.remaining -= 1
-        if result.remaining == 0:
+        self._left[(rank, phase)] = _Left(
+            key[0],
+            now_ns(),
+            int(result.barrier[rank]),
+            [result.blocks[s][rank] for s in range(self.R)],
+            int(result.posted[rank] - result.arrived[rank]),
+            int(result.end[rank] - result.barrier[rank]),
+        )
+        self._leave(key, rank)
+
+    async def _rejoin(self, rank: int, phase: int, left: _Left) -> tuple[list[_Block], int]:
+        """Collective tier: a retry of the exchange ``rank`` left before its barrier (every
+        rank had arrived): it launches and packs again, re-posts its metadata and, its peers'
+        metadata being there, pulls what it would have."""
+        assert left.blocks is not None
+        barrier = max(now_ns() + left.lead_ns, left.barrier_ns)
+        try:
+            await sleep_until_ns(barrier + left.tail_ns)
+        except BaseException:
+            self._left[(rank, phase)] = msgspec.structs.replace(
+                left, at_ns=now_ns(), barrier_ns=barrier
+            )
+            raise
+        return left.blocks, barrier
+
+    def _leave(self, key: tuple[int, int], rank: int) -> None:
+        """``rank`` is done with the completed exchange ``key``; the last one clears it."""
+        result = self._completion[key]
+        result.left.add(rank)
+        if len(result.left) == self.R:
             del self._completion[key]
             del self._results[key]
 
@@ -807,19 +903,21 @@ class EPGroup:
 
 
 class _Completion:
-    __slots__ = ("barrier", "blocks", "counts", "end", "posted", "remaining")
+    __slots__ = ("arrived", "barrier", "blocks", "counts", "end", "left", "posted")
 
     def __init__(
         self,
         times: ExchangeTimes,
+        arrived: np.ndarray,
         counts: np.ndarray,
         blocks: list[list[_Block]],
-        remaining: int,
     ):
         self.posted, self.barrier, self.end = times
+        self.arrived = arrived
         self.counts = counts
         self.blocks = blocks
-        self.remaining = remaining
+        self.left: set[int] = set()
+        """The ranks done with it (finished or cancelled); the last one clears it."""
 
 
 document_fields(EPConfig, DispatchOutput)
