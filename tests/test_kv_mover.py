@@ -265,6 +265,9 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
         replay(WL, SMALL, prefill_te_selection=lambda request, tes: tes[0])
     with pytest.raises(ProtocolError, match=r"return its \.dp\)$"):
         replay(WL, SMALL, prefill_placement=lambda job, groups: groups[0])
+    # True == 1, but a bool is refused on purpose: the error says why, not just "not offered"
+    with pytest.raises(ProtocolError, match=r"chose decode DP True .*a bool is not an index"):
+        replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: True)
 
 
 def test_a_stuck_mover_never_hangs_a_replay_and_the_report_names_it_first():

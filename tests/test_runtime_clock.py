@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import xds
+from xds.errors import ConfigError
 from xds.units import MS, US, S
 
 
@@ -232,6 +233,9 @@ def test_durations_must_be_integer_nanoseconds():
             await xds.sleep_ns(2.9)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="integer number of nanoseconds"):
             xds.current_runtime().call_at_ns(1500.3, lambda: None)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="negative duration") as err:
+            await xds.sleep_ns(-5)
+        assert err.value.field == "duration_ns"
         await xds.sleep_ns(np.int64(5))
         assert xds.now_ns() == 5
 

@@ -362,3 +362,88 @@ def test_an_unmatched_point_to_point_operation_deadlocks_saying_what_it_waits_fo
         assert "send eventID 42, die 0 -> die 7: credit for ring slot" in notes
     else:
         assert "receive at die 7 from die 0: a send from die 0 (none is posted" in notes
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+@pytest.mark.parametrize("weights", [np.ones(3), 2.0, np.ones((3, K, 1)), [["a", "b"]] * 3, None])
+def test_combine_checks_the_gate_weights(tier, weights):
+    """Weights of the wrong shape or type are one ConfigError naming ``topk_weights`` (a
+    string array once reached numpy's own ValueError)."""
+
+    async def main():
+        g = _group(tier)
+
+        async def rank(r: int) -> None:
+            h = await g.dispatch(r, _x(r), _idx(r), event_id=1)
+            out = np.zeros((h.n_recv, K, H), np.float32)
+            await g.combine(r, h, out, weights if r == 0 else np.ones((3, K)), event_id=2)
+
+        async with anyio.create_task_group() as tg:
+            for r in range(4):
+                tg.start_soon(rank, r)
+
+    err = _single(main)
+    assert isinstance(err, ConfigError) and err.field == "topk_weights", err
+
+
+def test_expert_ids_out_of_range_are_refused_before_they_could_wrap():
+    """A uint64 id of 2**64-1 once wrapped to -1 (an empty slot) and its token was dropped."""
+    for bad in (2**64 - 1, 2**63, 2**62):
+        idx = np.array([[0, 1], [2, 3], [4, bad]], dtype=np.uint64)
+        err = _fails(lambda g, idx=idx: g.dispatch(0, _x(0), idx, event_id=1))
+        assert err.field == "topk_idx" and f"expert id {bad} is out of range" in str(err)
+    err = _fails(lambda g: g.dispatch(0, _x(0), np.array([[0, 1], [2, 3], [4, 1e30]]), 1))
+    assert err.field == "topk_idx" and "out of range" in str(err)
+
+
+def _ae_fails(call) -> BaseException:
+    """An AEGroup with one shared-expert instance: attention die 0 (die 8) runs ``call``."""
+
+    async def main():
+        fabric = UBFabric(POD, payload_mode="bytes")
+        cfg = AEConfig(hidden=H, top_k=K, n_shared=1, a2e_dtype="fp32", e2a_dtype="fp32")
+        g = AEGroup(fabric, [8], [0, 1, 2], ExpertMap(9, 3), cfg)
+
+        async def experts():
+            for j in range(3):
+                inp = await g.expert_receive(j, 1)
+                await g.expert_return(j, inp, np.zeros((inp.n, g.width, H), np.float32), 2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(experts)
+            await call(g)
+
+    return _single(main)
+
+
+@pytest.mark.parametrize("weights", [np.ones(3), 2.0, np.ones((3, K, 1)), np.ones((3, K + 1))])
+def test_e2a_checks_the_gate_weights_with_shared_experts(weights):
+    """With shared-expert instances, bad weights once failed inside numpy (AxisError,
+    IndexError) before the shape check; now one ConfigError naming ``weights``, at the call."""
+
+    async def call(g):
+        h = await g.a2e(0, _x(0), _idx(0) % 8, event_id=1)
+        await g.e2a(h, weights, event_id=2)
+
+    err = _ae_fails(call)
+    assert isinstance(err, ConfigError) and err.field == "weights", err
+    assert f"must have shape (3, {K})" in str(err)
+
+
+def test_a2e_refuses_routed_ids_naming_a_shared_instance():
+    err = _ae_fails(lambda g: g.a2e(0, _x(0), np.array([[0, 8]] * 3), event_id=1))
+    assert isinstance(err, ConfigError) and err.field == "topk_idx"
+    assert "routed expert ids must be in -1..7" in str(err)
+
+
+def test_expert_at_names_the_logical_expert_of_a_local_slot_under_any_map():
+    """A received row's ``recv_local_slots`` entry is a slot on the receiving rank; with
+    replicas (EPLB) the logical expert is not ``4 * rank + slot``: ``expert_at`` says it."""
+    emap = ExpertMap(4, 2, replicas=[[3], [0, 2], [1], [4]], slots_rank=[0, 0, 1, 1, 1])
+    assert [emap.expert_at(0, s) for s in range(2)] == [1, 2]
+    assert [emap.expert_at(1, s) for s in range(3)] == [1, 0, 3]
+    assert [ExpertMap(8, 4).expert_at(r, s) for r in range(4) for s in range(2)] == list(range(8))
+    for rank, slot, field in ((2, 0, "rank"), (0, 2, "local_slot"), (True, 0, "rank")):
+        with pytest.raises(ConfigError) as err:
+            emap.expert_at(rank, slot)
+        assert err.value.field == field

@@ -620,7 +620,9 @@ async def sleep_ns(duration_ns: int) -> None:
     if type(duration_ns) is not int:  # the hot path passes plain ints
         duration_ns = _as_ns(duration_ns, "duration_ns")
     if duration_ns < 0:
-        raise ValueError(f"cannot sleep a negative duration ({duration_ns} ns)")
+        raise ConfigError(
+            f"cannot sleep a negative duration ({duration_ns} ns)", field="duration_ns"
+        )
     rt = _current.get()
     if rt is None:
         raise RuntimeError("no xds run in progress: call this inside xds.run(...)")

@@ -146,6 +146,8 @@ def offered_choice(
             (n for n in ("dp", "te") if type(getattr(answer, n, None)) is int), None
         )  # a view (GroupView, PrefillTEView...) returned whole
         hint = f" (a view was returned: return its .{index})" if index else ""
+        if isinstance(answer, bool):
+            hint = " (a bool is not an index: return the number itself)"
         raise ProtocolError(
             f"{field + ' ' if field else ''}policy {policy_name(policy)} chose {what} {answer!r} "
             f"for request "

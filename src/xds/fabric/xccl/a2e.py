@@ -269,7 +269,16 @@ class AEGroup:
         bytes_mode = self.fabric.mode == "bytes"
         n_tokens, data = args.tokens(x, bytes_mode=bytes_mode, hidden=cfg.hidden)
         x = data if bytes_mode else n_tokens
-        cols = self.columns(att, args.expert_ids(topk_idx, (n_tokens, cfg.top_k)))
+        ids = args.expert_ids(topk_idx, (n_tokens, cfg.top_k))
+        routed_experts = self.expert_map.n_experts - cfg.n_shared
+        if cfg.n_shared and ids.size and ids.max() >= routed_experts:
+            raise ConfigError(
+                f"routed expert ids must be in -1..{routed_experts - 1}: the map's last "
+                f"{cfg.n_shared} experts are the shared instances, which every token gets "
+                f"anyway (got {int(ids.max())})",
+                field="topk_idx",
+            )
+        cols = self.columns(att, ids)
         routed = route(cols, self.expert_map)
         dest, local = routed.dest_rank, routed.local_slot
         # one row per (token, expert die), grouped by expert die
@@ -336,6 +345,13 @@ class AEGroup:
                 field="handle",
             )
         event_id = args.event_id(event_id)
+        w = None
+        if self.fabric.mode == "bytes":
+            if weights is None:
+                raise ConfigError("bytes payload mode needs the gate weights", field="weights")
+            w = args.outputs(weights, (handle.n_tokens, cfg.top_k), "weights")
+            if cfg.n_shared:
+                w = np.concatenate([w, np.ones((w.shape[0], 1), np.float32)], axis=1)
         me = self.attention[handle.att]
         if cfg.mode == "trampoline":
             got = await self.push.collect("back1", me, event_id, [self.experts[handle.att]])
@@ -352,19 +368,10 @@ class AEGroup:
             me, me, n_copies * self.back_bytes, start_ns=start, aivs=cfg.n_aiv
         )
         await sleep_until_ns(max(start + vector, load.end_ns))
-        if self.fabric.mode != "bytes":
+        if w is None:
             return None
-        if weights is None:
-            raise ConfigError("bytes payload mode needs the gate weights", field="weights")
-        w = np.asarray(weights, np.float32)
-        if cfg.n_shared:
-            w = np.concatenate([w, np.ones((w.shape[0], 1), np.float32)], axis=1)
         outs = np.zeros((handle.n_tokens, self.width, cfg.hidden), np.float32)
         seen = np.zeros((handle.n_tokens, self.width), bool)
-        if w.shape != (handle.n_tokens, self.width):
-            raise ConfigError(
-                f"weights must have shape ({handle.n_tokens}, {cfg.top_k})", field="weights"
-            )
         for block in got.values():
             vals, side = self._decode(block, cfg.e2a_dtype)
             t, k = side["token"].astype(np.int64), side["k"].astype(np.int64)

@@ -104,6 +104,9 @@ def expert_ids(topk_idx: object, shape: tuple[int, int], field: str = "topk_idx"
     )
     if arr.size and not integral:
         raise ConfigError(f"expert ids must be integers, got {arr.dtype} values", field=field)
+    if arr.size and (arr.max() >= 2**62 or arr.min() < -1):  # before the cast could wrap them
+        bad = arr.max() if arr.max() >= 2**62 else arr.min()
+        raise ConfigError(f"expert id {bad} is out of range (-1 is an empty slot)", field=field)
     return arr.astype(np.int64)
 
 

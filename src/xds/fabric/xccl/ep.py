@@ -390,13 +390,11 @@ class EPGroup:
                 copies["k"] = side["k"]
                 data = copies.tobytes()
             blocks.append(_Block(b - a, data, side))
-        if bytes_mode and (
-            topk_weights is None or np.shape(topk_weights) != (handle.n_tokens, cfg.top_k)
-        ):
-            raise ConfigError(
-                f"topk_weights must have shape ({handle.n_tokens}, {cfg.top_k})",
-                field="topk_weights",
-            )
+        weights = None
+        if bytes_mode:
+            if topk_weights is None:
+                raise ConfigError("bytes payload mode needs the gate weights", field="topk_weights")
+            weights = args.outputs(topk_weights, (handle.n_tokens, cfg.top_k), "topk_weights")
         row_bytes = combine_row_bytes(cfg.hidden, cfg.combine_dtype, cfg.scale_dtype)
         n_copies_back = int((handle.routed.dest_rank >= 0).sum())
         start = now_ns()
@@ -412,9 +410,8 @@ class EPGroup:
             post_ns=self._weighting_ns(n_copies_back),
         )
         y = None
-        if bytes_mode:
-            assert topk_weights is not None
-            y = self._accumulate(handle, received, np.asarray(topk_weights, np.float32))
+        if weights is not None:
+            y = self._accumulate(handle, received, weights)
         emit(
             "xccl",
             "combine",

@@ -141,6 +141,19 @@ class ExpertMap:
             self.local_index[p] = counts[r]
             counts[r] += 1
         self.slots_per_rank = counts
+        self._slot_expert: np.ndarray | None = None  # physical slot -> logical expert
+
+    def expert_at(self, rank: int, local_slot: int) -> int:
+        """The logical expert that ``rank``'s local slot ``local_slot`` holds (what an expert
+        die computes for a received row's ``recv_local_slots`` entry, whatever the map)."""
+        rank = _map_index(rank, self.n_ranks, "rank")
+        local_slot = _map_index(local_slot, int(self.slots_per_rank[rank]), "local_slot")
+        if self._slot_expert is None:
+            self._slot_expert = np.empty(len(self.slots_rank), dtype=np.int64)
+            for e, reps in enumerate(self.replicas):
+                self._slot_expert[reps] = e
+        (slot,) = np.flatnonzero((self.slots_rank == rank) & (self.local_index == local_slot))
+        return int(self._slot_expert[slot])
 
     def physical(self, topk_idx: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
         """Physical slot of each (token, k) entry; replica chosen by token position."""
@@ -221,3 +234,9 @@ def layout(routed: Routed, n_ranks: int) -> Layout:
     cuts = [0, *np.cumsum(per_rank).tolist()]
     tokens = [token_ids[lo:hi] for lo, hi in itertools.pairwise(cuts)]
     return Layout(tokens, in_rank, per_rank, copies)
+
+
+def _map_index(value: object, n: int, field: str) -> int:
+    if not is_integer(value) or not 0 <= int(value) < n:  # type: ignore[call-overload]
+        raise ConfigError(f"must be an integer in 0..{n - 1}, got {value!r}", field=field)
+    return int(value)  # type: ignore[call-overload]
