@@ -531,9 +531,19 @@ async def test_bad_die():
     from xds.hw import CloudMatrix384
 
     UBFabric(CloudMatrix384()).post_write(0, 99999, 0, b"abc")
+
+@pytest.mark.xds
+async def test_bad_argument_inside_xccl():
+    from xds.fabric import UBFabric
+    from xds.fabric.xccl import XCCL
+    from xds.fabric.xccl.p2p import AppBuffer
+    from xds.hw import CloudMatrix384
+
+    async with XCCL(UBFabric(CloudMatrix384(servers=1))) as xccl:
+        await xccl.send(0, 3, AppBuffer(0, 4096), 0)
 """,
     )
-    result.assert_outcomes(failed=6)
+    result.assert_outcomes(failed=7)
     for backend in ("asyncio", "trio"):
         section = _failure_section(result, f"test_assert[{backend}]")
         assert ">       assert x == 2" in section and "E       assert 1 == 2" in section
@@ -554,6 +564,10 @@ async def test_bad_die():
     section = _failure_section(result, "test_bad_die")
     assert '>       UBFabric(CloudMatrix384()).post_write(0, 99999, 0, b"abc")' in section
     assert "ub.py" not in section and "checks.py" not in section, section
+    # inside 'async with XCCL(...)': no frame of its exit, nor the 'async with' line
+    section = _failure_section(result, "test_bad_argument_inside_xccl")
+    assert ">           await xccl.send(0, 3, AppBuffer(0, 4096), 0)" in section
+    assert "__aexit__" not in section and ">       async with XCCL" not in section, section
 
 
 def test_full_trace_still_shows_every_frame(pytester):

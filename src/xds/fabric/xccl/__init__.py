@@ -267,7 +267,8 @@ class XCCL:
             return await self._tg.__aexit__(exc_type, exc, tb)
         except BaseExceptionGroup as group:
             if exc is not None and _leaves_of(group) == _leaves_of(exc):
-                raise exc from None  # the body's own error, not wrapped again by XCCL's tasks
+                return False  # the body's own error propagates as raised, with its own
+                # traceback (not wrapped again by XCCL's tasks, no frame of this exit)
             raise
         finally:
             self._tg, self._state = None, "closed"
