@@ -215,10 +215,22 @@ def test_point_metrics_by_hand():
     assert g.meets and g.misses == ()
     flat = [_record(i, 1000 * i, ttft_ms=500, tpot_ms=10) for i in range(8)]
     flat[4] = msgspec.structs.replace(
-        flat[4], outcome="failed", reason="context 200000 tokens exceeds max_context_tokens 131072"
+        flat[4],
+        input_tokens=199_990,
+        outcome="failed",
+        reason="context 200000 tokens exceeds max_context_tokens 131072",
     )
     f = measure_point(wl, 1.0, flat, SMALL, [])
     assert f.meets and f.failed == 1  # too long for the model: not the deployment's failure
+    # a deployment that lowers max_context_tokens below the model's refuses what others serve:
+    # its failures count (it once came out with twice the capacity for failing half the work)
+    flat[4] = msgspec.structs.replace(
+        flat[4], input_tokens=4_990, reason="context 5000 tokens exceeds max_context_tokens 4000"
+    )
+    f = measure_point(wl, 1.0, flat, SMALL, [])
+    assert not f.meets and f.misses == (
+        "1 of 4 requests failed (context 5000 tokens exceeds max_context_tokens 4000)",
+    )
     assert p.lead_in_s == pytest.approx(1.75)  # first arrival to the window's start
     assert p.mean_decode_s == pytest.approx((0.3 + 0.4 + 0.6) / 3)  # 10 gaps of their TPOT
     assert p.warm
@@ -304,6 +316,13 @@ def test_cli_capacity_json_and_bad_input(tmp_path, capsys):
     for p in out["points"]:  # the warm flag the README describes is in the JSON too
         assert p["warm"] == (p["lead_in_s"] >= p["mean_decode_s"])
     assert out["binding"] == "; ".join(out["points"][1]["misses"])
+    # each line says what was searched: the workload, the seed and the deployment it ran
+    assert (out["trace"], out["trace_format"], out["seed"]) == (None, None, 0)
+    assert out["workload"].startswith("production(rate searched, 5 s of arrivals at each")
+    assert out["scale_unit"] == "req/s"
+    from xds.serve.replay import PDConfig
+
+    assert msgspec.convert(out["config"], PDConfig).prefill.tes == 2
     more = lines[1]  # one more Prefill TE: never sustains less, and queues less at 16
     assert more["found"]["scale"] >= out["found"]["scale"]
     at_16 = {p["scale"]: p for p in more["points"]}[16.0]

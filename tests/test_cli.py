@@ -384,7 +384,7 @@ def test_lengths_rows_that_cannot_be_read_are_an_error_unless_dropped_on_request
     assert main(["replay", str(sg), "--format", "lengths", "--json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sg.csv:line 3 field 'completion_tokens'" in err[0], err
-    assert err[0].endswith("(to leave such rows out: invalid='drop', or --drop-invalid)")
+    assert err[0].endswith("(to leave such rows out: --drop-invalid; in Python invalid='drop')")
     out = tmp_path / "o"
     drop = ["replay", str(sg), "--format", "lengths", "--drop-invalid", "--out", str(out)]
     assert main([*drop, "--json"]) == 0
@@ -410,6 +410,11 @@ def test_itl_note_says_why_it_is_missing(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "no completed request has a second output token" in out
     assert "5,000 requests" not in out
+    # nothing decoded: the context spread is undefined, not a perfect 1.00x
+    assert "decode context: busiest die / an even spread │ - (nothing decoded)" in out
+    assert main(["replay", str(one), "--json"]) == 0
+    decode = json.loads(capsys.readouterr().out)["decode"]
+    assert decode["context_max_over_ideal"] is None and decode["context_max_over_mean"] is None
 
 
 def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
@@ -448,6 +453,13 @@ def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
     assert s["faults"] == ["node:at=5,server=3"]
     config = msgspec.convert(s["config"], PDConfig)
     assert (config.recovery.mode, config.prefill.tes) == ("scale_down", 5)
+    # --recovery and the deployment's own mode disagreeing is refused, however the mode was set
+    for given in (["--set", "recovery.mode=independent"], []):
+        name = "production-4p1d" + ("" if given else "@recovery.mode=independent")
+        assert main([*argv, "--fault", "node:at=5,server=3", "--deployment", name, *given]) == 2
+        assert "--recovery scale_down conflicts with recovery.mode=independent" in (
+            capsys.readouterr().err
+        )
 
 
 def test_replay_says_which_fault_never_struck(tmp_path, capsys):

@@ -196,6 +196,13 @@ def test_a_deployment_the_workload_does_not_fit_is_named_before_any_replay(tmp_p
         assert main(["compare", str(trace), *argv, "--seeds", "2", "--jobs", "1"]) == 2
         err = capsys.readouterr().err
         assert f"xds: error: {bad}: prefill.prefix_block_tokens:" in err and "(line 3)" in err
+    # each replay's summary in --json names its trace, as a replay's summary.json does
+    argv = ["compare", str(trace), "--deployment", str(good), "--seeds", "2", "--jobs", "1"]
+    assert main([*argv, "--json"]) == 0
+    (variant,) = json.loads(capsys.readouterr().out)["variants"]
+    assert [(s["trace"], s["trace_format"]) for s in variant["summaries"]] == [
+        (str(trace), "mooncake")
+    ] * 2
 
 
 def test_faults_strike_every_replay_alike(tmp_path, capsys):

@@ -495,6 +495,21 @@ def test_format_guessing_skips_leading_blank_lines_as_the_loaders_do(tmp_path):
         t.load(e)
 
 
+def test_a_column_is_found_wherever_it_stands_and_whatever_spaces_pad_its_name(tmp_path):
+    """The Azure format was guessed only from a header starting with TIMESTAMP, and header
+    names were not trimmed as values are."""
+    a = write(tmp_path, "a.csv", "id,TIMESTAMP,ContextTokens,GeneratedTokens,note\n")
+    a.write_text(a.read_text() + "7,2023-11-16 18:17:03,12,5,x\n")
+    assert t.loaders.guess_format(a) == "azure"
+    assert (t.load(a).requests[0].input_tokens, t.load(a).requests[0].output_tokens) == (12, 5)
+    r = write(tmp_path, "r.csv", "arrived_at , num_prefill_tokens, num_decode_tokens\n0,10 , 3\n")
+    assert t.loaders.guess_format(r) == "request-csv"
+    assert (t.load(r).requests[0].input_tokens, t.load(r).requests[0].output_tokens) == (10, 3)
+    n = write(tmp_path, "n.csv", "not_arrived_at_all,x\n0,1\n")
+    with pytest.raises(TraceError, match="cannot tell the trace format"):
+        t.load(n)
+
+
 def test_format_advice_names_what_python_takes(tmp_path):
     p = write(tmp_path, "sg.csv", "prompt_tokens,completion_tokens\n34,244\n")
     with pytest.raises(TraceError) as info:

@@ -1368,6 +1368,7 @@ def replay(
     import msgspec
 
     from xds.serve.presets import PD_PRESETS, pd_config, with_settings
+    from xds.serve.recovery import RecoveryConfig
     from xds.serve.replay import check_distflow_faults
     from xds.serve.replay import replay as run_replay
 
@@ -1377,6 +1378,12 @@ def replay(
     if as_csv and out_dir is None:
         raise click.UsageError("--csv writes requests.csv into the --out directory: give --out")
     if recovery is not None:  # a setting: the summary's name spells it
+        own = pd_config(deployment, settings).recovery.mode
+        if own != recovery and own != RecoveryConfig().mode:
+            raise click.UsageError(
+                f"--recovery {recovery} conflicts with recovery.mode={own} of the deployment "
+                "(a file, an @ setting or --set): give one of them"
+            )
         settings = (*settings, f"recovery.mode={recovery}")
     cfg = pd_config(deployment, settings)
     deployment = with_settings(deployment, settings, PD_PRESETS)  # as the summary names it
@@ -1525,7 +1532,9 @@ def replay(
         )
         totals.add_row(
             "decode context: busiest die / an even spread",
-            f"{d.context_max_over_ideal:.2f}x ({d.context_max_over_mean:.2f}x the mean die "
+            "- (nothing decoded)"
+            if math.isnan(d.context_max_over_ideal)
+            else f"{d.context_max_over_ideal:.2f}x ({d.context_max_over_mean:.2f}x the mean die "
             "with sequences)",
         )
     last = "completion" if s.completed else "failure"
@@ -2046,6 +2055,18 @@ def capacity(
         window_hint = "a longer trace"
     found = []
     seeded: list[tuple[str, int, Any]] = []
+    searched = {  # what --json lines record of the search, beside each deployment's config
+        "trace": trace,
+        "trace_format": None if trace is None else _trace_format(trace, fmt),
+        "workload": base.source
+        if trace is not None
+        else f"production(rate searched, {window_s:g} s of arrivals at each, "
+        + ("unique prompts)" if unique_prompts else "conversations)"),
+        "seed": seed,
+        "scale_unit": unit,
+    }
+    if drop_invalid:
+        searched["dropped_rows"] = len(base.dropped)
     for name, cfg in configs:
         sla = SLA(
             ttft_ms=cfg.sla.ttft_ms if ttft_ms is None else ttft_ms,
@@ -2087,7 +2108,7 @@ def capacity(
                 unit=unit,
                 knob=knob,
                 as_json=as_json,
-                extra={"dropped_rows": len(base.dropped)} if drop_invalid else None,
+                extra={**searched, "config": msgspec.to_builtins(cfg)},
                 window_hint=window_hint,
             )
             continue
@@ -2107,9 +2128,13 @@ def capacity(
         )
         found.append((name, cfg.chips, res))
         if as_json:
-            line = {"deployment": name, "chips": cfg.chips, **_with_warm(res)}
-            if drop_invalid:
-                line["dropped_rows"] = len(base.dropped)
+            line = {
+                "deployment": name,
+                "chips": cfg.chips,
+                **_with_warm(res),
+                **searched,
+                "config": msgspec.to_builtins(cfg),
+            }
             print(msgspec.json.encode(line).decode(), flush=True)
             continue
         table = Table(
@@ -2348,6 +2373,18 @@ def compare(
             err=True,
         )
     if as_json:
+        if trace is not None:  # each replay's summary names its trace, as replay's does
+            named = {"trace": trace, "trace_format": _trace_format(trace, fmt)}
+            result = msgspec.structs.replace(
+                result,
+                variants=[
+                    msgspec.structs.replace(
+                        v,
+                        summaries=[msgspec.structs.replace(s, **named) for s in v.summaries],
+                    )
+                    for v in result.variants
+                ],
+            )
         print(msgspec.json.encode(result).decode())
         return
     _print_comparison(result)

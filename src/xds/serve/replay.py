@@ -20,6 +20,7 @@ ends *failed* with the reason; every request ends exactly once, completed or fai
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
@@ -120,6 +121,8 @@ NO_PAIR_FAILURE = "KV transfer impossible: every DistFlow pair has failed"
 (it fails on arrival; a one-token request is still served by prefill alone)."""
 
 CONTEXT_FAILURE = "exceeds max_context_tokens"
+MODEL_CONTEXT_TOKENS = 131_072
+"""DeepSeek-R1's 128K context (SPEC 12.4), the default ``max_context_tokens``."""
 """The failure reason of a request longer than the model's context (every deployment of the
 model fails it: capacity searches do not hold it against a deployment)."""
 
@@ -141,7 +144,7 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     are unused in a replay (lengths come from the workload). ``jitter`` applies per iteration
     (off here, as the paper's production runs with its mitigations); ``eplb`` must be None."""
     decode_tes: Annotated[int, Meta(ge=1)] = 1
-    max_context_tokens: Annotated[int, Meta(ge=1)] = 131_072
+    max_context_tokens: Annotated[int, Meta(ge=1)] = MODEL_CONTEXT_TOKENS
     """DeepSeek-R1's 128K context (SPEC 12.4): longer requests fail with this reason."""
     sla: SLA = SLA()
     kv_transfer: Literal["closed-form", "xccl"] = "closed-form"
@@ -1168,8 +1171,8 @@ def _decode_stats(load: DecodeLoad, records: list[RequestRecord], tes: int) -> D
         mean_iteration_ms=load.busy_ns / max(1, load.iterations) / 1e6,
         busy=min(1.0, load.busy_ns / (phase * tes)),
         sequences_per_die=load.sequence_ns / max(1, load.die_ns),
-        context_max_over_mean=load.skew_ns / busy if load.busy_ns else 1.0,
-        context_max_over_ideal=load.spread_ns / busy if load.busy_ns else 1.0,
+        context_max_over_mean=load.skew_ns / busy if load.busy_ns else math.nan,
+        context_max_over_ideal=load.spread_ns / busy if load.busy_ns else math.nan,
     )
 
 

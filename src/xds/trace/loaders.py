@@ -359,6 +359,8 @@ def _line_breaks(value: object) -> int:
 def _checked_rows(
     p: Path, reader: csv.DictReader, required: list[str], also: Collection[str], skipped: int
 ) -> Iterator[tuple[int, dict[str, str]]]:
+    if reader.fieldnames:  # names are trimmed as values are ("arrived_at , num_..." reads)
+        reader.fieldnames = [name.strip() for name in reader.fieldnames]
     header = reader.fieldnames or []
     header_line = skipped + 1
     for col in required:
@@ -503,7 +505,9 @@ def load_lengths(
             )
         except TraceError as exc:
             if invalid == "error":
-                exc.args = (f"{exc} (to leave such rows out: invalid='drop', or --drop-invalid)",)
+                exc.args = (
+                    f"{exc} (to leave such rows out: --drop-invalid; in Python invalid='drop')",
+                )
                 raise
             dropped.append((line_no, str(exc)))
             continue
@@ -685,9 +689,10 @@ def guess_format(path: str | Path) -> str:
         raise TraceError("no requests in the file (empty, or only blank lines)", path=str(p))
     if first.lstrip().startswith("{") and "input_length" in first:
         return "mooncake"
-    if first.lstrip().startswith("TIMESTAMP"):
+    columns = {name.strip().strip('"') for name in first.split(",")}
+    if "TIMESTAMP" in columns:
         return "azure"
-    if "arrived_at" in first:
+    if "arrived_at" in columns:
         return "request-csv"
     if re.fullmatch(r"chunk-\d+-(trace\.csv|dataset\.json)", p.name):
         raise TraceError(

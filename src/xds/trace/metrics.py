@@ -142,7 +142,8 @@ class DecodeStats(msgspec.Struct):
     as each iteration was priced: 1 is perfectly even among them. The decode router balances
     KV at admission; sequences then grow and finish unevenly, and one long prompt can outweigh
     a die's other sequences. It does not see dies left empty: a router packing every sequence
-    onto a few dies scores 1 here (:attr:`context_max_over_ideal` sees it)."""
+    onto a few dies scores 1 here (:attr:`context_max_over_ideal` sees it). NaN (null in
+    JSON) when nothing was decoded."""
     context_max_over_ideal: float = 1.0
     """Context tokens on the die holding the most / the least the busiest die could hold:
     the contexts spread evenly over every die in service, or the longest sequence if that is
