@@ -447,3 +447,58 @@ def test_expert_at_names_the_logical_expert_of_a_local_slot_under_any_map():
         with pytest.raises(ConfigError) as err:
             emap.expert_at(rank, slot)
         assert err.value.field == field
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_reusing_the_eventid_just_completed_is_a_protocol_error_not_stale_rows(tier):
+    """Dispatching eventID 1 twice in a row: the metadata fields of that parity still hold
+    eventID 1, so the protocol tier's barrier once passed at once and the faster rank pulled
+    the slower one's old rows (silently wrong). Both tiers now refuse the second join; a
+    different eventID of the same parity (1, 3, 1) is fine."""
+
+    def run(ids):
+        async def main():
+            g = _group(tier)
+            got = {}
+
+            async def rank(r):
+                for step, eid in enumerate(ids):
+                    if r == 1:
+                        await xds.sleep_ns(20_000)  # rank 1 is late every step
+                    x = np.full((3, H), 10 * step + r + 1, np.float32)
+                    idx = np.array([[0, 2]] * 3)  # every token to ranks 0 and 1
+                    h = await g.dispatch(r, x, idx, event_id=eid)
+                    got.setdefault(r, []).append(sorted(set(h.recv_x[:, 0].tolist())))
+
+            async with anyio.create_task_group() as tg:
+                for r in range(4):
+                    tg.start_soon(rank, r)
+            return got
+
+        return xds.run(main)
+
+    assert run([1, 3, 1])[0] == [
+        [1.0, 2.0, 3.0, 4.0],
+        [11.0, 12.0, 13.0, 14.0],
+        [21.0, 22.0, 23.0, 24.0],
+    ]
+    with pytest.raises(BaseExceptionGroup) as info:
+        run([1, 1])
+    err = info.value.exceptions[0]
+    assert isinstance(err, ProtocolError)
+    assert re.match(r"rank [023] joined dispatch eventID 1 again after completing it", str(err))
+
+
+@pytest.mark.parametrize("tier", ["protocol", "collective"])
+def test_a2e_collecting_an_eventid_already_read_is_a_protocol_error(tier):
+    from xds.fabric.xccl.push import Block, PushExchange
+
+    async def main():
+        push = PushExchange(UBFabric(POD, payload_mode="bytes"), ("x",), tier=tier)
+        block = {0: Block(1, b"\x01", np.zeros(1, np.int8))}
+        await push.push("x", 1, 5, block, [0], 1, lanes=1)
+        await push.collect("x", 0, 5, [1])
+        await push.collect("x", 0, 5, [1])
+
+    with pytest.raises(ProtocolError, match=r"^x: die 0 collects eventID 5 from die 1 again"):
+        xds.run(main)

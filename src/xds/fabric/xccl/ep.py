@@ -229,6 +229,8 @@ class EPGroup:
         """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
         self._joined: dict[tuple[int, int], int] = {}
         self._left: dict[tuple[int, int], _Left] = {}
+        self._completed: dict[tuple[int, int, int], int] = {}
+        """(rank, phase, parity) -> the eventID of the last exchange it completed there."""
         """(rank, phase) -> that rank's latest exchange cancelled late (see :class:`_Left`)."""
         """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
         self._failures = GroupFailures(
@@ -248,6 +250,7 @@ class EPGroup:
             self._seen,
             self._joined,
             self._left,
+            self._completed,
             self._in_flight,
         ):
             state.clear()
@@ -480,6 +483,14 @@ class EPGroup:
                     f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} twice (it is "
                     "still in the first)"
                 )
+            slot = (rank, phase, event_id & 1)
+            if self._completed.get(slot) == event_id:
+                raise ProtocolError(
+                    f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} again after "
+                    f"completing it: its metadata fields of that parity still hold eventID "
+                    f"{event_id}, so its barrier would pass on that exchange's metadata (and "
+                    f"pull its blocks); give each {_PHASE_NAMES[phase]} a new eventID"
+                )
             left = self._left.get((rank, phase))
             if left is not None and left.event_id != event_id:
                 del self._left[(rank, phase)]
@@ -494,9 +505,11 @@ class EPGroup:
             self._in_flight.add(joining)
             self._joined[(rank, phase)] = event_id
             try:
-                return await exchange(rank, event_id, phase, blocks, counts, row_bytes, costs)
+                done = await exchange(rank, event_id, phase, blocks, counts, row_bytes, costs)
             finally:
                 self._in_flight.discard(joining)
+            self._completed[slot] = event_id
+            return done
 
         return await self._failures.run(die, who, body)
 
@@ -680,13 +693,6 @@ class EPGroup:
         left = self._left.pop((rank, phase), None)
         if left is not None:  # (one cancelled after its barrier was refused on joining)
             return await self._rejoin(rank, phase, left)
-        done_with = self._completion.get(key)
-        if done_with is not None and rank in done_with.left:
-            raise ProtocolError(
-                f"rank {rank} joined {_PHASE_NAMES[phase]} eventID {event_id} again after it "
-                "was done with it, while peers are still in it (an eventID names one exchange "
-                "until every rank is done with it)"
-            )
         for (other, other_phase), joined in self._arrivals.items():
             # two events of one parity are never in flight at once (double buffering)
             same_buffer = other_phase == phase and (other - event_id) % 2 == 0

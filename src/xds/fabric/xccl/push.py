@@ -59,7 +59,7 @@ class PushExchange:
         self._unread: dict[tuple[str, int, int, int], int] = {}
         """collective tier: (name, src, dst, parity) -> the eventID of an arrival not read yet."""
         self._seen: dict[tuple[str, int, int, int], int] = {}
-        """(name, src, dst, parity) -> the eventID ``dst`` last read there (protocol tier)."""
+        """(name, src, dst, parity) -> the eventID ``dst`` last read there."""
 
     def start_idle(self) -> None:
         """A later run on the fabric: no exchange of an earlier timeline is in progress."""
@@ -166,10 +166,22 @@ class PushExchange:
         A source's field holding a *new* write of another eventID (not the one this die last
         read there) means the dies disagree on the eventID: a :class:`ProtocolError` naming
         both, rather than a wait that never ends. Nothing is taken until every source's
-        metadata is in, so a collect cancelled while waiting can be retried."""
-        if self.tier == "collective":
-            return await self._collect_recorded(name, dst, event_id, sources)
+        metadata is in, so a collect cancelled while waiting can be retried; one collecting an
+        eventID it already read from a source is a ProtocolError (the field still holds it)."""
         parity = event_id & 1
+        for src in sources:
+            if self._seen.get((name, src, dst, parity)) == event_id:
+                raise ProtocolError(
+                    f"{name}: die {dst} collects eventID {event_id} from die {src} again after "
+                    f"reading it: that metadata field still holds eventID {event_id}, so the "
+                    "wait would pass on the old exchange's metadata; give each exchange a new "
+                    "eventID"
+                )
+        if self.tier == "collective":
+            out = await self._collect_recorded(name, dst, event_id, sources)
+            for src in sources:
+                self._seen[(name, src, dst, parity)] = event_id
+            return out
         field_index = self._field_index(name, parity)
         mem = self.fabric.memory(dst)
         fields = []
