@@ -8,7 +8,7 @@ import functools
 import anyio
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xds
@@ -548,20 +548,18 @@ def _one_rank_retries(tier: str, offsets: list[int], cancel_ns: int, phase: str)
     return xds.run(main)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     offsets=st.lists(st.integers(0, 10_000), min_size=1, max_size=3).map(lambda o: [0, *o]),
     cancel_ns=st.integers(0, 14_000),
     phase=st.sampled_from(["dispatch", "combine"]),
 )
 def test_a_timed_out_rank_retrying_ends_alike_on_both_tiers(offsets, cancel_ns, phase):
-    """Whenever rank 0's timeout strikes (before its barrier, after it, or after the exchange
-    ended and the retry reuses the eventID), both tiers end the same way: the same rows and
-    nearly the same times, or the same ProtocolError. Excluded: a timeout within rank 0's
-    launch and packing once every rank has arrived (the collective tier counts it as posted;
-    README)."""
-    all_in = 0 if phase == "combine" else max(offsets)  # combines start together
-    assume(not (all_in <= cancel_ns < 4_000))
+    """Whenever rank 0's timeout strikes (before it posts, before its barrier, after it, or
+    after the exchange ended and the retry reuses the eventID), both tiers end the same way:
+    the same rows and nearly the same times, or the same ProtocolError. (The collective tier
+    once counted a rank cancelled during its launch and packing as posted when every rank had
+    arrived: its peers went on without it.)"""
     a = _one_rank_retries("protocol", offsets, cancel_ns, phase)
     b = _one_rank_retries("collective", offsets, cancel_ns, phase)
     assert a.keys() == b.keys()

@@ -705,53 +705,18 @@ class EPGroup:
         if rank in arrivals:
             raise ProtocolError(f"rank {rank} joined exchange {key} twice")
         arrivals[rank] = _Arrival(now_ns(), np.asarray(counts, np.int64), costs, blocks)
-        done = self._results.setdefault(key, anyio.Event())
+        self._results.setdefault(key, anyio.Event())
         if len(arrivals) == self.R:
-            ordered = [arrivals[s] for s in range(self.R)]
-            count_matrix = np.stack([a.counts for a in ordered])
-            times = exchange_completion(
-                self.fabric,
-                self.ranks,
-                n_aiv=self.config.n_aiv,
-                pull_order=self.config.pull_order,
-                arrival_ns=np.array([a.t_ns for a in ordered], dtype=np.int64),
-                counts=count_matrix,
-                row_bytes=row_bytes,
-                pack_vector_ns=np.array([a.costs[0] for a in ordered], dtype=np.int64),
-                per_row_ns=ordered[0].costs[1],
-                post_ns=np.array([a.costs[2] for a in ordered], dtype=np.int64),
-                now_ns=now_ns(),
-            )
-            self._completion[key] = _Completion(
-                times,
-                np.array([a.t_ns for a in ordered], dtype=np.int64),
-                count_matrix,
-                [a.blocks for a in ordered],
-            )
-            del self._arrivals[key]
-            done.set()
-        else:
+            self._complete(key, row_bytes)
+        while True:  # (again if a rank's timeout revokes the completion: see _cancelled_late)
+            result = await self._completion_of(key, rank, phase, event_id)
             try:
-                with waiting_for(
-                    lambda: self._barrier_note(
-                        rank, [s for s in range(self.R) if s not in arrivals], event_id, phase
-                    )
-                ):
-                    await done.wait()
-            except BaseException:  # cancelled before every rank arrived: it never joined
-                if not done.is_set():  # (so a retry of the same eventID joins afresh)
-                    del arrivals[rank]
-                    if not arrivals:
-                        del self._arrivals[key], self._results[key]
-                else:  # the last rank arrived at that instant: it leaves the exchange
-                    self._cancelled_late(key, rank, phase)
+                await sleep_until_ns(max(now_ns(), int(result.end[rank])))
+            except BaseException:
+                self._cancelled_late(key, rank, phase, result)
                 raise
-        result = self._completion[key]
-        try:
-            await sleep_until_ns(int(result.end[rank]))
-        except BaseException:
-            self._cancelled_late(key, rank, phase)
-            raise
+            if not result.revoked:
+                break
         try:
             silent = self._failed_before_posting(result)
             if silent is not None:  # its metadata never came: the barrier never completes,
@@ -765,16 +730,89 @@ class EPGroup:
         finally:  # done with the exchange (or cancelled waiting for a failed die's metadata)
             self._leave(key, rank)
 
-    def _cancelled_late(self, key: tuple[int, int], rank: int, phase: int) -> None:
-        """Collective tier: ``rank`` cancelled after every rank arrived. A retry of the eventID
-        before its barrier re-posts (its peers' metadata is still there); after, it is refused."""
-        result = self._completion[key]
+    def _complete(self, key: tuple[int, int], row_bytes: int) -> None:
+        """The last rank has arrived: every rank's times, from all arrival times."""
+        arrivals = self._arrivals.pop(key)
+        ordered = [arrivals[s] for s in range(self.R)]
+        count_matrix = np.stack([a.counts for a in ordered])
+        times = exchange_completion(
+            self.fabric,
+            self.ranks,
+            n_aiv=self.config.n_aiv,
+            pull_order=self.config.pull_order,
+            arrival_ns=np.array([a.t_ns for a in ordered], dtype=np.int64),
+            counts=count_matrix,
+            row_bytes=row_bytes,
+            pack_vector_ns=np.array([a.costs[0] for a in ordered], dtype=np.int64),
+            per_row_ns=ordered[0].costs[1],
+            post_ns=np.array([a.costs[2] for a in ordered], dtype=np.int64),
+            now_ns=now_ns(),
+        )
+        self._completion[key] = _Completion(times, ordered, count_matrix)
+        self._results[key].set()
+
+    async def _completion_of(
+        self, key: tuple[int, int], rank: int, phase: int, event_id: int
+    ) -> _Completion:
+        """The exchange's completion, once every rank has arrived; a rank cancelled before
+        that never joined (its arrival is withdrawn, so a retry of the eventID joins afresh)."""
+        while (result := self._completion.get(key)) is None:
+            try:
+                with waiting_for(
+                    lambda: self._barrier_note(
+                        rank,
+                        [s for s in range(self.R) if s not in self._arrivals.get(key, ())],
+                        event_id,
+                        phase,
+                    )
+                ):
+                    await self._results[key].wait()
+            except BaseException:
+                current = self._completion.get(key)
+                if current is None:
+                    self._withdraw(key, rank)
+                else:  # the last rank arrived at that instant
+                    self._cancelled_late(key, rank, phase, current)
+                raise
+        return result
+
+    def _withdraw(self, key: tuple[int, int], rank: int) -> None:
+        arrivals = self._arrivals[key]
+        del arrivals[rank]
+        if not arrivals:
+            del self._arrivals[key], self._results[key]
+
+    def _cancelled_late(
+        self, key: tuple[int, int], rank: int, phase: int, result: _Completion
+    ) -> None:
+        """Collective tier: ``rank`` cancelled after every rank arrived (``result``). Before
+        its metadata would show, it never posted: the completion is revoked and its peers wait
+        for its retry, as the protocol tier's barrier does (unless a rank has already left
+        it). Later, a retry of the eventID before its barrier re-posts (its peers' metadata is
+        still there); after its barrier, it is refused."""
+        if result.revoked:  # waiting again for a revoking rank's retry
+            current = self._completion.get(key)
+            if current is None:
+                self._withdraw(key, rank)
+                return
+            result = current
+        now = now_ns()
+        if now < result.posted[rank] and not result.left:
+            result.revoked = True
+            del self._completion[key]
+            others = {s: a for s, a in enumerate(result.arrivals) if s != rank}
+            if others:
+                self._arrivals[key] = others
+                self._results[key] = anyio.Event()
+            else:
+                del self._results[key]
+            return
         self._left[(rank, phase)] = _Left(
             key[0],
-            now_ns(),
+            now,
             int(result.barrier[rank]),
             [result.blocks[s][rank] for s in range(self.R)],
-            int(result.posted[rank] - result.arrived[rank]),
+            int(result.posted[rank] - result.arrivals[rank].t_ns),
             int(result.end[rank] - result.barrier[rank]),
         )
         self._leave(key, rank)
@@ -906,21 +944,17 @@ class EPGroup:
 
 
 class _Completion:
-    __slots__ = ("arrived", "barrier", "blocks", "counts", "end", "left", "posted")
+    __slots__ = ("arrivals", "barrier", "blocks", "counts", "end", "left", "posted", "revoked")
 
-    def __init__(
-        self,
-        times: ExchangeTimes,
-        arrived: np.ndarray,
-        counts: np.ndarray,
-        blocks: list[list[_Block]],
-    ):
+    def __init__(self, times: ExchangeTimes, arrivals: list[_Arrival], counts: np.ndarray):
         self.posted, self.barrier, self.end = times
-        self.arrived = arrived
+        self.arrivals = arrivals
         self.counts = counts
-        self.blocks = blocks
+        self.blocks = [a.blocks for a in arrivals]
         self.left: set[int] = set()
         """The ranks done with it (finished or cancelled); the last one clears it."""
+        self.revoked = False
+        """A rank's timeout struck before its metadata would show: the ranks wait again."""
 
 
 document_fields(EPConfig, DispatchOutput)
