@@ -163,6 +163,8 @@ def test_gqa_layer_tier_matches_iteration_tier():
     cfg = DecodeConfig(model="qwen3-235b", **SMALL)
     a, b = _decode_tier(cfg, "iteration"), _decode_tier(cfg, "layer")
     assert a.iteration_ns == b.iteration_ns and a.breakdown == b.breakdown
+    # the first dispatch of a model without dense layers (the layer tier once reported 0.0)
+    assert a.first_dispatch_max_over_min == b.first_dispatch_max_over_min >= 1.0
 
 
 def test_gqa_ma_decode_generates_every_token():

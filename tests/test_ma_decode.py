@@ -236,6 +236,14 @@ def test_a_failing_kernel_cancels_its_siblings_and_is_reported(small_curve):
     )
 
 
+def test_a_warmup_that_would_leave_no_iteration_skips_none_and_says_so(small_curve):
+    """It once reported warmup 3 of 3 iterations while averaging all three."""
+    runs = {w: _serve(SMALL, small_curve, max_iterations=3, warmup=w)[1] for w in (0, 1, 3, 10)}
+    assert [runs[w].warmup for w in (0, 1, 3, 10)] == [0, 1, 0, 0]
+    assert runs[3].mean_iteration_ns == runs[10].mean_iteration_ns == runs[0].mean_iteration_ns
+    assert runs[1].mean_iteration_ns != runs[0].mean_iteration_ns
+
+
 def test_serve_argument_errors(small_curve):
     async def main(**kw):
         await MADecodeInstance(SMALL, small_curve).serve(**kw)

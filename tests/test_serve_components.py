@@ -151,6 +151,11 @@ def test_expected_tokens_per_step():
     # a second MTP layer: 2.26 (reused weights) and 2.35 (trained) are reachable (P083)
     assert MTPConfig(k=2, acceptance=(0.9, 0.4)).expected_tokens_per_step == pytest.approx(2.26)
     assert MTPConfig(k=2, acceptance=(0.9, 0.5)).expected_tokens_per_step == pytest.approx(2.35)
+    # one per-depth profile serves every k; an empty one says what it lacks
+    assert MTPConfig(k=1, acceptance=(0.9, 0.0)).expected_tokens_per_step == pytest.approx(1.9)
+    with pytest.raises(ConfigError, match="at least one probability") as err:
+        MTPConfig(k=1, acceptance=())
+    assert err.value.field == "mtp.acceptance"
 
 
 def test_sampled_acceptance_matches_its_expectation():

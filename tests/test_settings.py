@@ -11,6 +11,7 @@ import pytest
 from xds.cli.main import main
 from xds.config import apply_settings, parse_setting
 from xds.errors import ConfigError
+from xds.serve.decode_model import DecodeConfig
 from xds.serve.presets import decode_config, ma_config, pd_config
 from xds.serve.probe import ProbeConfig
 
@@ -61,6 +62,12 @@ def test_settings_change_only_what_they_write_and_are_checked_as_a_file_is():
     with pytest.raises(ConfigError, match=r"runs through prefill\.tes") as exc:
         apply_settings(base, ["prefill.tes.x=1"])
     assert exc.value.source == "setting 'prefill.tes.x=1'"
+    assert str(exc.value).endswith("runs through prefill.tes, which is not a table)")
+    # a setting inside a table that fails a check of the whole table: no table hint
+    small = DecodeConfig(dies=32, shared_expert_dies=4, batch_per_die=8)
+    with pytest.raises(ConfigError, match=r"use at least 260 dies, or no \[eplb\]") as exc:
+        apply_settings(small, ["eplb.policy=xds-greedy"])
+    assert str(exc.value).endswith("(the setting writes inside eplb)")
     with pytest.raises(ConfigError, match="unknown field") as exc:
         apply_settings(base, ["prefill.nope.x=1"])
     assert exc.value.source == "setting 'prefill.nope.x=1'"

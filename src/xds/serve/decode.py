@@ -365,7 +365,8 @@ class DecodeInstance:
                 arrived = now_ns()
                 for layer, expert_ns in enumerate(experts):
                     await barrier.wait()  # the dispatch barrier
-                    if layer == 0 and dense:
+                    if layer == 0 and first == 0:  # the main pass (a model may have no
+                        # dense layers: Qwen3's first layer is MoE)
                         first_dispatch[r] = now_ns() - arrived + comm.dispatch_ns
                     await sleep_ns(comm.dispatch_ns + expert_ns + comm.combine_ns)
                     if layer + 1 < len(experts):

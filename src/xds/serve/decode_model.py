@@ -166,8 +166,8 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(
                 f"online EPLB places one routed expert per die, but {m.routed_experts} routed "
                 f"experts do not fit on {self.dies - self.shared_expert_dies} dies (dies - "
-                "shared_expert_dies); online EPLB runs in colocated decode (`xds decode`), and a "
-                "PD replay refuses it",
+                f"shared_expert_dies): use at least {m.routed_experts + self.shared_expert_dies} "
+                "dies, or no [eplb]",
                 field="eplb",
             )
         hbm = ASCEND_910C_DIE.hbm_bytes

@@ -512,12 +512,17 @@ class MADecodeInstance:
         ``input_tokens + from_token``). Prefill made each sequence's first output token, so
         decode starts at token 1 at the earliest (``from_token`` 0 means 1) and runs the
         rest, as colocated decode does. Means and rates skip each domain's first ``warmup``
-        iterations, where the domains start together rather than in their rotation."""
+        iterations, where the domains start together rather than in their rotation; a warmup
+        that would leave none (``max_iterations`` or the tokens to decode at most as many)
+        skips none, and the result's ``warmup`` says 0."""
         cfg = self.config
         from_token = max(1, require_int(from_token, "from_token", high=cfg.output_tokens - 1))
         warmup = require_int(warmup, "warmup")
         if max_iterations is not None:
             max_iterations = require_int(max_iterations, "max_iterations", low=1)
+        most = cfg.output_tokens - from_token if max_iterations is None else max_iterations
+        if warmup >= most:  # nothing would be left: every iteration counts (and the result
+            warmup = 0  # says so), as when a domain ends within its warmup
         if self._served:
             raise ProtocolError(
                 "this MADecodeInstance has served its workload (its expert dies' kernels have "

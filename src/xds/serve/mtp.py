@@ -33,13 +33,19 @@ class MTPConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     k: int = 1
     """Draft tokens per step (MTP layers), 0..8."""
     acceptance: tuple[float, ...] = (0.9,)
-    """Per-depth conditional acceptance; the last value repeats for deeper drafts."""
+    """Per-depth conditional acceptance; the last value repeats for deeper drafts, and values
+    past depth ``k`` are unused (one profile serves a sweep over ``k``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not 0 <= self.k <= MAX_DRAFTS:
             raise ConfigError(f"k must be in 0..{MAX_DRAFTS}, got {self.k}", field="mtp.k")
-        if not self.acceptance or any(not 0 <= p <= 1 for p in self.acceptance):
+        if not self.acceptance:
+            raise ConfigError(
+                "acceptance needs at least one probability (the first draft's)",
+                field="mtp.acceptance",
+            )
+        if any(not 0 <= p <= 1 for p in self.acceptance):
             raise ConfigError("acceptance probabilities must be in [0, 1]", field="mtp.acceptance")
 
     def p(self, depth: int) -> float:
