@@ -268,6 +268,8 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
     # True == 1, but a bool is refused on purpose: the error says why, not just "not offered"
     with pytest.raises(ProtocolError, match=r"chose decode DP True .*a bool is not an index"):
         replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: True)
+    with pytest.raises(ProtocolError, match=r"chose decode DP 0\.0 .*a float is not an index"):
+        replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: float(eligible[0]))
 
 
 def test_a_stuck_mover_never_hangs_a_replay_and_the_report_names_it_first():

@@ -257,6 +257,15 @@ def test_int8_attention_layers_must_exist():
         )
 
 
+def test_colocated_decode_refuses_a_setting_it_would_ignore():
+    from xds.errors import ConfigError
+
+    config = msgspec.structs.replace(SMALL, reserve_output_tokens=32_768)
+    with pytest.raises(ConfigError, match="applies to a PD replay's Decode TE") as err:
+        DecodeInstance(config, COMM, COMM_MTP)
+    assert err.value.field == "reserve_output_tokens"
+
+
 def test_colocated_decode_takes_a_routing_policy():
     seen = []
 

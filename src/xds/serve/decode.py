@@ -140,6 +140,13 @@ class DecodeInstance:
         if comm_mtp is not None:
             require_instance(comm_mtp, CommCosts, "comm_mtp")
         _check_comm_tokens(config, comm, comm_mtp)
+        if config.reserve_output_tokens:
+            raise ConfigError(
+                "applies to a PD replay's Decode TE (xds replay), whose "
+                "requests' lengths vary; colocated decode serves fixed lengths, each sequence "
+                "holding exactly its blocks",
+                field="reserve_output_tokens",
+            )
         self.config = config
         self.tier = tier
         self.model = DecodeModel(config, comm, comm_mtp)

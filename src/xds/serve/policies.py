@@ -9,6 +9,7 @@ policy's slot (``decode_routing``, ``prefill_placement``, ...).
 from __future__ import annotations
 
 import inspect
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 
@@ -148,6 +149,8 @@ def offered_choice(
         hint = f" (a view was returned: return its .{index})" if index else ""
         if isinstance(answer, bool):
             hint = " (a bool is not an index: return the number itself)"
+        elif isinstance(answer, numbers.Real) and not isinstance(answer, numbers.Integral):
+            hint = " (a float is not an index: return an int)"
         raise ProtocolError(
             f"{field + ' ' if field else ''}policy {policy_name(policy)} chose {what} {answer!r} "
             f"for request "
