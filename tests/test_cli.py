@@ -277,6 +277,15 @@ def test_faults_injects_and_reports_recovery(capsys, tmp_path):
     res = json.loads(capsys.readouterr().out)
     assert res["scale_downs"][0]["removed"] == [3] and not res["stopped"]
     assert sum(o["state"] == "completed" for o in res["outcomes"]) == 6
+    assert res["unfired"] == []
+    # a fault on a DP a scale-down removed never strikes: the table and the JSON say so
+    late = "network_error:dp=3,iteration=5,layer=0"
+    argv = ["faults", "--config", str(cfg), "--on-unhealthy", "scale_down", "--fault", late]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"faults that never struck │ {late}" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unfired"] == [1]
 
 
 def test_faults_rejects_bad_fault_specs_in_one_line(capsys):

@@ -498,8 +498,7 @@ def settings_error(exc: ConfigError, settings: Sequence[str]) -> ConfigError:
             return ConfigError(exc.message, field=exc.field, source=f"setting {text!r}")
         if path.startswith(field + "."):  # the path runs through this field
             return ConfigError(
-                f"{exc.message} (the setting's path runs through {field}, which is not a "
-                "table)"
+                f"{exc.message} (the setting's path runs through {field}, which is not a table)"
                 if "got `object`" in exc.message
                 else f"{exc.message} (the setting writes inside {field})",
                 field=exc.field,

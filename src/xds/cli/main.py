@@ -2390,6 +2390,12 @@ def compare(
     _print_comparison(result)
 
 
+def _fault_name(i: int, faults: Sequence[object], specs: Sequence[str]) -> str:
+    """Fault ``i`` of a run's faults: the config file's first, then the ``--fault`` specs."""
+    from_file = len(faults) - len(specs)
+    return f"faults[{i}] of the config" if i < from_file else escape(specs[i - from_file])
+
+
 def _print_comparison(result: Comparison) -> None:
     """The table of ``xds compare``: each variant's means with their intervals, and each later
     variant's paired difference from the first."""
@@ -2501,6 +2507,11 @@ def faults(
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("faults injected", str(len(cfg.faults)))
+    if res.unfired:  # their DP was gone, or the run stopped or ended first
+        table.add_row(
+            "faults that never struck",
+            ", ".join(_fault_name(i, cfg.faults, fault_specs) for i in res.unfired),
+        )
     table.add_row("requests completed", f"{res.completed()} of {len(res.outcomes)}")
     table.add_row("iterations committed", f"{res.iterations} of {cfg.output_tokens - 1}")
     table.add_row("virtual time", fmt_ns(res.elapsed_ns))

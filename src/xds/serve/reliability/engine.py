@@ -93,6 +93,9 @@ class ReliabilityResult(msgspec.Struct, kw_only=True):
     masked_blocks: dict[int, list[int]] = {}
     """DP -> KV blocks masked after memory faults."""
     scale_downs: list[ScaleDown] = []
+    unfired: list[int] = []
+    """Positions in ``config.faults`` of the faults that never struck (their DP was gone, or
+    the run stopped or ended before their iteration)."""
 
     def completed(self) -> int:
         return sum(o.state == "completed" for o in self.outcomes)
@@ -141,9 +144,11 @@ class ReliableDecode:
         self.active: list[list[_Seq]] = [[] for _ in range(n)]
         self.outcomes: dict[int, RequestOutcome] = {}
         self.streamed: dict[int, list[int]] = {}
-        self._faults: dict[tuple[int, int], list[Fault]] = {}
-        for f in config.faults:
-            self._faults.setdefault((f.dp, f.iteration), []).append(f)
+        self._faults: dict[tuple[int, int], list[tuple[int, Fault]]] = {}
+        for i, f in enumerate(config.faults):
+            self._faults.setdefault((f.dp, f.iteration), []).append((i, f))
+        self._fired: set[int] = set()
+        """Positions in ``config.faults`` of the faults that struck."""
         self._struck: dict[int, int] = {}
         """DP -> when an injected hang or crash stopped its executor."""
         self.shell = TEShellHeartbeat(config.heartbeat, n, lambda dp: dp in self._struck)
@@ -257,6 +262,7 @@ class ReliableDecode:
             stopped=self.stopped,
             masked_blocks={dp: sorted(kv.masked) for dp, kv in enumerate(self.kv) if kv.masked},
             scale_downs=self.scale_downs,
+            unfired=[i for i in range(len(self.config.faults)) if i not in self._fired],
         )
 
     def _end(self, s: _Seq, state: Literal["completed", "failed"], reason: str = "") -> None:
@@ -374,9 +380,10 @@ class ReliableDecode:
             self._run_send[dp].close()
 
     def _memory_faults(self, dp: int, iteration: int) -> None:
-        for f in self._faults.get((dp, iteration), ()):
+        for i, f in self._faults.get((dp, iteration), ()):
             if not isinstance(f, MemoryFault):
                 continue
+            self._fired.add(i)
             last = f.first_block + f.blocks - 1
             victims = set(self.kv[dp].mask(f.first_block, f.blocks))
             emit("cann", "remap", dp=dp, first=f.first_block, last=last, victims=len(victims))
@@ -437,7 +444,9 @@ class ReliableDecode:
         it, attempt = step.iteration, step.attempt
         faults = self._faults.get((dp, it), ())
         extra = 0
-        for f in faults:
+        for i, f in faults:
+            if not isinstance(f, MemoryFault | NetworkError):
+                self._fired.add(i)
             if isinstance(f, ExecutorHang):
                 self._struck[dp] = now_ns()
                 emit("executor", "hang", dp=dp, iteration=it)
@@ -459,8 +468,9 @@ class ReliableDecode:
             if layer == 0:  # attention writes this position's KV, in place
                 for s in seqs:
                     s.rows.append(self.decoder.kv_row(s.tokens[-1], len(s.rows)))
-            for f in faults:
+            for i, f in faults:
                 if isinstance(f, NetworkError) and f.layer == layer and attempt < f.attempts:
+                    self._fired.add(i)
                     coord.report(dp, it, attempt, f.code)
                     raise RolledBack
             await coord.barrier(it, attempt, f"dispatch-{layer}").wait(dp)
