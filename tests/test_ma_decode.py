@@ -16,7 +16,7 @@ from xds.fabric.xccl.moe import ExpertMap
 from xds.hw import CloudMatrix384
 from xds.model import ReferenceMoE, TinyMoE
 from xds.runtime import now_ns, run, sleep_ns
-from xds.serve.ma_config import AECosts, MADecodeConfig
+from xds.serve.ma_config import AECosts, MADecodeConfig, ae_layout
 from xds.serve.ma_decode import AECurve, MADecodeInstance, MoEPool, Span, ae_curve
 
 SMALL = MADecodeConfig(
@@ -242,6 +242,20 @@ def test_a_warmup_that_would_leave_no_iteration_skips_none_and_says_so(small_cur
     assert [runs[w].warmup for w in (0, 1, 3, 10)] == [0, 1, 0, 0]
     assert runs[3].mean_iteration_ns == runs[10].mean_iteration_ns == runs[0].mean_iteration_ns
     assert runs[1].mean_iteration_ns != runs[0].mean_iteration_ns
+
+
+def test_a_curve_measured_on_another_layout_is_refused(small_curve):
+    other = msgspec.structs.replace(SMALL, expert_dies=SMALL.expert_dies // 2)
+    foreign = AECurve(small_curve.points, layout=ae_layout(other))
+
+    async def build(curve):
+        return MADecodeInstance(SMALL, curve)
+
+    with pytest.raises(ConfigError, match="measured on another layout") as err:
+        run(build, foreign, event_log=False)
+    assert err.value.field == "curve"
+    run(build, AECurve(small_curve.points), event_log=False)  # points from elsewhere: trusted
+    assert small_curve.layout == ae_layout(SMALL)
 
 
 def test_serve_argument_errors(small_curve):

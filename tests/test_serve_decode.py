@@ -257,6 +257,20 @@ def test_int8_attention_layers_must_exist():
         )
 
 
+def test_costs_measured_on_another_ep_size_are_refused():
+    from xds.errors import ConfigError
+    from xds.serve.decode_model import measure_comm
+
+    tokens = SMALL.batch_per_die * (1 + SMALL.mtp_config.k)
+    bigger = msgspec.structs.replace(SMALL, dies=2 * SMALL.dies)
+    foreign = measure_comm(bigger, tokens)
+    assert foreign.dies == bigger.dies
+    with pytest.raises(ConfigError, match=f"measured on {bigger.dies} dies") as err:
+        DecodeInstance(SMALL, foreign, COMM_MTP)
+    assert err.value.field == "comm"
+    DecodeInstance(SMALL, measure_comm(SMALL, tokens), COMM_MTP)  # its own: fine
+
+
 def test_colocated_decode_refuses_a_setting_it_would_ignore():
     from xds.errors import ConfigError
 

@@ -109,6 +109,12 @@ def _check_comm_tokens(config: DecodeConfig, comm: CommCosts, comm_mtp: CommCost
             )
         wanted.append(("comm_mtp", comm_mtp, b, "the MTP pass"))
     for name, costs, tokens, what in wanted:
+        if costs.dies and costs.dies != config.dies:
+            raise ConfigError(
+                f"measured on {costs.dies} dies, but this deployment has {config.dies}: use "
+                f"measure_comm(config, {tokens})",
+                field=name,
+            )
         if costs.tokens_per_die != tokens:
             raise ConfigError(
                 f"measured at {costs.tokens_per_die} tokens per die, but {what} carries "
@@ -131,8 +137,9 @@ class DecodeInstance:
     ):
         """``comm``: one MoE layer's dispatch/combine at the main pass's tokens per die
         (``batch_per_die * (1 + k)``); ``comm_mtp``: the MTP pass's (``batch_per_die``; needed
-        when MTP is on); both as :func:`measure_comm` gives them. ``routing``: the TE-shell's
-        choice among DPs below their batch limit (:mod:`xds.serve.routing`)."""
+        when MTP is on; unused when it is off); both as :func:`measure_comm` gives them, for
+        this deployment's dies (costs measured on another EP size are refused). ``routing``:
+        the TE-shell's choice among DPs below their batch limit (:mod:`xds.serve.routing`)."""
         if tier not in ("iteration", "layer"):
             raise ConfigError(f"unknown tier {tier!r}; choose iteration or layer", field="tier")
         require_instance(config, DecodeConfig, "config")

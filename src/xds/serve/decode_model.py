@@ -233,6 +233,9 @@ class CommCosts(msgspec.Struct, frozen=True):
     tokens_per_die: Annotated[int, Meta(ge=1)]
     dispatch_ns: Annotated[int, Meta(ge=0)]
     combine_ns: Annotated[int, Meta(ge=0)]
+    dies: Annotated[int, Meta(ge=0)] = 0
+    """The EP group's dies it was measured on (:func:`measure_comm` sets it; 0: not said, as
+    for costs written by hand). A decode instance of another size refuses it."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -790,7 +793,7 @@ def measure_comm(
         async with anyio.create_task_group() as tg:
             for r in range(n):
                 tg.start_soon(rank, r)
-        return CommCosts(tokens_per_die, ends["d"] - t0, ends["c"] - t1)
+        return CommCosts(tokens_per_die, ends["d"] - t0, ends["c"] - t1, dies=n)
 
     return run(main, seed=seed, event_log=False)
 

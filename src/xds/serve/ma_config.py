@@ -240,6 +240,20 @@ class AECosts(msgspec.Struct, frozen=True):
     """Metadata writes an attention die issues per A2E (1 with trampolines, P045)."""
 
 
+def ae_layout(config: MADecodeConfig) -> tuple[object, ...]:
+    """What an A2E/E2A measurement depends on: the model, the pools and the wire formats."""
+    return (
+        config.model,
+        config.attention_dies_per_domain,
+        config.expert_dies,
+        config.shared_expert_dies,
+        config.a2e_dtype,
+        config.e2a_dtype,
+        config.scale_dtype,
+        config.mode,
+    )
+
+
 def measure_ae(
     config: MADecodeConfig,
     tokens_per_die: int,

@@ -46,14 +46,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..config import require_instance, require_int
 from ..docfields import document_fields
-from ..errors import ProtocolError
+from ..errors import ConfigError, ProtocolError
 from ..fabric.xccl.moe import ExpertMap
 from ..hw import ASCEND_910C_DIE
 from ..runtime import emit, now_ns, rng, sleep_ns, sleep_until_ns
 from ..runtime.nested import run_nested
 from ..runtime.sync import Streams, task_group_raising_single
 from .decode_model import KernelTimes
-from .ma_config import AECosts, MADecodeConfig, measure_ae
+from .ma_config import AECosts, MADecodeConfig, ae_layout, measure_ae
 from .mtp import tokens_per_step
 
 STREAMS = ("a2e", "moe", "e2a")
@@ -100,7 +100,11 @@ class AECurve:
     """A2E/E2A latency at any token count: linear between the measured points, along the last
     segment beyond them; 0 at 0 tokens (nothing to send)."""
 
-    def __init__(self, points: list[AECosts]):
+    def __init__(self, points: list[AECosts], *, layout: tuple[object, ...] | None = None):
+        """``layout``: :func:`~xds.serve.ma_config.ae_layout` of the deployment the points
+        were measured on (:func:`ae_curve` sets it; a decode instance of another layout
+        refuses the curve); None for points from elsewhere."""
+        self.layout = layout
         pts = sorted({p.tokens_per_die: p for p in points}.values(), key=lambda p: p.tokens_per_die)
         self._x = np.array([0] + [p.tokens_per_die for p in pts], dtype=np.float64)
         self._a2e = np.array([0] + [p.a2e_ns for p in pts], dtype=np.float64)
@@ -486,6 +490,13 @@ class MADecodeInstance:
         require_instance(config, MADecodeConfig, "config")
         if curve is not None:
             require_instance(curve, AECurve, "curve")
+            if curve.layout is not None and curve.layout != ae_layout(config):
+                raise ConfigError(
+                    "curve was measured on another layout (model, pools, wire formats or "
+                    f"mode): {curve.layout} against this deployment's {ae_layout(config)}; "
+                    "measure it with ae_curve(config)",
+                    field="curve",
+                )
         self.config = config
         self.times = KernelTimes(
             config.spec,
@@ -712,7 +723,7 @@ def ae_curve(config: MADecodeConfig, *, seed: int = 0) -> AECurve:
     small batches at the end of a run)."""
     first = config.microbatch_seqs[0]
     counts = sorted({1, first * (1 + config.mtp_config.k), first})
-    return AECurve([measure_ae(config, n, seed=seed) for n in counts])
+    return AECurve([measure_ae(config, n, seed=seed) for n in counts], layout=ae_layout(config))
 
 
 document_fields(MADecodeResult, DomainRun, Span, MoEBatch)
