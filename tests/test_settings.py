@@ -96,6 +96,21 @@ def test_every_loader_takes_settings_and_its_own_at_settings(tmp_path):
     assert pd_config("production-4p1d@prefill.tes=3", ["prefill.tes=5"]).prefill.tes == 3
     assert decode_config("peak-decode@batch_per_die=8").batch_per_die == 8
     assert ma_config("ma-peak-decode", ["batch_per_die=48"]).batch_per_die == 48
+    # a file's own value failing with a setting: the file and its line, and the note
+    small = tmp_path / "small.toml"
+    small.write_text("dies = 32\nbatch_per_die = 8\nshared_expert_dies = 4\n")
+    for load in (decode_config, ma_config):
+        if load is ma_config:
+            small.write_text(
+                "domains = 3\nattention_dies_per_domain = 8\nexpert_dies = 32\n"
+                "shared_expert_dies = 0\nbatch_per_die = 8\n"
+            )
+        with pytest.raises(ConfigError, match="no setting writes this field") as exc:
+            load(str(small), ["input_tokens=900000"])
+        assert exc.value.source == str(small) and exc.value.field == "batch_per_die"
+        assert str(exc.value).endswith(
+            "set it too) (line 2)" if load is decode_config else "(line 5)"
+        )
     with pytest.raises(ConfigError, match="KV blocks") as exc:  # the loader's checks run
         decode_config("peak-decode", ["batch_per_die=800"])
     assert exc.value.source == "setting 'batch_per_die=800'"

@@ -89,7 +89,13 @@ def _lookup(
     settings laid over it."""
     check_settings(settings)
     name, inline = split_settings(name_or_path, presets)
-    return apply_settings(_named(name, presets, kind, what), [*settings, *inline])
+    base = _named(name, presets, kind, what)
+    try:
+        return apply_settings(base, [*settings, *inline])
+    except ConfigError as exc:  # no setting wrote the field: the file's value fails with them
+        if exc.source is None and name not in presets:
+            raise in_file(exc, name) from None
+        raise
 
 
 def _named(name_or_path: str, presets: dict[str, T], kind: type[T], what: str) -> T:
@@ -159,12 +165,12 @@ def decode_config(name_or_path: str, settings: Sequence[str] = ()) -> DecodeConf
             except ConfigError as exc:
                 raise ConfigError(exc.message, field="eplb.policy") from None
     except ConfigError as exc:
-        if every:  # a setting wrote the field, or none did (and a preset's value fails)
-            blamed = settings_error(exc, every)
-            if blamed.source is not None or name in PRESETS:
-                raise blamed from None
+        if every:  # a setting wrote the field, or none did (and the deployment's value
+            exc = settings_error(exc, every)  # fails with the settings: the note says so)
+            if exc.source is not None:
+                raise exc from None
         if name in PRESETS:
-            raise
+            raise exc from None
         raise in_file(exc, name) from None
     return config
 
