@@ -46,9 +46,13 @@ def test_deployments_beyond_what_a_replay_models_are_refused_up_front(tmp_path, 
 
 
 def test_a_decode_file_whose_batch_or_policy_cannot_run_names_the_file(tmp_path, capsys):
-    (tmp_path / "kv.toml").write_text("output_tokens = 100000000\n")
+    (tmp_path / "kv.toml").write_text("output_tokens = 100000\n")
     err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "kv.toml")])
-    assert "kv.toml: batch_per_die: a DP's 60 sequences of 100002048 tokens need" in err
+    assert "kv.toml: batch_per_die: a DP's 60 sequences of 102048 tokens need" in err
+    (tmp_path / "kv.toml").write_text("output_tokens = 100000000\n")  # beyond the model
+    err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "kv.toml")])
+    assert "kv.toml: output_tokens: input_tokens + output_tokens = 100,002,048 exceed" in err
+    assert err.endswith("context of 163,840 tokens (line 1)\n")
     (tmp_path / "p.toml").write_text('[eplb]\npolicy = "water-fil"\n')
     err = _one_line(capsys, ["decode", "--deployment", str(tmp_path / "p.toml")])
     assert "p.toml: eplb.policy: unknown EPLB policy 'water-fil'" in err

@@ -296,3 +296,20 @@ def test_cli_lists_the_models_and_which_are_served(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "235B / 22.1B" in out and "minimax-m1: not served" in out
+    assert rows["deepseek-r1"]["max_context_tokens"] == 163_840
+
+
+@pytest.mark.parametrize("model", ["kimi-k2", "qwen3-235b", "glm-4.5"])
+def test_decode_refuses_a_sequence_longer_than_the_models_context(model):
+    """Colocated and MA decode once served 150K-token sequences on 128K-context models (a
+    PD replay fails them with a reason)."""
+    from xds.serve.ma_config import MADecodeConfig
+
+    kw = {"model": model, "input_tokens": 131_000, "output_tokens": 100}
+    with pytest.raises(ConfigError, match="context of 131,072 tokens") as err:
+        DecodeConfig(**{**SMALL, **kw, "shared_expert_dies": 0})
+    assert err.value.field == "input_tokens"
+    ma = {"attention_dies_per_domain": 8, "expert_dies": 32, "shared_expert_dies": 0}
+    with pytest.raises(ConfigError, match="context of 131,072 tokens"):
+        MADecodeConfig(**ma, **kw)
+    DecodeConfig(**{**SMALL, **kw, "input_tokens": 130_000, "shared_expert_dies": 0})

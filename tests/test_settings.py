@@ -106,7 +106,7 @@ def test_every_loader_takes_settings_and_its_own_at_settings(tmp_path):
                 "shared_expert_dies = 0\nbatch_per_die = 8\n"
             )
         with pytest.raises(ConfigError, match="no setting writes this field") as exc:
-            load(str(small), ["input_tokens=900000"])
+            load(str(small), ["input_tokens=160000"])
         assert exc.value.source == str(small) and exc.value.field == "batch_per_die"
         assert str(exc.value).endswith(
             "set it too) (line 2)" if load is decode_config else "(line 5)"

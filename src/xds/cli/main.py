@@ -402,6 +402,7 @@ def models(as_json: bool) -> None:
                 "top_k": m.top_k,
                 "shared_experts": m.shared_experts,
                 "mtp_layers": m.mtp_layers,
+                "max_context_tokens": m.max_context_tokens or None,
                 "kv_bytes_per_token_int8": kv,
                 "kv_bytes_per_token_bf16": m.kv_bytes_per_token(int8_nope=False),
                 "total_params": None if served else m.total_params,
@@ -413,7 +414,8 @@ def models(as_json: bool) -> None:
         print(msgspec.json.encode(rows).decode())
         return
     table = Table(title="models (a deployment's model = ...)")
-    for col in ("model", "attention", "layers", "experts", "MTP", "KV B/token", "params"):
+    columns = ("model", "attention", "layers", "experts", "MTP", "context", "KV B/token", "params")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("model", "attention") else "right")
     for r in rows:
         params = (
@@ -427,11 +429,13 @@ def models(as_json: bool) -> None:
             f"{r['layers']} ({r['dense_layers']} dense)",
             f"{r['routed_experts']} top-{r['top_k']} + {r['shared_experts']}",
             str(r["mtp_layers"]),
+            f"{r['max_context_tokens']:,}" if r["max_context_tokens"] else "-",
             f"{r['kv_bytes_per_token_int8']:,} / {r['kv_bytes_per_token_bf16']:,}",
             params,
         )
     table.caption = (
-        "experts: routed, chosen per token, + shared; KV B/token over every cached layer, "
+        "experts: routed, chosen per token, + shared; context: the longest sequence it "
+        "serves (decode refuses longer); KV B/token over every cached layer, "
         "INT8 (the default precision) / BF16; params: total / active per token (MTP layers "
         "excluded)"
     )

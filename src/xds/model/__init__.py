@@ -19,6 +19,7 @@ from .specs import (
     MODELS,
     QWEN3_235B,
     ModelSpec,
+    check_context,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ReferenceMoE",
     "TinyMoE",
     "check_attention",
+    "check_context",
     "dequantize_int8",
     "from_bf16_bits",
     "int8_error_bound",

@@ -47,6 +47,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     dense_intermediate: int
     vocab: int
     mtp_layers: int = 0
+    max_context_tokens: int = 0
+    """The longest sequence (prompt + output) the model serves; 0: not said (no check)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -270,6 +272,7 @@ DEEPSEEK_V3 = ModelSpec(
     dense_intermediate=18432,
     vocab=129_280,
     mtp_layers=1,
+    max_context_tokens=163_840,  # YaRN x40 of 4K (REFERENCE section 2)
 )
 KIMI_K2 = ModelSpec(
     name="Kimi K2",
@@ -291,6 +294,7 @@ KIMI_K2 = ModelSpec(
     dense_intermediate=18432,
     vocab=163_840,
     mtp_layers=0,
+    max_context_tokens=131_072,  # K2-Instruct
 )
 QWEN3_235B = ModelSpec(
     name="Qwen3-235B-A22B",
@@ -309,6 +313,7 @@ QWEN3_235B = ModelSpec(
     moe_intermediate=1536,
     dense_intermediate=12288,
     vocab=151_936,
+    max_context_tokens=131_072,  # YaRN-extended, as served for long prompts; 40,960 native
 )
 GLM_45 = ModelSpec(
     name="GLM-4.5",
@@ -328,6 +333,7 @@ GLM_45 = ModelSpec(
     dense_intermediate=12288,
     vocab=151_552,
     mtp_layers=1,
+    max_context_tokens=131_072,  # CFG-GLM
 )
 MINIMAX_M1 = ModelSpec(
     name="MiniMax-M1",
@@ -346,7 +352,21 @@ MINIMAX_M1 = ModelSpec(
     moe_intermediate=9216,
     dense_intermediate=0,
     vocab=200_064,
+    max_context_tokens=10_240_000,  # its config
 )
+
+
+def check_context(model: ModelSpec, input_tokens: int, output_tokens: int) -> None:
+    """A fixed-length sequence fits the model's context (ConfigError naming the longer of
+    input_tokens and output_tokens)."""
+    total = input_tokens + output_tokens
+    if model.max_context_tokens and total > model.max_context_tokens:
+        raise ConfigError(
+            f"input_tokens + output_tokens = {total:,} exceed {model.name}'s context of "
+            f"{model.max_context_tokens:,} tokens",
+            field="output_tokens" if output_tokens > input_tokens else "input_tokens",
+        )
+
 
 MODELS: dict[str, ModelSpec] = {
     "deepseek-v3": DEEPSEEK_V3,

@@ -32,6 +32,7 @@ from ..model import (
     ModelSpec,
     Precision,
     check_attention,
+    check_context,
 )
 from ..model.numerics import ScaleDtype
 from ..runtime import now_ns, rng, sleep_until_ns
@@ -152,6 +153,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             )
         m = MODELS[self.model]
         check_attention(m)
+        check_context(m, self.input_tokens, self.output_tokens)
         self.precision.check_layers(m)
         check_shared_expert_dies(m, self.shared_expert_dies)
         resolve_mtp(self.mtp, m)  # checks it

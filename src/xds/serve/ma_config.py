@@ -28,7 +28,14 @@ from ..fabric.xccl.a2e import AEConfig, AEGroup
 from ..fabric.xccl.a2e import Mode as AEMode
 from ..fabric.xccl.moe import ExpertMap, WireDtype
 from ..hw import ASCEND_910C_DIE, CloudMatrix384
-from ..model import MODELS, KernelEfficiency, ModelSpec, Precision, check_attention
+from ..model import (
+    MODELS,
+    KernelEfficiency,
+    ModelSpec,
+    Precision,
+    check_attention,
+    check_context,
+)
 from ..model.numerics import ScaleDtype
 from ..runtime import now_ns, rng, run, sleep_until_ns
 from ..units import MS, US
@@ -120,6 +127,7 @@ class MADecodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         m = self.spec
         check_attention(m)
+        check_context(m, self.input_tokens, self.output_tokens)
         self.precision.check_layers(m)
         if self.microbatches > self.batch_per_die:
             raise ConfigError(
