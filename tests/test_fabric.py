@@ -182,6 +182,17 @@ def test_bad_fabric_arguments_are_clear_errors():
         UBFabric(POD, app_bytes=1 << 40)
     with pytest.raises(ConfigError, match="half a UBuf"):
         UBFabric(POD, mte_chunk_bytes=128 * KiB, slot_bytes=256 * KiB)
+    # attached 910B dies with a smaller UBuf bound the chunks too (a chunk sized for the 910C
+    # once failed mid-message on a 910B die, leaving its peer waiting)
+    import msgspec
+
+    from xds.hw.specs import ASCEND_910B2
+
+    small = msgspec.structs.replace(ASCEND_910B2, ubuf_bytes=32 * KiB)
+    mixed = CloudMatrix384(servers=1, attached_910b_servers=1, b_die=small)
+    assert UBFabric(mixed).config.mte_chunk_bytes == 16 * KiB
+    with pytest.raises(ConfigError, match=r"half a UBuf \(16384 bytes\)"):
+        UBFabric(mixed, mte_chunk_bytes=32 * KiB)
     with pytest.raises(ConfigError, match="unknown fabric parameter"):
         UBFabric(POD, ring_slot=3)
     with pytest.raises(ConfigError, match="slot_bytes"):

@@ -94,11 +94,14 @@ class UBFabric:
                 )
             config = msgspec.structs.replace(config, **overrides)
         self.pod = pod
-        self.config = validated(config, pod.die_spec.ubuf_bytes)
-        if self.config.app_bytes > pod.die_spec.hbm_bytes:
+        # every die type present bounds the chunks and the region (attached 910B servers too)
+        kinds = [pod.die_spec, *([pod.config.b_die] if pod.n_910b_dies else [])]
+        self.config = validated(config, min(k.ubuf_bytes for k in kinds))
+        hbm = min(k.hbm_bytes for k in kinds)
+        if self.config.app_bytes > hbm:
             raise ConfigError(
                 f"the application region ({self.config.app_bytes:,} bytes) exceeds a die's "
-                f"HBM ({pod.die_spec.hbm_bytes:,} bytes)",
+                f"HBM ({hbm:,} bytes)",
                 field="fabric.app_bytes",
             )
         self.engines = pod.engines
