@@ -359,6 +359,17 @@ def test_per_destination_metadata_work_delays_each_rank_by_its_issue_slot(tier):
     np.testing.assert_allclose(moved, slots, atol=50)  # the pulls' contention shifts a little
 
 
+def _four_ranks(tier: str) -> EPGroup:
+    """Four ranks on one server, 16 experts, top-4, FP32 both ways, bytes mode."""
+    import xds.hw
+
+    fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
+    cfg = EPConfig(
+        hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
+    )
+    return EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg, tier=tier)
+
+
 @pytest.mark.parametrize("tier", ["protocol", "collective"])
 def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(tier):
     """Rank 0 gives up waiting at the barrier (a timeout) and dispatches the same eventID
@@ -367,11 +378,7 @@ def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(
     import xds.hw
 
     async def main():
-        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
-        cfg = EPConfig(
-            hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
-        )
-        group = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg, tier=tier)
+        group = _four_ranks(tier)
         got = {}
 
         async def rank(r):
@@ -405,11 +412,7 @@ def _dispatch_with_rank0_cancelled(tier: str, cancel_s: float | None) -> dict:
     from xds.errors import ProtocolError
 
     async def main():
-        fabric = UBFabric(xds.hw.CloudMatrix384(servers=1), payload_mode="bytes")
-        cfg = EPConfig(
-            hidden=16, top_k=4, max_tokens_per_rank=8, dispatch_dtype="fp32", combine_dtype="fp32"
-        )
-        group = EPGroup(fabric, [0, 1, 2, 3], ExpertMap(16, 4), cfg, tier=tier)
+        group = _four_ranks(tier)
         got = {}
 
         async def rank(r):
