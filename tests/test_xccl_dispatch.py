@@ -359,6 +359,11 @@ def test_per_destination_metadata_work_delays_each_rank_by_its_issue_slot(tier):
     np.testing.assert_allclose(moved, slots, atol=50)  # the pulls' contention shifts a little
 
 
+def _rank_tokens(r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``r``'s 8 tokens (every value ``r + 1``) and their top-4 experts."""
+    return np.random.default_rng(r).integers(0, 16, (8, 4)), np.full((8, 16), r + 1, np.float32)
+
+
 def _four_ranks(tier: str) -> EPGroup:
     """Four ranks on one server, 16 experts, top-4, FP32 both ways, bytes mode."""
     import xds.hw
@@ -375,15 +380,13 @@ def test_a_dispatch_cancelled_at_the_barrier_can_be_retried_alike_on_both_tiers(
     """Rank 0 gives up waiting at the barrier (a timeout) and dispatches the same eventID
     again; the others come later. The collective tier once kept the abandoned arrival
     ("joined twice"); both tiers now end alike, every rank receiving what it would have."""
-    import xds.hw
 
     async def main():
         group = _four_ranks(tier)
         got = {}
 
         async def rank(r):
-            idx = np.random.default_rng(r).integers(0, 16, (8, 4))
-            x = np.full((8, 16), r + 1, np.float32)
+            idx, x = _rank_tokens(r)
             if r == 0:
                 with anyio.move_on_after(0):
                     await group.dispatch(r, x, idx, event_id=1)
@@ -408,7 +411,6 @@ def _dispatch_with_rank0_cancelled(tier: str, cancel_s: float | None) -> dict:
     """Four ranks dispatch eventID 1 at t=0; rank 0's first try is cancelled after
     ``cancel_s`` (None: not tried) and it retries the same eventID (a ProtocolError it gets
     is recorded)."""
-    import xds.hw
     from xds.errors import ProtocolError
 
     async def main():
@@ -416,8 +418,7 @@ def _dispatch_with_rank0_cancelled(tier: str, cancel_s: float | None) -> dict:
         got = {}
 
         async def rank(r):
-            idx = np.random.default_rng(r).integers(0, 16, (8, 4))
-            x = np.full((8, 16), r + 1, np.float32)
+            idx, x = _rank_tokens(r)
             if r == 0 and cancel_s is not None:
                 with anyio.move_on_after(cancel_s):
                     await group.dispatch(r, x, idx, event_id=1)
