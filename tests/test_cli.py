@@ -236,6 +236,19 @@ def test_a_policy_that_raises_is_reported_briefly_at_its_own_line(tmp_path, monk
         f"  {tmp_path / 'buggy.py'}, line 4, in route: return helper(0)",
         f"  {tmp_path / 'buggy.py'}, line 2, in helper: return 1 // n",
     ]
+    # a next() over nothing raises StopIteration, which a coroutine would turn into a bare
+    # "coroutine raised StopIteration" without the note: it is reported the same way
+    (tmp_path / "stop.py").write_text(
+        "def route(eligible, dps, reserve):\n    return next(i for i in eligible if i < 0)\n"
+    )
+    code = main(["replay", "--synthetic", "3", "--json", "--policy", "decode_routing=stop:route"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("xds: error: RuntimeError: StopIteration escaped the policy")
+    assert err[1] == "(raised by the decode_routing policy 'route' for request 0)"
+    assert err[2:] == [
+        f"  {tmp_path / 'stop.py'}, line 2, in route: return next(i for i in eligible if i < 0)"
+    ]
 
 
 def test_ma_decode_runs_a_deployment_file_to_the_end(tmp_path, capsys):

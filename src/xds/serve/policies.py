@@ -105,6 +105,16 @@ def ask(policy: Callable[..., object], field: str, request: object, *args: objec
     awaitable answer (an async function slipped through) is refused."""
     try:
         answer = policy(*args)
+    except (StopIteration, StopAsyncIteration) as stop:  # would turn into "coroutine raised
+        # StopIteration" on its way out of xds's tasks, losing the note: say it as it is
+        exc = RuntimeError(
+            f"{type(stop).__name__} escaped the policy (a next() over nothing matching?)"
+        ).with_traceback(stop.__traceback__)
+        exc.add_note(
+            f"(raised by the {field} policy {policy_name(policy)} for request {request!r})"
+        )
+        exc.xds_policy = field  # type: ignore[attr-defined]
+        raise exc from None
     except Exception as exc:
         exc.add_note(
             f"(raised by the {field} policy {policy_name(policy)} for request {request!r})"
