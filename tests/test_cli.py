@@ -201,8 +201,11 @@ def test_policy_plugs_your_function_into_replay_and_capacity(tmp_path, monkeypat
     assert main([*replay, "--policy", "decode_routing=mine:first"]) == 0
     piled = json.loads(capsys.readouterr().out)  # every request on DP 0 until it is full
     assert piled["tpot_ms"]["mean"] > base["tpot_ms"]["mean"]
+    assert (base["policies"], piled["policies"]) == ([], ["decode_routing=mine:first"])
     assert main([*replay, "--policy", "decode_routing=mine.py:first"]) == 0
-    assert json.loads(capsys.readouterr().out) == piled  # a file works like a module
+    as_file = json.loads(capsys.readouterr().out)  # a file works like a module
+    assert as_file.pop("policies") == ["decode_routing=mine.py:first"]
+    assert as_file == {k: v for k, v in piled.items() if k != "policies"}
     cap = ["capacity", "--deployment", "small.toml", "--window", "5", "--start", "8"]
     assert main([*cap, "--bisections", "0", "--json", "--policy", "decode_routing=mine:first"]) == 0
     assert json.loads(capsys.readouterr().out)["found"] is not None
@@ -472,7 +475,7 @@ def test_summary_and_records_say_what_was_replayed(tmp_path, capsys):
     assert main([*argv, "--fault", "node:at=5,server=3", "--set", "prefill.tes=5"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["deployment"] == "production-4p1d@prefill.tes=5@recovery.mode=scale_down"
-    assert s["faults"] == ["node:at=5,server=3"]
+    assert s["faults"] == ["node:at=5,server=3"] and s["policies"] == []
     config = msgspec.convert(s["config"], PDConfig)
     assert (config.recovery.mode, config.prefill.tes) == ("scale_down", 5)
     # --recovery and the deployment's own mode disagreeing is refused, however the mode was set

@@ -268,6 +268,8 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
     # True == 1, but a bool is refused on purpose: the error says why, not just "not offered"
     with pytest.raises(ProtocolError, match=r"chose decode DP True .*a bool is not an index"):
         replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: True)
+    with pytest.raises(ProtocolError, match=r"a DPLoad was returned: return its index"):
+        replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: dps[eligible[0]])
     with pytest.raises(ProtocolError, match=r"chose decode DP 0\.0 .*a float is not an index"):
         replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: float(eligible[0]))
 

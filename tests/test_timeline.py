@@ -161,7 +161,8 @@ def test_marks_are_spans_or_instants():
 
 
 def test_a_replays_faults_are_on_its_timeline():
-    res = replay(WL, CFG, faults=[NodeFault(at_ns=3 * S, server=2)])
+    fault = NodeFault(at_ns=3 * S, server=2)
+    res = replay(WL, CFG, faults=[fault])
     (restart,) = res.restarts
     (mark,) = replay_marks(res)
     assert (mark.name, mark.start_ns, mark.end_ns) == (
@@ -169,6 +170,10 @@ def test_a_replays_faults_are_on_its_timeline():
         restart.started_ns,
         restart.prefill_up_ns,
     )
+    # given the faults, the track also shows each one when it struck (before its detection)
+    struck, again = replay_marks(res, [fault])
+    assert again == mark and (struck.name, struck.start_ns) == ("node fault: server 2", 3 * S)
+    assert struck.start_ns < restart.started_ns
     trace = replay_timeline(res, title="fault")
     slices = _events(trace, "X", cat="request")
     assert len(slices) == len(WL) == len({e["args"]["request"] for e in slices})

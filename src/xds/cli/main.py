@@ -1441,6 +1441,7 @@ def replay(
         workload=workload.source,
         dropped_rows=len(workload.dropped),
         faults=list(fault_specs),
+        policies=list(policy_specs),
     )
     if out_dir is not None:
         outcome = None
@@ -1463,7 +1464,8 @@ def replay(
     def build_timeline():
         from xds.serve.timeline import replay_timeline
 
-        return replay_timeline(result, title=f"{workload.source} on {deployment} (seed {seed})")
+        title = f"{workload.source} on {deployment} (seed {seed})"
+        return replay_timeline(result, title=title, faults=faults)
 
     for spec, fault in zip(fault_specs, faults, strict=True):
         if any(fault is u for u in result.unfired_faults):

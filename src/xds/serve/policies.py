@@ -157,6 +157,8 @@ def offered_choice(
             (n for n in ("dp", "te") if type(getattr(answer, n, None)) is int), None
         )  # a view (GroupView, PrefillTEView...) returned whole
         hint = f" (a view was returned: return its .{index})" if index else ""
+        if type(answer).__name__ == "DPLoad":  # (its index is its place in the list shown)
+            hint = " (a DPLoad was returned: return its index in the list of loads)"
         if isinstance(answer, bool):
             hint = " (a bool is not an index: return the number itself)"
         elif isinstance(answer, numbers.Real) and not isinstance(answer, numbers.Integral):

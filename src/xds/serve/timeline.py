@@ -1,20 +1,40 @@
 """A replay's timeline (:mod:`xds.trace.timeline`) with what happened to the deployment drawn
-beside its requests: restarts of the world, TE failovers, scale-downs and scale-ups, memory
-faults, and link probes that did not find the link healthy (``xds replay --timeline``)."""
+beside its requests: the node and DistFlow faults as they struck (when given), restarts of
+the world, TE failovers, scale-downs and scale-ups (from their detection), memory faults, and
+link probes that did not find the link healthy (``xds replay --timeline``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..trace.timeline import Mark, Series, chrome_trace
 from .probe import LinkVerdict
-from .replay import ReplayResult
+from .recovery import NodeFault
+from .replay import DistFlowFault, ReplayResult
 
 
-def replay_marks(result: ReplayResult) -> list[Mark]:
+def _struck(result: ReplayResult, faults: Sequence[object]) -> list[Mark]:
+    """The node and DistFlow faults that struck, as instants at the time they did (the
+    recoveries below start at their detection)."""
+    marks = []
+    for f in faults:
+        if any(f is u for u in result.unfired_faults):
+            continue
+        if isinstance(f, NodeFault):
+            marks.append(Mark(f"node fault: server {f.server}", f.at_ns, -1, {}))
+        elif isinstance(f, DistFlowFault):
+            pair = f"P{f.prefill_te}-D{f.decode_te}"
+            end = f.at_ns + f.duration_ns if f.duration_ns else -1
+            marks.append(Mark(f"{f.kind.replace('_', ' ')} {pair}", f.at_ns, end, {}))
+    return marks
+
+
+def replay_marks(result: ReplayResult, faults: Sequence[object] = ()) -> list[Mark]:
     """The replay's faults and recoveries as spans (from the fault to the recovery, or an
-    instant where the recovery never came), in time order."""
-    marks: list[Mark] = []
+    instant where the recovery never came), in time order; ``faults`` (the replay's) adds
+    the node and DistFlow faults at the time they struck."""
+    marks: list[Mark] = _struck(result, faults)
     for r in result.restarts:
         up = max(r.decode_up_ns, r.prefill_up_ns)
         marks.append(
@@ -64,9 +84,14 @@ def decode_series(result: ReplayResult) -> list[Series]:
     ]
 
 
-def replay_timeline(result: ReplayResult, *, title: str = "") -> dict[str, Any]:
-    """:func:`xds.trace.timeline.chrome_trace` of the replay's records, with its marks and
-    each Decode TE's iterations."""
+def replay_timeline(
+    result: ReplayResult, *, title: str = "", faults: Sequence[object] = ()
+) -> dict[str, Any]:
+    """:func:`xds.trace.timeline.chrome_trace` of the replay's records, with its marks (and
+    ``faults``, the replay's, where they struck) and each Decode TE's iterations."""
     return chrome_trace(
-        result.records, marks=replay_marks(result), series=decode_series(result), title=title
+        result.records,
+        marks=replay_marks(result, faults),
+        series=decode_series(result),
+        title=title,
     )

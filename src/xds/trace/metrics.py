@@ -210,6 +210,8 @@ class Summary(msgspec.Struct):
     """The Decode TEs' iteration loops (a PD replay fills it)."""
     faults: list[str] = []
     """The faults injected, as ``--fault`` specs (``xds replay`` fills it)."""
+    policies: list[str] = []
+    """The policies plugged in, as ``--policy`` specs (``xds replay`` fills it)."""
     config: dict[str, Any] | None = None
     """The deployment replayed, every field resolved (``msgspec.to_builtins`` of its
     ``PDConfig``; a PD replay fills it): ``msgspec.convert(config, PDConfig)`` rebuilds it."""
