@@ -274,6 +274,20 @@ def test_a_policy_sees_copies_and_its_errors_name_its_slot():
         replay(WL, SMALL, decode_routing=lambda eligible, dps, reserve: float(eligible[0]))
 
 
+def test_a_mover_that_lets_a_cancellation_escape_is_named():
+    """A mover raising CancelledError itself (to "give up" on a transfer) once ended the
+    replay with xds's internal check that decode KV blocks were freed."""
+    import asyncio
+
+    async def give_up(move):
+        await xds.sleep_until_ns(move.book(move.part_bytes))
+        raise asyncio.CancelledError()
+
+    with pytest.raises(ConfigError, match=r"kv_mover 'give_up' let a cancellation escape") as err:
+        replay(WL, SMALL, kv_mover=give_up)
+    assert err.value.field == "kv_mover"
+
+
 def test_a_stuck_mover_never_hangs_a_replay_and_the_report_names_it_first():
     from xds.errors import ModelDeadlock, ModelTimeLimit
     from xds.serve.probe import ProbeConfig

@@ -461,6 +461,17 @@ class DistFlow:
             )
         try:
             await moving
+        except anyio.get_cancelled_exc_class():
+            # this replay's own cancellations (a failover, the serving limit) go on; one no
+            # scope of ours asked for came from the mover itself
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            raise ConfigError(
+                f"kv_mover {policy_name(self.mover)} let a cancellation escape while moving "
+                f"transfer {move.transfer.transfer_id} of request "
+                f"{move.transfer.request_id!r}: a mover returns when the parts it booked have "
+                "landed, or raises an error (xds cancels it when its TEs fail)",
+                field="kv_mover",
+            ) from None
         except Exception as caught:
             exc = _one_error(caught)
             exc.add_note(
