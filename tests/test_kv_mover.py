@@ -117,15 +117,20 @@ def test_a_mover_that_is_not_async_or_returns_early_or_tags_badly_is_one_clear_e
     def not_async(move: KVMove) -> None:
         move.book(move.part_bytes)
 
-    with pytest.raises(
-        ConfigError, match="kv_mover 'not_async' returned NoneType, not an awaitable"
-    ):
-        replay(WL, SMALL, kv_mover=not_async)  # type: ignore[arg-type]
+    nothing_moves = Workload((Request(0, 0, 100, 1),))  # one output token: no KV transfer
+    with pytest.raises(ConfigError, match="kv_mover 'not_async' is a plain function"):
+        replay(nothing_moves, SMALL, kv_mover=not_async)  # refused up front, not at a move
+
+    class NotAsync:  # a callable object shows it at its first move
+        def __call__(self, move):
+            move.book(move.part_bytes)
+
+    with pytest.raises(ConfigError, match="returned NoneType, not an awaitable"):
+        replay(WL, SMALL, kv_mover=NotAsync())  # type: ignore[arg-type]
 
     async def three(move, pair, extra):  # refused when the replay is built, before any move
         await xds.sleep_ns(1)
 
-    nothing_moves = Workload((Request(0, 0, 100, 1),))  # one output token: no KV transfer
     for mover in (three, lambda: None):
         with pytest.raises(ConfigError, match=r"must take one argument, the KVMove") as err:
             replay(nothing_moves, SMALL, kv_mover=mover)  # type: ignore[arg-type]

@@ -379,6 +379,15 @@ class Replay(Failover):
                     "one argument, the KVMove: `async def mover(move): ...`",
                     field="kv_mover",
                 )
+            plain = inspect.unwrap(kv_mover)
+            if inspect.isfunction(plain) and not (
+                inspect.iscoroutinefunction(plain) or inspect.isasyncgenfunction(plain)
+            ):  # refused now, not at the first transfer (a callable object shows it then)
+                raise ConfigError(
+                    f"kv_mover {policy_name(kv_mover)} is a plain function: a mover awaits its "
+                    "transfers, `async def mover(move): ...`",
+                    field="kv_mover",
+                )
         if progress is not None:
             require_callable(progress, "progress", arity=3, kind="callback")
         self._kv_mover = kv_mover
