@@ -124,7 +124,8 @@ def _one_error(exc: Exception) -> Exception:
 
 class KVMove:
     """What a KV mover (:data:`KVMover`) gets: one transfer to move, its TP rank parts and
-    where they go, and the pair's tier."""
+    where they go, and the pair's tier. ``transfer`` and ``flow`` are DistFlow's own records:
+    read them; writing to them corrupts the replay's bookkeeping."""
 
     def __init__(self, flow: DistFlow, transfer: Transfer, decode_dp: int):
         self.flow = flow
