@@ -593,3 +593,14 @@ def test_spread_ties_names_itself_and_a_tied_trace_gets_a_note(tmp_path, capsys)
     captured = capsys.readouterr()
     assert "no step to spread them over" in captured.err
     assert json.loads(captured.out)["workload"] == str(trace)
+
+
+def test_a_newcomers_slips_get_a_hint(capsys):
+    assert main(["reproduce"]) == 2
+    assert "name a TARGET: p2p, dispatch-combine" in capsys.readouterr().err
+    assert main(["reproduce", "peak_decode"]) == 2
+    assert "(did you mean 'peak-decode'?)" in capsys.readouterr().err
+    assert main(["help"]) == 2
+    assert "Every command has --help" in capsys.readouterr().err
+    assert main(["--version"]) == 2
+    assert "`xds version`" in capsys.readouterr().err

@@ -44,7 +44,7 @@ _seed_option = click.option(
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Seed of every random stream of the run (workload, jitter, routing, MTP, faults).",
+    help="Seed of every random stream of the run (all of its randomness comes from it).",
 )
 _backend_option = click.option(
     "--backend",
@@ -359,7 +359,8 @@ def _set_option(f=None, *, example: str = "--set prefill.tes=5 --set decode.mode
             "settings",
             multiple=True,
             metavar="FIELD=VALUE",
-            help=f"Change a field of the deployment (of every one given), e.g. {example}: "
+            help=f"Change a field of the deployment (of each, where several are given), e.g. "
+            f"{example}: "
             "FIELD a dotted path, VALUE a TOML value or a bare word. Repeatable. One "
             "deployment's own: --deployment 'NAME@FIELD=VALUE@...'.",
         )(f)
@@ -549,7 +550,7 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
 
 
 @app.command()
-@click.argument("target")
+@click.argument("target", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print each result as one JSON object.")
 @click.option(
     "--quick",
@@ -560,7 +561,7 @@ def demo(steps: int, servers: int, seed: int, backend: str) -> None:
 @click.option(
     "--strict", is_flag=True, help="Exit with code 1 if any row misses (not with --quick)."
 )
-def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
+def reproduce(target: str | None, as_json: bool, quick: bool, strict: bool) -> int:
     """Reproduce results of the paper: TARGET is p2p, dispatch-combine, a2e-e2a,
     peak-decode, ma-decode, eplb, production, or all.
 
@@ -570,6 +571,10 @@ def reproduce(target: str, as_json: bool, quick: bool, strict: bool) -> int:
 
     from xds.reproduce import QUICK, run_target, target_names
 
+    if target is None:
+        raise click.UsageError(
+            f"name a TARGET: {', '.join(target_names())}, or all (e.g. `xds reproduce p2p`)"
+        )
     if quick and strict:
         raise click.UsageError(
             "--strict judges the paper's configurations; --quick runs smaller ones"
@@ -838,12 +843,13 @@ def _fault_option(recovered_as: str):
         "fault_specs",
         multiple=True,
         metavar="KIND:KEY=VALUE,...",
-        help="Inject a fault (times in seconds): node:at=60,server=3[,repair=600] (an NPU "
-        f"fault, recovered as {recovered_as} says), "
-        "link_down:at=10,prefill_te=0[,decode_te=0][,duration=5] "
-        "(a silent stall), transport:at=10,prefill_te=0[,decode_te=0] (transfers fail), "
-        "memory:at=10,dp=3[,decode_te=0][,first_block=0][,blocks=1] (Decode KV blocks "
-        "masked). Repeatable.",
+        help="Inject a fault (times in seconds). Repeatable.\n\n\b\n"  # \b: kept as written
+        "node:at=60,server=3[,repair=600]\n"
+        f"  an NPU fault, recovered as {recovered_as} says\n"
+        "link_down:at=10,prefill_te=0[,decode_te=0]\n  [,duration=5]: a silent stall\n"
+        "transport:at=10,prefill_te=0[,decode_te=0]\n  transfers fail\n"
+        "memory:at=10,dp=3[,decode_te=0]\n  [,first_block=0][,blocks=1]: Decode KV blocks "
+        "masked",
     )
 
 
@@ -1533,7 +1539,8 @@ def replay(
         d = s.decode
         totals.add_row(
             "decode iterations",
-            f"{d.iterations:,}, {d.mean_iteration_ms:.1f} ms each, {d.sequences_per_die:.1f} "
+            f"{d.iterations:,}, {d.mean_iteration_ms:.1f} ms each, "
+            f"{d.sequences_per_die:.{2 if d.sequences_per_die < 1 else 1}f} "
             f"sequences per die, busy {d.busy:.0%}",
         )
         totals.add_row(
@@ -2596,8 +2603,20 @@ def faults(
     show_default=True,
     help="Probability that a link delivers a message twice.",
 )
-@click.option("--requests", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--queue-depth", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Requests decoded (each to the workload's output length).",
+)
+@click.option(
+    "--queue-depth",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Messages each worker's inbox and each link hold before the sender blocks (backpressure).",
+)
 @_seed_option
 @click.option("--json", "as_json", is_flag=True, help="Print both results as JSON.")
 def dataflow(
@@ -2797,6 +2816,10 @@ def main(argv: list[str] | None = None) -> int:
         message = exc.format_message()
         if isinstance(exc, click.NoSuchOption) and exc.option_name == "--import":
             message = "--import goes before the command: xds --import MODULE replay ..."
+        elif isinstance(exc, click.NoSuchOption) and exc.option_name == "--version":
+            message += " (the version: `xds version`)"
+        elif message == "No such command 'help'.":
+            message += " Every command has --help: `xds --help`, `xds replay --help`, ..."
         print(f"xds: error: {message}", file=sys.stderr)
         return 2
     except (click.exceptions.Abort, KeyboardInterrupt):

@@ -111,8 +111,12 @@ def run_target(name: str, *, quick: bool = False) -> Result:
     a short variant where a target has one (:data:`QUICK`)."""
     targets = _targets()
     if name not in targets:
+        import difflib
+
+        close = difflib.get_close_matches(name.replace("_", "-"), [*targets, "all"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"unknown target {name!r}; choose one of {', '.join(targets)} or 'all'",
+            f"unknown target {name!r}{hint}; choose one of {', '.join(targets)} or 'all'",
             field="target",
         )
     wall = time.perf_counter()  # noqa: TID251 - reports the simulator's own run time
