@@ -504,6 +504,15 @@ def info(servers: int, sources: bool) -> None:
                 src.add_row(f"{prefix}.{name}", escape(text))
         for link in (c.ub, c.noc, c.roce, c.vpc, c.hccs):
             src.add_row(f"link.{link.name}", escape(link.source))
+        src.caption = (
+            "Grades: P primary (vendor file, paper), S secondary (a third-party summary), D "
+            "derived by arithmetic, \\[emulator choice] where no public number exists. Tags: "
+            "CANN = hicann/runtime platform ini files; CMI = Zuo et al., arXiv:2506.12708; "
+            "CMI-S3 = a summary of the UB-Mesh and CloudMatrix384 papers; EM = emergentmind "
+            "summary of CMI; BH = besthub article on CloudMatrix384; LLS = JiusiServe/"
+            "light-llm-simulator hardware profile; XDS = arXiv:2508.02520 (the paper). Full "
+            "references: REFERENCE.md."
+        )
         console.print(src)
 
 
