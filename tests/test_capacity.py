@@ -453,7 +453,7 @@ def test_a_search_per_seed_gives_the_capacity_an_interval(tmp_path, capsys):
     capped = ["--window", "10", "--start", "2", "--max-scale", "2"]  # every seed meets at 2
     assert main(["capacity", "--deployment", str(toml), *capped, *more]) == 0
     out = capsys.readouterr().out
-    assert "capacity: none to average (2 seed(s) meeting the SLA up to the search cap" in out
+    assert "capacity: none to average (2 seed(s) met the SLA up to the search cap, so their" in out
     assert main([*argv, *more, "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot draws one search per deployment: give --seeds 1" in capsys.readouterr().err
 

@@ -1802,9 +1802,15 @@ def _left_out(res) -> str:
     """The seeds a capacity over seeds leaves out, and why ("" if none)."""
     parts = []
     if res.capped:
-        parts.append(f"{res.capped} seed(s) meeting the SLA up to the search cap: higher")
+        parts.append(
+            f"{res.capped} seed(s) met the SLA up to the search cap, so their capacity is "
+            "higher: raise --max-scale"
+        )
     if res.missed:
-        parts.append(f"{res.missed} seed(s) missing it at the lowest rate: lower")
+        parts.append(
+            f"{res.missed} seed(s) missed it at the lowest rate, so their capacity is lower: "
+            "lower --min-scale"
+        )
     return "; ".join(parts)
 
 
