@@ -1,6 +1,7 @@
 """Shared test configuration."""
 
 import gc
+import os
 import warnings
 
 import pytest
@@ -8,6 +9,8 @@ from hypothesis import settings
 
 settings.register_profile("xds", deadline=None, max_examples=50)
 settings.load_profile("xds")
+
+os.environ.pop("COLUMNS", None)  # the CLI's tables are 120 columns wide when not a terminal
 
 
 @pytest.fixture

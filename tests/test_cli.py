@@ -604,3 +604,11 @@ def test_a_newcomers_slips_get_a_hint(capsys):
     assert "Every command has --help" in capsys.readouterr().err
     assert main(["--version"]) == 2
     assert "`xds version`" in capsys.readouterr().err
+
+
+def test_tables_take_columns_from_the_environment_when_not_a_terminal(capsys, monkeypatch):
+    assert main(["info", "--sources"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) == 120
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["info", "--sources"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) == 80

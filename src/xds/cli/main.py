@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 import sys
 import warnings
@@ -30,10 +31,14 @@ if TYPE_CHECKING:  # the CLI imports the simulator lazily, command by command
 
 
 class _LazyConsole:
-    """A rich console bound to the current stdout; 120 columns when stdout is not a terminal."""
+    """A rich console bound to the current stdout; when stdout is not a terminal, ``COLUMNS``
+    columns if set (a whole number), else 120."""
 
     def print(self, *objects: object) -> None:
-        width = None if sys.stdout.isatty() else 120
+        width = None
+        if not sys.stdout.isatty():
+            columns = os.environ.get("COLUMNS", "")
+            width = int(columns) if columns.isdigit() and int(columns) >= 40 else 120
         Console(file=sys.stdout, width=width).print(*objects)
 
 
