@@ -604,6 +604,9 @@ def test_a_newcomers_slips_get_a_hint(capsys):
     assert "Every command has --help" in capsys.readouterr().err
     assert main(["--version"]) == 2
     assert "`xds version`" in capsys.readouterr().err
+    # an option of another command says whose it is, rather than suggesting a lookalike
+    assert main(["compare", "--out", "d"]) == 2
+    assert "No such option for compare: --out (an option of xds replay)" in capsys.readouterr().err
 
 
 def test_tables_take_columns_from_the_environment_when_not_a_terminal(capsys, monkeypatch):

@@ -2838,6 +2838,13 @@ def main(argv: list[str] | None = None) -> int:
             message = "--import goes before the command: xds --import MODULE replay ..."
         elif isinstance(exc, click.NoSuchOption) and exc.option_name == "--version":
             message += " (the version: `xds version`)"
+        elif isinstance(exc, click.NoSuchOption):
+            elsewhere = _commands_with_option(exc.option_name)
+            if elsewhere and exc.ctx is not None and exc.ctx.info_name not in elsewhere:
+                message = (
+                    f"No such option for {exc.ctx.info_name}: {exc.option_name} (an option of "
+                    f"{', '.join(f'xds {c}' for c in elsewhere)})"
+                )
         elif message == "No such command 'help'.":
             message += " Every command has --help: `xds --help`, `xds replay --help`, ..."
         print(f"xds: error: {message}", file=sys.stderr)
@@ -2862,6 +2869,15 @@ def main(argv: list[str] | None = None) -> int:
         print(policy_error, file=sys.stderr)
         return 1
     return int(result) if isinstance(result, int) else 0
+
+
+def _commands_with_option(option: str) -> list[str]:
+    """The commands that take ``option`` (for the error of one given to another command)."""
+    return [
+        name
+        for name, command in sorted(app.commands.items())
+        if any(option in param.opts for param in command.params)
+    ]
 
 
 @contextlib.contextmanager
