@@ -515,6 +515,8 @@ def test_format_advice_names_what_python_takes(tmp_path):
     with pytest.raises(TraceError) as info:
         t.load(p)
     assert "load_lengths" in str(info.value) and hasattr(t, "load_lengths")
+    assert "this looks like a lengths-only CSV" in str(info.value)  # its default columns
+    assert "--format lengths --rate R" in str(info.value)
     with pytest.raises(TraceError, match=r"load_lengths\(path, input_column="):
         t.load(p, fmt="lengths")
     with pytest.raises(TraceError, match="known: mooncake, azure, request-csv, servegen"):

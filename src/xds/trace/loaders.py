@@ -700,6 +700,13 @@ def guess_format(path: str | Path) -> str:
             f"({p.parent}), which xds reads whole",
             path=str(p),
         )
+    if {"prompt_tokens", "completion_tokens"} <= columns:
+        raise TraceError(
+            "this looks like a lengths-only CSV (prompt_tokens, completion_tokens, no arrival "
+            "times): --format lengths --rate R draws Poisson arrivals at R req/s (in Python "
+            "load_lengths(path, rng=..., rate_per_s=...))",
+            path=str(p),
+        )
     raise TraceError(
         "cannot tell the trace format from its first line; name it (--format mooncake, azure, "
         "request-csv, servegen or lengths on the command line; in Python fmt='mooncake', "
