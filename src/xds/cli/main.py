@@ -39,7 +39,21 @@ class _LazyConsole:
         if not sys.stdout.isatty():
             columns = os.environ.get("COLUMNS", "")
             width = int(columns) if columns.isdigit() and int(columns) >= 40 else 120
-        Console(file=sys.stdout, width=width).print(*objects)
+        out = Console(file=sys.stdout, width=width)
+        for obj in objects:
+            if isinstance(obj, Table) and (obj.title or obj.caption):
+                # a title or caption wraps to the table's width, splitting names mid-word:
+                # printed on their own, they wrap to the terminal's, at spaces
+                title, caption = obj.title, obj.caption
+                obj.title = obj.caption = None
+                if title:
+                    out.print(title, style="bold")
+                out.print(obj)
+                if caption:
+                    out.print(caption, style="dim")
+                obj.title, obj.caption = title, caption
+            else:
+                out.print(obj)
 
 
 console = _LazyConsole()
