@@ -521,3 +521,37 @@ def test_sigterm_stops_a_search_and_its_worker_processes():
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(c) for c in children)
+
+
+def test_a_sigterm_landing_where_python_ignores_the_interrupt_still_stops_the_command():
+    """SIGTERM at a fork (the search forks its guesses) raised its KeyboardInterrupt inside
+    logging's at-fork hook, where Python prints it and carries on: the search ran to its end
+    and exited 0. The interrupt is now raised again until the command stops, quietly."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from xds.cli.main import _terminate_as_interrupt
+        terminated, fired = [], []
+        def hook():  # the signal's handler runs inside this hook, which swallows its error
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+        os.register_at_fork(after_in_parent=hook)
+        try:
+            with _terminate_as_interrupt(terminated):
+                if os.fork() == 0:
+                    os._exit(0)
+                time.sleep(5)
+                print("not stopped")
+        except KeyboardInterrupt:
+            print("stopped", terminated)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.strip() == f"stopped [{int(__import__('signal').SIGTERM)}]"
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

@@ -2902,6 +2902,13 @@ def _terminate_as_interrupt(terminated: list[int]) -> Iterator[None]:
 
     def handler(signum: int, frame: object) -> None:
         terminated.append(signum)
+        # the interrupt can land where Python ignores it (an at-fork hook such as logging's,
+        # a finalizer): raise it again every 50 ms until the command has stopped
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        raise KeyboardInterrupt
+
+    def again(signum: int, frame: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
         raise KeyboardInterrupt
 
     try:
@@ -2909,10 +2916,21 @@ def _terminate_as_interrupt(terminated: list[int]) -> Iterator[None]:
     except ValueError:  # not the main thread
         yield
         return
+    previous_alarm = signal.signal(signal.SIGALRM, again)
+    previous_hook = sys.unraisablehook
+
+    def quiet(unraisable: Any) -> None:  # the ignored interrupt: no "Exception ignored" text
+        if not (terminated and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = quiet
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
