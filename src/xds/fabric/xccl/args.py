@@ -111,7 +111,7 @@ def expert_ids(topk_idx: object, shape: tuple[int, int], field: str = "topk_idx"
 
 
 def outputs(values: object, shape: tuple[int, ...], field: str) -> np.ndarray:
-    """Expert outputs as a float32 array of exactly ``shape``."""
+    """A float array argument (expert outputs, gate weights) as float32 of exactly ``shape``."""
     try:
         arr = np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError):

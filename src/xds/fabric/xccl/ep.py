@@ -228,11 +228,11 @@ class EPGroup:
         self._seen: dict[tuple[int, int, int], int] = {}
         """(rank, metadata slot, source) -> the eventID last read there (protocol tier)."""
         self._joined: dict[tuple[int, int], int] = {}
+        """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
         self._left: dict[tuple[int, int], _Left] = {}
+        """(rank, phase) -> that rank's latest exchange cancelled late (see :class:`_Left`)."""
         self._completed: dict[tuple[int, int, int], int] = {}
         """(rank, phase, parity) -> the eventID of the last exchange it completed there."""
-        """(rank, phase) -> that rank's latest exchange cancelled late (see :class:`_Left`)."""
-        """(rank, phase) -> the eventID of that rank's latest dispatch or combine (diagnostics)."""
         self._failures = GroupFailures(
             fabric, self.ranks, "dispatch/combine", on_new_run=self._start_idle
         )
